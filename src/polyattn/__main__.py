@@ -1,0 +1,3 @@
+from polyattn.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,6 @@
+"""polyattn operators: every mechanism as a function ``op(q, k, v, ...) -> (o, final_state)``."""
+
+from polyattn.ops.delta import delta_rule
+from polyattn.ops.linear import linear_attn
+
+__all__ = ["delta_rule", "linear_attn"]

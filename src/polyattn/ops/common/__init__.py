@@ -1,0 +1,44 @@
+"""Shared machinery of every mechanism: validation, dispatch, varlen, segment sums, chunking, scans, levels."""
+
+from polyattn.ops.common.chunking import pad_time, to_chunks
+from polyattn.ops.common.dispatch import FORMS, resolve_impl
+from polyattn.ops.common.dtypes import compute_dtype
+from polyattn.ops.common.fenwick import level, level_matrix, level_table, num_levels
+from polyattn.ops.common.scan import associative_scan, combine_decayed
+from polyattn.ops.common.segsum import exp_segsum, segsum
+from polyattn.ops.common.validate import (
+    check_choice,
+    check_cu_seqlens,
+    check_log_decay,
+    check_per_token,
+    check_qkv,
+    check_state,
+    resolve_scale,
+)
+from polyattn.ops.common.varlen import run_varlen, state_cat, state_index
+
+__all__ = [
+    "FORMS",
+    "associative_scan",
+    "check_choice",
+    "check_cu_seqlens",
+    "check_log_decay",
+    "check_per_token",
+    "check_qkv",
+    "check_state",
+    "combine_decayed",
+    "compute_dtype",
+    "exp_segsum",
+    "level",
+    "level_matrix",
+    "level_table",
+    "num_levels",
+    "pad_time",
+    "resolve_impl",
+    "resolve_scale",
+    "run_varlen",
+    "segsum",
+    "state_cat",
+    "state_index",
+    "to_chunks",
+]

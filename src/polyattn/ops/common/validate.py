@@ -1,0 +1,112 @@
+"""Input validation shared by every op: one place that says what was expected and what came.
+
+Every check raises ``ValueError`` with a message of the form ``"<name>: expected ..., got ..."``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _describe(x: torch.Tensor) -> str:
+    return f"shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
+
+
+def _check_tensor(name: str, x, ref: torch.Tensor | None = None) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOATING:
+        raise ValueError(f"{name}: expected a floating dtype (fp16, bf16, fp32, fp64), got {x.dtype}")
+    if ref is not None and x.device != ref.device:
+        raise ValueError(f"{name}: expected device {ref.device} (the device of q), got {x.device}")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Check ``q, k: [B, T, H, K]`` and ``v: [B, T, H, V]``; return ``(B, T, H, K, V)``."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x, q if name != "q" else None)
+        if x.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D tensor [B, T, H, D], got {_describe(x)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k: expected shape {tuple(q.shape)} (same [B, T, H, K] as q), got {tuple(k.shape)}")
+    if v.shape[:3] != (B, T, H):
+        raise ValueError(f"v: expected shape [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    if T == 0 or K == 0 or v.shape[3] == 0:
+        raise ValueError(f"q, k, v: expected non-empty T, K and V, got q {tuple(q.shape)}, v {tuple(v.shape)}")
+    return B, T, H, K, v.shape[3]
+
+
+def check_per_token(name: str, x: torch.Tensor, q: torch.Tensor, *, last_dim: int | None = None) -> None:
+    """Check a per-token tensor: ``[B, T, H]``, or ``[B, T, H, last_dim]`` (``last_dim=-1``: any size >= 1)."""
+    _check_tensor(name, x, q)
+    B, T, H = q.shape[:3]
+    if last_dim is None:
+        if tuple(x.shape) != (B, T, H):
+            raise ValueError(f"{name}: expected shape [B, T, H] = [{B}, {T}, {H}], got {tuple(x.shape)}")
+        return
+    if x.dim() != 4 or tuple(x.shape[:3]) != (B, T, H) or (last_dim >= 0 and x.shape[3] != last_dim) or x.shape[3] < 1:
+        want = "L" if last_dim < 0 else str(last_dim)
+        raise ValueError(f"{name}: expected shape [B, T, H, {want}] = [{B}, {T}, {H}, {want}], got {tuple(x.shape)}")
+
+
+def check_log_decay(g: torch.Tensor, q: torch.Tensor) -> None:
+    """Check the per-token log-decay ``g: [B, T, H]`` and ``g <= 0`` (decays are at most 1)."""
+    check_per_token("g", g, q)
+    if not bool(torch.isfinite(g).all()):
+        raise ValueError("g: expected finite log-decays, got inf or nan")
+    if bool((g > 0).any()):
+        raise ValueError(f"g: expected a log-decay g <= 0 everywhere, got max {g.max().item():.4g}")
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> int:
+    """Check FlashAttention-style ``cu_seqlens`` (``[N + 1]``, 0 = start, strictly increasing, T = end).
+
+    Returns N, the number of sequences (B when ``cu_seqlens`` is None).
+    """
+    if cu_seqlens is None:
+        return q.shape[0]
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens: expected an int64 tensor [N + 1], got {type(cu_seqlens).__name__}")
+    if q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens: expected batch size B = 1 with packed sequences, got B = {q.shape[0]}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected a 1-D tensor [N + 1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"cu_seqlens: expected dtype int64 (or int32), got {cu_seqlens.dtype}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens: expected device {q.device} (the device of q), got {cu_seqlens.device}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != q.shape[1]:
+        raise ValueError(f"cu_seqlens: expected to start at 0 and end at T = {q.shape[1]}, got {bounds[0]} ... {bounds[-1]}")
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens: expected strictly increasing offsets (every sequence non-empty), got {bounds}")
+    return len(bounds) - 1
+
+
+def check_state(name: str, state: torch.Tensor, expected_shape: Sequence[int], q: torch.Tensor) -> None:
+    """Check a state tensor: exactly ``expected_shape``, floating, on q's device."""
+    _check_tensor(name, state, q)
+    if tuple(state.shape) != tuple(expected_shape):
+        raise ValueError(f"{name}: expected shape {list(expected_shape)}, got {list(state.shape)}")
+
+
+def check_choice(name: str, value, choices: Sequence) -> None:
+    """Check that ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def resolve_scale(scale: float | None, K: int) -> float:
+    """The query scale: ``K ** -0.5`` by default."""
+    if scale is None:
+        return K ** -0.5
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise ValueError(f"scale: expected a Python float or None, got {type(scale).__name__}")
+    return float(scale)

@@ -1,0 +1,71 @@
+"""``ops.delta_rule``: the (gated) delta rule, ``S_t = exp(g_t)(I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ``."""
+
+from __future__ import annotations
+
+import torch
+
+from polyattn.ops.common import (
+    check_cu_seqlens,
+    check_log_decay,
+    check_per_token,
+    check_qkv,
+    check_state,
+    resolve_impl,
+    resolve_scale,
+    run_varlen,
+)
+from polyattn.ops.delta.chunk import delta_rule_chunk
+from polyattn.ops.delta.naive import delta_rule_attention_matrix, delta_rule_naive
+from polyattn.ops.delta.recurrent import delta_rule_recurrent, delta_rule_step
+
+DELTA_RULE_FORMS = {
+    "naive": delta_rule_naive,
+    "recurrent": delta_rule_recurrent,
+    "chunk": delta_rule_chunk,
+}
+
+
+def delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    impl: str = "auto",
+):
+    """The gated delta rule, read ``o_t = S_tᵀ (scale·q_t)``; keys are used as given (no normalisation).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]`` write strengths;
+        g: ``[B, T, H]`` log-decay ``<= 0`` or None. Other keywords as :func:`polyattn.ops.linear_attn`;
+        impl: ``"naive" | "recurrent" | "chunk" | "auto"``.
+
+    Returns:
+        ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)``.
+    """
+    B, T, H, K, V = check_qkv(q, k, v)
+    check_per_token("beta", beta, q)
+    if g is not None:
+        check_log_decay(g, q)
+    N = check_cu_seqlens(cu_seqlens, q)
+    if initial_state is not None:
+        check_state("initial_state", initial_state, (N, H, K, V), q)
+    fn = resolve_impl("delta_rule", impl, DELTA_RULE_FORMS, q.device)
+    scale = resolve_scale(scale, K)
+    return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, scale=scale)
+
+
+__all__ = [
+    "DELTA_RULE_FORMS",
+    "delta_rule",
+    "delta_rule_attention_matrix",
+    "delta_rule_chunk",
+    "delta_rule_naive",
+    "delta_rule_recurrent",
+    "delta_rule_step",
+]

@@ -1,0 +1,65 @@
+"""Chunkwise causal linear attention: dense work inside chunks of C tokens, a K×V state between them.
+
+With chunk-local inclusive cumulative log-decays ``gc`` (``gc[i] = g[0] + ... + g[i]`` inside the chunk)
+and the state ``h`` entering the chunk, for the chunk's rows::
+
+    O   = ((scale Q) K^T ⊙ exp(gc_i - gc_j) ⊙ [j <= i]) V  +  exp(gc) ⊙ (scale Q) h        (intra + inter)
+    h'  = exp(a) h + U,   a = gc[C-1],   U = (K ⊙ exp(a - gc))^T V                          (summary (a, U))
+
+Padding tokens have k = v = 0 and g = 0, so they change neither outputs nor states.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polyattn.ops.common import compute_dtype, exp_segsum, pad_time, to_chunks
+
+
+def chunk_inputs(q, k, v, g, scale, C):
+    """Pad to a multiple of C and reshape: ``q, k, v -> [B, H, N, C, D]``, ``g -> [B, H, N, C]`` (zeros if None)."""
+    dt = compute_dtype(q)
+    B, T, H, _ = q.shape
+    if g is None:
+        g = torch.zeros(B, T, H, dtype=dt, device=q.device)
+    q, k, v, g = (to_chunks(pad_time(x.to(dt), C), C) for x in (q * scale, k, v, g))  # [B, T, H, *] -> [B, N, C, H, *]
+    q, k, v = (x.permute(0, 3, 1, 2, 4) for x in (q, k, v))  # [B, N, C, H, D] -> [B, H, N, C, D]
+    g = g.permute(0, 3, 1, 2)  # [B, N, C, H] -> [B, H, N, C]
+    return q, k, v, g
+
+
+def chunk_summaries(k, v, g):
+    """Per-chunk ``(a [B,H,N], U [B,H,N,K,V])``: total log-decay and the state the chunk makes from zero."""
+    gc = torch.cumsum(g, dim=-1)  # [B, H, N, C]
+    a = gc[..., -1]  # [B, H, N]
+    U = (k * torch.exp(a[..., None] - gc)[..., None]).transpose(-1, -2) @ v  # [B,H,N,K,C] @ [B,H,N,C,V] -> [B,H,N,K,V]
+    return a, U
+
+
+def chunk_outputs(q, k, v, g, states_before):
+    """Outputs of every chunk given the state entering it: ``states_before: [B, H, N, K, V]`` -> ``[B, H, N, C, V]``."""
+    gc = torch.cumsum(g, dim=-1)  # [B, H, N, C]
+    A = (q @ k.transpose(-1, -2)) * exp_segsum(g)  # [B, H, N, C, C]
+    o = A @ v  # [B, H, N, C, C] @ [B, H, N, C, V] -> [B, H, N, C, V]
+    return o + torch.exp(gc)[..., None] * (q @ states_before)  # [B, H, N, C, K] @ [B, H, N, K, V] -> [B, H, N, C, V]
+
+
+def unchunk(o, T, dtype):
+    """``[B, H, N, C, V] -> [B, T, H, V]`` (drop padding) in the output dtype."""
+    B, H, N, C, V = o.shape
+    return o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T].to(dtype)  # [B, H, N, C, V] -> [B, T, H, V]
+
+
+def linear_attn_chunk(q, k, v, g=None, *, scale, initial_state=None, output_final_state=False, chunk_size=64):
+    """Chunks in parallel, states carried chunk to chunk. Returns ``(o [B,T,H,V], final_state [B,H,K,V] | None)``."""
+    T = q.shape[1]
+    qc, kc, vc, gc = chunk_inputs(q, k, v, g, scale, chunk_size)
+    a, U = chunk_summaries(kc, vc, gc)
+    B, H, N, K, V = U.shape
+    state = torch.zeros(B, H, K, V, dtype=U.dtype, device=U.device) if initial_state is None else initial_state.to(U.dtype)
+    before = []
+    for n in range(N):
+        before.append(state)
+        state = torch.exp(a[..., n])[..., None, None] * state + U[:, :, n]
+    o = chunk_outputs(qc, kc, vc, gc, torch.stack(before, dim=2))  # N x [B, H, K, V] -> [B, H, N, K, V]
+    return unchunk(o, T, q.dtype), (state if output_final_state else None)
