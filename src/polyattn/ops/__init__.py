@@ -2,5 +2,6 @@
 
 from polyattn.ops.delta import delta_rule
 from polyattn.ops.linear import linear_attn
+from polyattn.ops.loglinear import loglinear_attn
 
-__all__ = ["delta_rule", "linear_attn"]
+__all__ = ["delta_rule", "linear_attn", "loglinear_attn"]

@@ -1,0 +1,86 @@
+"""The one log-linear state format shared by ``naive``, ``recurrent`` and ``chunk``, and its Fenwick carry.
+
+``LogLinearState(levels, position)``:
+
+* ``levels [N, H, L, K, V]`` (fp32; float64 for float64 inputs): level ``l`` holds the keys that sit in
+  level ``l`` of the last query ``position - 1``, each carried (decayed, delta-rule transitions applied) to
+  that query. ``L`` is the level count of ``lam``: a state made with ``lam: [..., L]`` continues with the
+  same ``L``.
+* ``position [N]`` int64: the number of tokens consumed, i.e. the absolute position of the next token.
+  Levels are functions of absolute positions, so a continuation from any split is exact. A state at
+  position 0 holds no keys: its levels are ignored.
+
+When the query at ``position`` arrives, its levels follow from the previous query's by the carry
+``j = ctz(position)``: levels ``0..j`` merge into level ``j + 1`` (spec/loglinear.md §3.1).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from polyattn.ops.common import check_state, num_levels
+
+
+class LogLinearState(NamedTuple):
+    levels: torch.Tensor  # [N, H, L, K, V]
+    position: torch.Tensor  # [N] int64
+
+
+def fenwick_carry(levels: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """The carry before the token at absolute ``position [N]``: levels ``0..j`` merge into ``j + 1``, ``j = ctz(position)``.
+
+    ``levels: [N, H, L, K, V]``; position 0 carries nothing. Integer bits only (no logarithms); level
+    ``j + 1`` is empty before the carry (bit ``j`` of ``position - 1`` is 0), so it receives the sum of
+    levels ``0..j + 1``.
+    """
+    L = levels.shape[2]
+    lowest = position & -position  # [N]: 2^ctz(position), 0 at position 0
+    powers = 2 ** torch.arange(L, device=position.device, dtype=torch.int64)  # [L]
+    at_j = lowest[:, None] == powers[None, :]  # [N, L]: True at l = j
+    upto_j = at_j.flip(-1).cumsum(-1).flip(-1) > 0  # [N, L]: l <= j
+    into = torch.cat([torch.zeros_like(at_j[:, :1]), at_j[:, :-1]], dim=1)  # [N, L]: l = j + 1
+    upto_j, into = (m[:, None, :, None, None] for m in (upto_j, into))  # [N, L] -> [N, 1, L, 1, 1]
+    merged = torch.cumsum(levels, dim=2)  # [N, H, L, K, V]
+    return torch.where(into, merged, torch.where(upto_j, torch.zeros_like(levels), levels))
+
+
+def initial_levels(initial_state: LogLinearState | None, N: int, H: int, L: int, K: int, V: int, dtype, device):
+    """``(levels [N, H, L, K, V] in dtype, position [N] int64)``; zeros at position 0 (empty state)."""
+    if initial_state is None:
+        return torch.zeros(N, H, L, K, V, dtype=dtype, device=device), torch.zeros(N, dtype=torch.int64, device=device)
+    position = initial_state.position.to(device=device, dtype=torch.int64)
+    levels = initial_state.levels.to(dtype) * (position > 0).to(dtype)[:, None, None, None, None]
+    return levels, position
+
+
+def check_loglinear_state(state, N: int, H: int, L: int, K: int, V: int, q: torch.Tensor) -> None:
+    """Check an ``initial_state``: ``LogLinearState(levels [N, H, L, K, V] floating, position [N] int64 >= 0)``."""
+    if not (isinstance(state, tuple) and len(state) == 2):
+        raise ValueError(f"initial_state: expected LogLinearState(levels, position), got {type(state).__name__}")
+    levels, position = state
+    check_state("initial_state.levels", levels, (N, H, L, K, V), q)
+    if not isinstance(position, torch.Tensor) or position.dtype != torch.int64 or tuple(position.shape) != (N,):
+        got = f"shape {tuple(position.shape)}, dtype {position.dtype}" if isinstance(position, torch.Tensor) else type(position).__name__
+        raise ValueError(f"initial_state.position: expected an int64 tensor [{N}], got {got}")
+    if position.device != q.device:
+        raise ValueError(f"initial_state.position: expected device {q.device} (the device of q), got {position.device}")
+    if bool((position < 0).any()):
+        raise ValueError(f"initial_state.position: expected positions >= 0, got {position.tolist()}")
+
+
+def check_lam_levels(L: int, positions: list[int], lengths: list[int]) -> None:
+    """``lam`` needs ``num_levels(position + length)`` levels for the absolute length each sequence reaches."""
+    end = max(p + n for p, n in zip(positions, lengths))
+    need = num_levels(end)
+    if L < need:
+        raise ValueError(
+            f"lam: expected at least num_levels({end}) = {need} levels for the absolute length {end} "
+            f"(initial position + tokens), got L = {L}"
+        )
+
+
+def state_positions(initial_state: LogLinearState | None, N: int) -> list[int]:
+    """The start position of each sequence on the host (0 without an initial state)."""
+    return [0] * N if initial_state is None else initial_state.position.tolist()
