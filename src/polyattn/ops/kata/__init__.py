@@ -1,0 +1,128 @@
+"""``ops.kata``: kernelized linear attention with symmetric-cone feature maps, and DeltaKATA (spec/kata.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from polyattn.ops.common import (
+    check_cu_seqlens,
+    check_log_decay,
+    check_per_token,
+    check_qkv,
+    check_state,
+    resolve_impl,
+    resolve_scale,
+    run_varlen,
+)
+from polyattn.ops.kata.chunk import deltakata_chunk, kata_chunk
+from polyattn.ops.kata.feature_maps import FEATURE_MAPS, kata_state_size, make_feature_map
+from polyattn.ops.kata.gate import kata_convex_gate
+from polyattn.ops.kata.naive import deltakata_naive, kata_naive
+from polyattn.ops.kata.parallel import kata_parallel
+from polyattn.ops.kata.recurrent import deltakata_recurrent, kata_recurrent
+from polyattn.ops.kata.scan import kata_scan
+from polyattn.ops.kata.state import KataState
+
+KATA_FORMS = {
+    "naive": kata_naive,
+    "recurrent": kata_recurrent,
+    "chunk": kata_chunk,
+    "scan": kata_scan,
+    "parallel": kata_parallel,
+}
+
+DELTAKATA_FORMS = {
+    "naive": deltakata_naive,
+    "recurrent": deltakata_recurrent,
+    "chunk": deltakata_chunk,
+}
+
+
+def kata(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    *,
+    feature: str = "psd",
+    groups: int = 1,
+    combine: str = "concat",
+    normalize: bool = True,
+    beta: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    scale: float | None = None,
+    initial_state: KataState | torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    impl: str = "auto",
+):
+    """KATA: scores ``A[t, s] = κ(scale·q_t, k_s)·exp(g_{s+1} + … + g_t)`` with a cone kernel κ ≥ 0.
+
+    ``normalize=True``: ``o_t = Σ_s A[t, s] v_s / max(Σ_s A[t, s], eps)``; ``False``: ``o_t = Σ_s A[t, s] v_s``.
+    ``beta`` given: DeltaKATA, the gated delta rule on unit lifted keys ψ(k)/‖ψ(k)‖ with the
+    unnormalized read ``o_t = S_tᵀ ψ(scale·q_t)`` (requires ``normalize=False``).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H]`` log-decay ``<= 0`` or None.
+        feature: ``"psd"`` (κ a sum of squared group dots), ``"orthant"`` or ``"lorentz"`` (first order).
+        groups: split K into this many groups of ``E = K / groups`` (psd only).
+        combine: psd groups ``"concat"`` (KATA-Mg, Σ_i (q_i·k_i)²) or ``"sum"`` (KATA-Σg, Σ_{i,j} (q_i·k_j)²).
+        beta: ``[B, T, H]`` write strengths in [0, 1] for DeltaKATA, or None.
+        eps: floor of the normaliser (and of ‖ψ(k)‖ in DeltaKATA).
+        scale: multiplies q; default ``K ** -0.5``.
+        initial_state: ``KataState(S [N, H, P, V], z [N, H, P])``; for DeltaKATA a tensor ``[N, H, P, V]``,
+            P = ``make_feature_map(feature, K, groups, combine).dim()``.
+        output_final_state: also return the state after the last token (fp32, float64 for float64 inputs).
+        cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1).
+        impl: KATA ``"naive" | "recurrent" | "chunk" | "scan" | "parallel" | "auto"``;
+            DeltaKATA ``"naive" | "recurrent" | "chunk" | "auto"``.
+
+    Returns:
+        ``(o [B, T, H, V] in q's dtype, final_state or None)``.
+    """
+    B, T, H, K, V = check_qkv(q, k, v)
+    fmap = make_feature_map(feature, K, groups, combine)
+    if not isinstance(normalize, bool):
+        raise ValueError(f"normalize: expected a bool, got {normalize!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps: expected a positive float, got {eps!r}")
+    if g is not None:
+        check_log_decay(g, q)
+    N = check_cu_seqlens(cu_seqlens, q)
+    P = fmap.dim()
+    options = dict(feature=feature, groups=groups, combine=combine, eps=float(eps), scale=resolve_scale(scale, K))
+    if beta is not None:
+        if normalize:
+            raise ValueError("beta: DeltaKATA's read is unnormalized; expected normalize=False with beta, got normalize=True")
+        check_per_token("beta", beta, q)
+        if initial_state is not None:
+            check_state("initial_state", initial_state, (N, H, P, V), q)
+        fn = resolve_impl("DeltaKATA", impl, DELTAKATA_FORMS, q.device)
+        return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, **options)
+    if initial_state is not None:
+        if not isinstance(initial_state, KataState):
+            raise ValueError(f"initial_state: expected a KataState(S, z), got {type(initial_state).__name__}")
+        check_state("initial_state.S", initial_state.S, (N, H, P, V), q)
+        check_state("initial_state.z", initial_state.z, (N, H, P), q)
+    fn = resolve_impl("kata", impl, KATA_FORMS, q.device)
+    return run_varlen(fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state, normalize=normalize, **options)
+
+
+__all__ = [
+    "DELTAKATA_FORMS",
+    "FEATURE_MAPS",
+    "KATA_FORMS",
+    "KataState",
+    "deltakata_chunk",
+    "deltakata_naive",
+    "deltakata_recurrent",
+    "kata",
+    "kata_chunk",
+    "kata_convex_gate",
+    "kata_naive",
+    "kata_parallel",
+    "kata_recurrent",
+    "kata_scan",
+    "kata_state_size",
+    "make_feature_map",
+]
