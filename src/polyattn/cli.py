@@ -1,0 +1,71 @@
+"""The ``polyattn`` command line (also ``python -m polyattn``).
+
+Subcommands are registered in :data:`COMMANDS`: name -> (help, add_arguments, run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import platform
+
+import torch
+
+import polyattn
+
+
+def _add_info_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser  # info takes no options
+
+
+def _mechanism_forms() -> dict[str, list[str]]:
+    """Each public op's implementations, read from the registries of the ops packages."""
+    registries = {
+        "linear_attn": ("polyattn.ops.linear", "LINEAR_ATTN_FORMS"),
+        "delta_rule": ("polyattn.ops.delta", "DELTA_RULE_FORMS"),
+        "hla": ("polyattn.ops.hla", "HLA_FORMS"),
+        "loglinear_attn": ("polyattn.ops.loglinear", "LOGLINEAR_FORMS"),
+        "kata": ("polyattn.ops.kata", "KATA_FORMS"),
+    }
+    found = {}
+    for op, (module, attr) in registries.items():
+        try:
+            forms = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            continue
+        found[op] = sorted(forms)
+    return found
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    del args
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU only)"
+    print(f"polyattn {polyattn.__version__}")
+    print(f"python   {platform.python_version()}")
+    print(f"torch    {torch.__version__}")
+    print(f"triton   {triton_version}")
+    print(f"device   {cuda}")
+    print("ops and their impls (plus 'auto'):")
+    for op, forms in _mechanism_forms().items():
+        print(f"  {op:<16} {', '.join(forms)}")
+    return 0
+
+
+COMMANDS = {
+    "info": ("versions, device, and which mechanisms and impls exist", _add_info_arguments, _cmd_info),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="polyattn", description=polyattn.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add_arguments, _) in COMMANDS.items():
+        add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    args = parser.parse_args(argv)
+    return COMMANDS[args.command][2](args)

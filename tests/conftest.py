@@ -1,0 +1,7 @@
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run under the interpreter on CPU-only machines (CI); it must be set before triton loads.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
