@@ -119,7 +119,7 @@ def deltakata_chunk(
     g = torch.zeros(B, T, H, dtype=dt, device=q.device) if g is None else g.to(dt)
     qc, kc, vc, bc, gc = (heads_chunks(x, chunk_size) for x in (scale * q.to(dt), k.to(dt), v.to(dt), beta.to(dt), g))
     # padded tokens have beta = 0, so their pseudo-values are 0 and they write nothing
-    norm = fmap.kernel(kc[..., None, :], kc[..., None, :])[..., 0, 0].sqrt().clamp_min(eps)  # n_s: [B, H, NC, C]
+    norm = fmap.kernel(kc[..., None, :], kc[..., None, :])[..., 0, 0].clamp_min(eps**2).sqrt()  # n_s = max(‖ψ(k_s)‖, eps): [B, H, NC, C]
     D = exp_segsum(gc)  # [B, H, NC, C, C]
     decay_q = torch.exp(torch.cumsum(gc, dim=-1))  # exp(γ_t): [B, H, NC, C]
     unit_gram = fmap.kernel(kc, kc) / (norm[..., :, None] * norm[..., None, :])  # κ̂(K, K): [B, H, NC, C, C]
