@@ -1,12 +1,9 @@
 """Structure of the Fenwick level partition (spec/loglinear.md §1.1): exact integer facts, no tolerances."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from polyattn.ops.common import level, level_matrix, level_table, num_levels
+from polyattn.ops.common import fenwick, level, level_matrix, level_table, num_levels
 
 QUERIES = list(range(0, 130)) + [255, 256, 257, 1023, 1024, 4097]
 
@@ -100,10 +97,8 @@ def test_level_rejects_a_key_after_the_query():
         level(3, 4)
 
 
-def test_module_prints_the_grid():
-    out = subprocess.run(
-        [sys.executable, "-m", "polyattn.ops.common.fenwick", "16"], capture_output=True, text=True, check=True
-    ).stdout
-    rows = out.strip().splitlines()
+def test_module_prints_the_grid(capsys):
+    assert fenwick.main(["16"]) == 0  # what ``python -m polyattn.ops.common.fenwick 16`` runs
+    rows = capsys.readouterr().out.strip().splitlines()
     assert "num_levels = 5" in rows[0]
     assert rows[-1].split() == ["15", "(1111)", "4", "4", "4", "4", "4", "4", "4", "4", "3", "3", "3", "3", "2", "2", "1", "0"]

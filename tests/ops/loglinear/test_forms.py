@@ -213,3 +213,17 @@ def test_float32_inputs(impl):
     assert o.dtype == torch.float32 and s.levels.dtype == torch.float32 and s.position.dtype == torch.int64
     assert_close_rel(o, o_ref, 1e-5, "o")
     assert_close_rel(s.levels, s_ref.levels, 1e-5, "final_state")
+
+
+@pytest.mark.parametrize("base", BASES)
+@pytest.mark.parametrize("position", [2**20 - 3, 2**20, 2**31 + 5], ids=lambda p: f"P{p}")
+def test_large_absolute_positions(base, position):
+    # levels come from integer bits: a state deep into a long sequence continues exactly
+    L = num_levels(position + 11)
+    x = _inputs(base, 1, 11, 1, 3, 2, True, L=L, seed=12)
+    state = _state(1, 1, L, 3, 2, [position], seed=12)
+    o_ref, s_ref = LOGLINEAR_ATTN_FORMS["naive"](**x, scale=1.0, initial_state=state, output_final_state=True)
+    for form in ("recurrent", "chunk"):
+        o, s = _form(form, chunk_size=4)(**x, scale=1.0, initial_state=state, output_final_state=True)
+        assert_close_rel(o, o_ref, TOL, form)
+        assert_states_close(s, s_ref, TOL, form)
