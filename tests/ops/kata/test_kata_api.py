@@ -96,3 +96,17 @@ def test_convex_gate_identity(feature, groups, combine, decay):
     A = fmap.kernel(q, k) * (torch.ones(21, 21, dtype=torch.float64).tril() if not decay else
                              ops.common.exp_segsum(x["g"].transpose(1, 2)))  # [B, H, T, T]
     assert_close_rel(lam, (torch.diagonal(A, dim1=-2, dim2=-1) / A.sum(-1)).transpose(1, 2), TOL, "λ")
+
+
+def test_long_sequence_fp32_stays_exact_and_finite():
+    # DESIGN §5: long sequences (64K tokens) in fp32 match the float64 run of the same form and stay finite
+    x = seeded_inputs(1, 65_536, 1, 4, 2, beta=True, seed=3)
+    beta = x.pop("beta")
+    o64, s64 = kata(**x, groups=2, output_final_state=True)
+    x32 = {n: None if t is None else t.float() for n, t in x.items()}
+    o32, s32 = kata(**x32, groups=2, output_final_state=True)
+    assert_close_rel(o32, o64, 1e-5, "o")
+    assert_close_rel(s32.S, s64.S, 1e-5, "S")
+    x32["k"] = torch.nn.functional.normalize(x32["k"], dim=-1)
+    o_delta, s_delta = kata(**x32, beta=beta.float(), normalize=False, groups=2, output_final_state=True)
+    assert torch.isfinite(o_delta).all() and torch.isfinite(s_delta).all()

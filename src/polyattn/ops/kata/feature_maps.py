@@ -196,6 +196,7 @@ class FirstOrderFeatureMap:
             )
 
     def dim(self, packed: bool = False) -> int:
+        """Feature dimension P = K (there is nothing to pack in a first-order map)."""
         return self.K
 
     def kernel(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
