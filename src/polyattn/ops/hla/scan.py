@@ -102,12 +102,11 @@ def hla_scan(
     summaries = []
     for call in variant.calls:
         key, value = local[call.key], local[call.value]
-        a, U = chunk_summaries(key, value, call.decay * gc)  # a: [B, H, N], U: [B, H, N, K, W]
-        summaries.append(U)
+        summaries.append(chunk_summaries(key, value, call.decay * gc)[1])  # [B, H, N, K, W]
         if call.out != "o":
             zeros = key.new_zeros(*key.shape[:3], key.shape[-1], value.shape[-1])  # [B, H, N, K, W]
             local[call.out] = chunk_outputs(qc, key, value, call.decay * gc, zeros)  # [B, H, N, C, W]
-    a = gc.sum(dim=-1)  # [B, H, N]
+    a = gc.sum(dim=-1)  # [B, H, N]: each chunk's total log-decay
     summaries += [chunk_summaries(local[e.left], local[e.right], e.decay * gc)[1] for e in rule.extras]
 
     first = [a.new_zeros(a.shape[:2] + (1,))] + [h[:, :, None] for h in h0]  # [B, H, 1, ...]
