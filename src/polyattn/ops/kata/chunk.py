@@ -77,14 +77,18 @@ def carry_states(decays, summaries):
     return torch.stack(states, dim=2)
 
 
-def kata_chunked(q, k, v, g, *, prefix, feature, groups, combine, normalize, eps, scale, initial_state, output_final_state, chunk_size):
+def kata_chunked(
+    q, k, v, g, *, prefix, feature, groups, combine, normalize, eps, scale, initial_state, output_final_state, chunk_size,
+):
     """(1)–(3) with the states before each chunk given by ``prefix`` (``carry_states`` or a log-depth scan).
 
     ``prefix(decays [B,H,NC+1], summaries [B,H,NC+1,P,W])`` gets the initial state as summary 0 (decay 0)
     and returns the inclusive prefix: entry c is the state before chunk c, entry NC the final state.
     """
     out_dtype, T = q.dtype, q.shape[1]
-    fmap, dt, (qc, kc, vc, gc) = prepare(q, k, v, g, feature=feature, groups=groups, combine=combine, scale=scale, chunk_size=chunk_size)
+    fmap, dt, (qc, kc, vc, gc) = prepare(
+        q, k, v, g, feature=feature, groups=groups, combine=combine, scale=scale, chunk_size=chunk_size
+    )
     intra, local_state, chunk_decay = kata_chunk_summaries(fmap, qc, kc, vc, gc)
     state = join_state(initial_state, dt)
     if state is None:
@@ -119,7 +123,8 @@ def deltakata_chunk(
     g = torch.zeros(B, T, H, dtype=dt, device=q.device) if g is None else g.to(dt)
     qc, kc, vc, bc, gc = (heads_chunks(x, chunk_size) for x in (scale * q.to(dt), k.to(dt), v.to(dt), beta.to(dt), g))
     # padded tokens have beta = 0, so their pseudo-values are 0 and they write nothing
-    norm = fmap.kernel(kc[..., None, :], kc[..., None, :])[..., 0, 0].clamp_min(eps**2).sqrt()  # n_s = max(‖ψ(k_s)‖, eps): [B, H, NC, C]
+    self_kernel = fmap.kernel(kc[..., None, :], kc[..., None, :])[..., 0, 0]  # κ(k_s, k_s) = ‖ψ(k_s)‖²: [B, H, NC, C]
+    norm = self_kernel.clamp_min(eps**2).sqrt()  # n_s = max(‖ψ(k_s)‖, eps), finite gradients at k_s = 0
     D = exp_segsum(gc)  # [B, H, NC, C, C]
     decay_q = torch.exp(torch.cumsum(gc, dim=-1))  # exp(γ_t): [B, H, NC, C]
     unit_gram = fmap.kernel(kc, kc) / (norm[..., :, None] * norm[..., None, :])  # κ̂(K, K): [B, H, NC, C, C]
@@ -136,6 +141,7 @@ def deltakata_chunk(
         u = torch.linalg.solve_triangular(lower[:, :, c], rhs, upper=False, unitriangular=True)  # (4): [B, H, C, V]
         inter = decay_q[:, :, c, :, None] * fmap.read(qc[:, :, c], state)  # [B, H, C, V]
         outputs.append(inter + scores[:, :, c] @ u)  # (5): [B, H, C, C] @ [B, H, C, V] -> [B, H, C, V]
-        state = torch.exp(gc[:, :, c].sum(-1))[..., None, None] * state + fmap.write(kc[:, :, c], write_weight[:, :, c, :, None] * u)  # (6)
+        written = fmap.write(kc[:, :, c], write_weight[:, :, c, :, None] * u)  # Σ_s D[C, s] ψ̂(k_s) u_sᵀ: [B, H, P, V]
+        state = torch.exp(gc[:, :, c].sum(-1))[..., None, None] * state + written  # (6)
     o = unchunk(torch.stack(outputs, dim=2), T).to(out_dtype)  # [B, H, NC, C, V] -> [B, T, H, V]
     return o, (state if output_final_state else None)

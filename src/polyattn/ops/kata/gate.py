@@ -6,10 +6,10 @@ the state before token t (decayed by exp(g_t), which cancels in the ratio), norm
     o_t = (1 − λ_t) · read_{t−1}(q_t) + λ_t · v_t,      λ_t = A[t, t] / Σ_{s≤t} A[t, s] ∈ [0, 1],  λ_1 = 1,
 
 so every output lies in the convex hull of the values seen so far. The exclusive read is one more
-unnormalized KATA call: keys shifted one step later, ``k'_t = k_{t−1}``, with augmented values
-``exp(g_t)[v_{t−1} | 1]`` — the extra factor exp(g_t) turns the shifted decay exp(g_{t'+1} + … + g_t)
-back into the true exp(g_{s+1} + … + g_t) for s = t' − 1, so its numerator and normaliser are
-``Σ_{s<t} A[t, s] [v_s | 1]``.
+unnormalized KATA call with every key moved one step later: position t' holds ``k_{t'−1}`` and the
+augmented value ``exp(g_{t'}) [v_{t'−1} | 1]``. The factor exp(g_{t'}) turns the call's decay
+exp(g_{t'+1} + … + g_t) into the true exp(g_{s+1} + … + g_t) of key s = t' − 1, so the call's
+numerator and normaliser at t are ``Σ_{s<t} A[t, s] [v_s | 1]``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def kata_convex_gate(q, k, v, g=None, *, feature="psd", groups=1, combine="conca
     weight = torch.ones_like(v[..., 0]) if g is None else torch.exp(g)  # exp(g_t): [B, T, H]
     k_prev = F.pad(k, (0, 0, 0, 0, 1, 0))[:, :-1]  # k'_t = k_{t−1}, k'_0 = 0: [B, T, H, K]
     v_prev = F.pad(with_ones(v), (0, 0, 0, 0, 1, 0))[:, :-1] * weight[..., None]  # exp(g_t)[v_{t−1} | 1]: [B, T, H, V + 1]
-    out, _ = kata_chunk(q, k_prev, v_prev, g, feature=feature, groups=groups, combine=combine, normalize=False, scale=scale, chunk_size=chunk_size)
+    out, _ = kata_chunk(
+        q, k_prev, v_prev, g, feature=feature, groups=groups, combine=combine, normalize=False, scale=scale, chunk_size=chunk_size
+    )  # [B, T, H, V + 1]
     num, den = out[..., :-1], out[..., -1]  # Σ_{s<t} A[t, s] v_s: [B, T, H, V]; Σ_{s<t} A[t, s]: [B, T, H]
     diag = fmap.kernel(scale * q[..., None, :], k[..., None, :])[..., 0, 0]  # A[t, t] = κ(scale q_t, k_t): [B, T, H]
     lam = diag / (diag + den).clamp_min(eps)

@@ -29,7 +29,9 @@ def kata_parallel(
 ):
     """Tiled quadratic KATA; ``chunk_size`` is the query/key tile size. Returns ``(o [B,T,H,V], KataState | None)``."""
     out_dtype, T = q.dtype, q.shape[1]
-    fmap, dt, (qc, kc, vc, gc) = prepare(q, k, v, g, feature=feature, groups=groups, combine=combine, scale=scale, chunk_size=chunk_size)
+    fmap, dt, (qc, kc, vc, gc) = prepare(
+        q, k, v, g, feature=feature, groups=groups, combine=combine, scale=scale, chunk_size=chunk_size
+    )
     NC = qc.shape[2]
     head = torch.cumsum(gc, dim=-1)  # g_start(i) + ... + g_t: [B, H, NC, C]
     tail = segsum(gc)[..., -1, :]  # g_{s+1} + ... + g_end(j): [B, H, NC, C]
