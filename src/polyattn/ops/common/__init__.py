@@ -7,7 +7,9 @@ from polyattn.ops.common.fenwick import level, level_matrix, level_table, num_le
 from polyattn.ops.common.scan import associative_scan, combine_decayed
 from polyattn.ops.common.segsum import exp_segsum, segsum
 from polyattn.ops.common.validate import (
+    Dims,
     check_choice,
+    check_inputs,
     check_cu_seqlens,
     check_log_decay,
     check_per_token,
@@ -18,10 +20,12 @@ from polyattn.ops.common.validate import (
 from polyattn.ops.common.varlen import run_varlen, state_cat, state_index
 
 __all__ = [
+    "Dims",
     "FORMS",
     "associative_scan",
     "check_choice",
     "check_cu_seqlens",
+    "check_inputs",
     "check_log_decay",
     "check_per_token",
     "check_qkv",

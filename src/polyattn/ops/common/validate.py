@@ -6,6 +6,7 @@ Every check raises ``ValueError`` with a message of the form ``"<name>: expected
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -110,3 +111,26 @@ def resolve_scale(scale: float | None, K: int) -> float:
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise ValueError(f"scale: expected a Python float or None, got {type(scale).__name__}")
     return float(scale)
+
+
+class Dims(NamedTuple):
+    """Sizes of a checked call: batch, time, heads, key width, value width, number of sequences."""
+
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    N: int
+
+
+def check_inputs(q, k, v, g=None, cu_seqlens=None, **per_token) -> Dims:
+    """The checks every op starts with: ``q, k, v``, the log-decay ``g``, ``cu_seqlens``, and each
+    ``[B, T, H]`` tensor in ``per_token`` (e.g. ``beta=beta``; None entries are skipped)."""
+    B, T, H, K, V = check_qkv(q, k, v)
+    for name, x in per_token.items():
+        if x is not None:
+            check_per_token(name, x, q)
+    if g is not None:
+        check_log_decay(g, q)
+    return Dims(B, T, H, K, V, check_cu_seqlens(cu_seqlens, q))

@@ -4,16 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import (
-    check_cu_seqlens,
-    check_log_decay,
-    check_per_token,
-    check_qkv,
-    check_state,
-    resolve_impl,
-    resolve_scale,
-    run_varlen,
-)
+from polyattn.ops.common import check_inputs, check_state, resolve_impl, resolve_scale, run_varlen
 from polyattn.ops.delta.chunk import delta_rule_chunk
 from polyattn.ops.delta.naive import delta_rule_attention_matrix, delta_rule_naive
 from polyattn.ops.delta.recurrent import delta_rule_recurrent, delta_rule_step
@@ -48,15 +39,11 @@ def delta_rule(
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)``.
     """
-    B, T, H, K, V = check_qkv(q, k, v)
-    check_per_token("beta", beta, q)
-    if g is not None:
-        check_log_decay(g, q)
-    N = check_cu_seqlens(cu_seqlens, q)
+    d = check_inputs(q, k, v, g, cu_seqlens, beta=beta)
     if initial_state is not None:
-        check_state("initial_state", initial_state, (N, H, K, V), q)
+        check_state("initial_state", initial_state, (d.N, d.H, d.K, d.V), q)
     fn = resolve_impl("delta_rule", impl, DELTA_RULE_FORMS, q.device)
-    scale = resolve_scale(scale, K)
+    scale = resolve_scale(scale, d.K)
     return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, scale=scale)
 
 
