@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import (
-    check_cu_seqlens,
-    check_log_decay,
-    check_qkv,
-    resolve_impl,
-    resolve_scale,
-    run_varlen,
-)
+from polyattn.ops.common import check_inputs, resolve_impl, resolve_scale, run_varlen
 from polyattn.ops.hla.chunk import compose_linear_attn, hla_chunk, hla_from_linear_attn
 from polyattn.ops.hla.naive import hla_naive
 from polyattn.ops.hla.recurrent import hla_recurrent, hla_step
@@ -68,16 +61,13 @@ def hla(
         ``(o [B, T, H, V] in q's dtype, final_state or None)``.
     """
     variant = resolve_variant(order, asymmetric)
-    B, T, H, K, V = check_qkv(q, k, v)
-    if g is not None:
-        check_log_decay(g, q)
-    N = check_cu_seqlens(cu_seqlens, q)
+    d = check_inputs(q, k, v, g, cu_seqlens)
     if initial_state is not None:
-        check_hla_state(variant, initial_state, N, H, K, V, normalize, q)
+        check_hla_state(variant, initial_state, d.N, d.H, d.K, d.V, normalize, q)
     fn = resolve_impl("hla", impl, HLA_FORMS, q.device)
     return run_varlen(
         fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state,
-        order=order, asymmetric=asymmetric, normalize=normalize, eps=eps, scale=resolve_scale(scale, K),
+        order=order, asymmetric=asymmetric, normalize=normalize, eps=eps, scale=resolve_scale(scale, d.K),
     )
 
 
