@@ -57,8 +57,47 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from polyattn.train.commands import run_train
+
+    return run_train(args)
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from polyattn.train.commands import run_sweep
+
+    return run_sweep(args)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from polyattn.train.commands import run_demo
+
+    return run_demo(args)
+
+
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    from polyattn.train.commands import add_train_arguments
+
+    add_train_arguments(parser)
+
+
+def _add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    from polyattn.train.commands import add_sweep_arguments
+
+    add_sweep_arguments(parser)
+
+
+def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from polyattn.train.commands import add_demo_arguments
+
+    add_demo_arguments(parser)
+
+
 COMMANDS = {
     "info": ("versions, device, and which mechanisms and impls exist", _add_info_arguments, _cmd_info),
+    "train": ("train one mixer on a synthetic recall task (JSON, PNGs, checkpoint)", _add_train_arguments, _cmd_train),
+    "sweep": ("mixers × widths × learning rates; best LR per cell", _add_sweep_arguments, _cmd_sweep),
+    "demo": ("every mixer on a small MQAR on the CPU in minutes: table, JSON, PNG", _add_demo_arguments, _cmd_demo),
 }
 
 

@@ -1,0 +1,98 @@
+"""Sequence mixers: every mechanism as an ``nn.Module`` with one decoding protocol.
+
+``build_mixer(name, d_model, **config)`` builds ``MIXERS[name]``; every mixer has
+``forward(x [B, T, d_model], state=None, use_cache=False) -> (y, state)`` (``forward(x)`` equals a
+prefill with ``use_cache=True`` followed by one-token calls that pass the state back) and
+``state_size(T)``: floats a decoder keeps per sequence after T tokens.
+"""
+
+from polyattn import ops
+from polyattn.layers.common import Mixer, MixerConfig, MixerState, RMSNorm
+from polyattn.layers.gdn import GatedDeltaNet, GDNConfig, LogLinearGatedDeltaNet, LogLinearGDNConfig
+from polyattn.layers.hla import AsymmetricHLA, HigherOrderLinearAttention, HLAConfig, ThirdOrderHLA
+from polyattn.layers.kata import DeltaKataM1, KataConfig, KataM2, KataS2, KernelizedAttention
+from polyattn.layers.linear import LinearAttention, LinearConfig
+from polyattn.layers.mamba2 import LogLinearMamba2, LogLinearMamba2Config, Mamba2, Mamba2Config
+from polyattn.layers.softmax import SoftmaxAttention, SoftmaxConfig
+
+MIXERS = {
+    cls.registry_name: cls
+    for cls in (
+        SoftmaxAttention,
+        LinearAttention,
+        Mamba2,
+        GatedDeltaNet,
+        HigherOrderLinearAttention,
+        AsymmetricHLA,
+        ThirdOrderHLA,
+        LogLinearMamba2,
+        LogLinearGatedDeltaNet,
+        KernelizedAttention,
+        KataM2,
+        KataS2,
+        DeltaKataM1,
+    )
+}
+
+# the public op each mixer calls (softmax uses PyTorch SDPA)
+MIXER_OPS = {
+    "linear": "linear_attn",
+    "mamba2": "linear_attn",
+    "gdn": "delta_rule",
+    "hla2": "hla",
+    "ahla": "hla",
+    "hla3": "hla",
+    "loglinear-mamba2": "loglinear_attn",
+    "loglinear-gdn": "loglinear_attn",
+    "kata-m1": "kata",
+    "kata-m2": "kata",
+    "kata-s2": "kata",
+    "deltakata-m1": "kata",
+}
+
+
+def available_mixers():
+    """Registered mixers whose op this installation provides."""
+    return [name for name in MIXERS if name not in MIXER_OPS or hasattr(ops, MIXER_OPS[name])]
+
+
+def build_mixer(name, d_model, **config):
+    """Build mixer `name` (a key of `MIXERS`) of width `d_model`; unknown names/options raise ValueError."""
+    if name not in MIXERS:
+        raise ValueError(f"unknown mixer {name!r}: expected one of {list(MIXERS)}")
+    if name not in available_mixers():
+        raise NotImplementedError(f"mixer {name!r} needs ops.{MIXER_OPS[name]}, which this installation lacks")
+    return MIXERS[name](d_model, **config)
+
+
+__all__ = [
+    "MIXERS",
+    "MIXER_OPS",
+    "AsymmetricHLA",
+    "DeltaKataM1",
+    "GDNConfig",
+    "GatedDeltaNet",
+    "HLAConfig",
+    "HigherOrderLinearAttention",
+    "KataConfig",
+    "KataM2",
+    "KataS2",
+    "KernelizedAttention",
+    "LinearAttention",
+    "LinearConfig",
+    "LogLinearGDNConfig",
+    "LogLinearGatedDeltaNet",
+    "LogLinearMamba2",
+    "LogLinearMamba2Config",
+    "Mamba2",
+    "Mamba2Config",
+    "Mixer",
+    "MixerConfig",
+    "MixerState",
+    "RMSNorm",
+    "SoftmaxAttention",
+    "SoftmaxConfig",
+    "ThirdOrderHLA",
+    "available_mixers",
+    "build_mixer",
+]

@@ -1,0 +1,261 @@
+"""Building blocks shared by the mixers: norms, the causal short convolution, q/k post-processing,
+gate parameterisations, the mixer base class and its streaming state.
+
+Decoding protocol (every mixer): ``forward(x, state=None, use_cache=False) -> (y, state)`` on
+``x: [B, T, d_model]``. With ``use_cache=True`` the returned `MixerState` continues the sequence exactly:
+``forward(x)`` equals ``forward(x[:, :t], use_cache=True)`` followed by calls on the remaining tokens
+that pass the state back. States hold fp32 tensors (float64 when the input is float64).
+"""
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from polyattn.ops.common import compute_dtype
+
+
+class MixerState(NamedTuple):
+    """What a mixer carries between calls: the short-conv cache and the mechanism's own state."""
+
+    conv: torch.Tensor | None  # [B, conv_size - 1, channels] last inputs of the short conv
+    core: Any  # the op's final_state (tensor or NamedTuple), or the KV cache for softmax
+    position: int  # tokens consumed so far
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in fp32 (float64 stays float64), learnable scale."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x, gate=None):
+        """``gate`` given: ``rmsnorm(x) · silu(gate)`` (fla's FusedRMSNormGated, norm before gate)."""
+        dt = compute_dtype(x)
+        y = x.to(dt)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(dt)
+        if gate is not None:
+            y = y * F.silu(gate.to(dt))
+        return y.to(x.dtype)
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise Conv1d (kernel `size`) + SiLU over ``[B, T, C]``, with a cache of the last inputs.
+
+    Written as `size` shifted multiply-adds (same weights layout as ``nn.Conv1d(groups=C)``): on CPU this is
+    much faster than the depthwise convolution kernels, backward included."""
+
+    def __init__(self, channels, size=4):
+        super().__init__()
+        self.size = size
+        self.weight = nn.Parameter(torch.empty(channels, 1, size))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def forward(self, x, cache=None):
+        """``x: [B, T, C]``, ``cache: [B, size-1, C]`` or None -> ``(silu(conv(x)) [B, T, C], new cache)``."""
+        B, T, C = x.shape
+        if cache is None:
+            cache = x.new_zeros(B, self.size - 1, C)
+        xp = torch.cat([cache.to(x.dtype), x], dim=1)  # [B, size-1+T, C]
+        w = self.weight[:, 0].to(x.dtype)  # [C, size]
+        y = self.bias.to(x.dtype) + sum(xp[:, i : i + T] * w[:, i] for i in range(self.size))  # [B, T, C]
+        return F.silu(y), xp[:, -(self.size - 1) :]
+
+
+def split_heads(x, heads):
+    """``[B, T, H*D] -> [B, T, H, D]``."""
+    return x.unflatten(-1, (heads, -1))
+
+
+def l2_normalize(x, eps=1e-6):
+    return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+FEATURE_MAPS = {
+    "identity": lambda x: x,
+    "elu1": lambda x: F.elu(x) + 1.0,
+    "relu": F.relu,
+}
+POSITIVE_FEATURE_MAPS = ("elu1", "relu")
+QK_NORMS = ("none", "l2", "rmsnorm")
+
+
+class QKNorm(nn.Module):
+    """q/k post-processing per head: ``"none"``, ``"l2"`` (parameter-free) or ``"rmsnorm"`` (learnable)."""
+
+    def __init__(self, kind, head_dim):
+        super().__init__()
+        check_option("qk_norm", kind, QK_NORMS)
+        self.kind = kind
+        self.norm = RMSNorm(head_dim) if kind == "rmsnorm" else None
+
+    def forward(self, x):
+        if self.kind == "l2":
+            return l2_normalize(x)
+        if self.kind == "rmsnorm":
+            return self.norm(x)
+        return x
+
+
+class DecayGate(nn.Module):
+    """Mamba-2 / GDN log-decay ``g = −exp(A_log) · softplus(a_proj x + dt_bias)`` per (token, head).
+
+    Init as fla's Gated DeltaNet: ``A ~ U(0, 16)``, ``dt ~ logU(1e-3, 0.1)`` floored at 1e-4,
+    ``dt_bias = softplus⁻¹(dt)`` (spec/loglinear.md §2.3).
+    """
+
+    def __init__(self, d_model, heads):
+        super().__init__()
+        self.a_proj = nn.Linear(d_model, heads, bias=False)
+        self.A_log = nn.Parameter(torch.log(torch.empty(heads).uniform_(1e-4, 16)))
+        self.dt_bias = nn.Parameter(inverse_softplus(sample_dt(heads)))
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+
+    def forward(self, x):
+        dt = compute_dtype(x)
+        return -torch.exp(self.A_log.to(dt)) * F.softplus(self.a_proj(x).to(dt) + self.dt_bias.to(dt))  # [B, T, H]
+
+
+def sample_dt(n, dt_min=1e-3, dt_max=0.1, floor=1e-4):
+    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    return dt.clamp_min(floor)
+
+
+def inverse_softplus(x):
+    return x + torch.log(-torch.expm1(-x))
+
+
+class LevelScales(nn.Module):
+    """Log-linear λ (spec/loglinear.md §2.1): ``lam = softplus(Lpar ⊙ l_proj x)``, ``[B, T, H, L]``.
+
+    ``l_proj ~ N(0, 0.006)`` and ``Lpar = 1``, so λ ≈ ln 2 at init; L is fixed by the longest
+    supported sequence (15 levels = 16K tokens).
+    """
+
+    def __init__(self, d_model, heads, levels):
+        super().__init__()
+        self.heads, self.levels = heads, levels
+        self.l_proj = nn.Linear(d_model, heads * levels, bias=False)
+        nn.init.normal_(self.l_proj.weight, std=0.006)
+        self.L = nn.Parameter(torch.ones(heads, levels))
+        self.L._no_weight_decay = True
+
+    def forward(self, x):
+        dl = split_heads(self.l_proj(x), self.heads)  # [B, T, H*L] -> [B, T, H, L] ("(h ell)" head-major)
+        return F.softplus(self.L.to(compute_dtype(x)) * dl.to(compute_dtype(x)))
+
+
+def check_option(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def cast_state(state, x):
+    """States are fp32 (float64 stays float64), whatever dtype autocast computed them in."""
+    if state is None:
+        return None
+    if isinstance(state, torch.Tensor):
+        return state.to(compute_dtype(x)) if state.is_floating_point() else state
+    parts = [cast_state(s, x) for s in state]
+    return type(state)(*parts) if hasattr(state, "_fields") else tuple(parts)
+
+
+@dataclass
+class MixerConfig:
+    """Options shared by every mixer. ``head_dim=None`` means ``d_model // num_heads``; ``impl`` is the op
+    form for prompts and training, ``decode_impl`` the one for one-token calls (the token loop)."""
+
+    num_heads: int = 2
+    head_dim: int | None = None
+    expand_v: int = 1
+    short_conv: bool = True
+    conv_size: int = 4
+    impl: str = "auto"
+    decode_impl: str = "recurrent"
+
+
+class Mixer(nn.Module):
+    """Base class: holds the config, validates it, and defines the decoding protocol and state size."""
+
+    config_class = MixerConfig
+    defaults: dict = {}
+
+    def __init__(self, d_model, **config):
+        super().__init__()
+        names = {f.name for f in fields(self.config_class)}
+        unknown = sorted(set(config) - names)
+        if unknown:
+            raise ValueError(f"unknown options {unknown} for mixer {self.name!r}: expected some of {sorted(names)}")
+        self.config = self.config_class(**{**self.defaults, **config})
+        self.d_model = d_model
+        cfg = self.config
+        if cfg.head_dim is None and d_model % cfg.num_heads:
+            raise ValueError(f"expected d_model divisible by num_heads={cfg.num_heads}, got {d_model}")
+        self.heads = cfg.num_heads
+        self.dk = cfg.head_dim or d_model // cfg.num_heads
+        self.dv = self.dk * cfg.expand_v
+
+    @property
+    def name(self):
+        return getattr(type(self), "registry_name", type(self).__name__)
+
+    def impl_for(self, T):
+        """The op form for a call on T tokens."""
+        return self.config.decode_impl if T == 1 else self.config.impl
+
+    def conv_state_size(self):
+        """Floats in the short-conv cache (per sequence)."""
+        return 0 if self.conv is None else (self.config.conv_size - 1) * self.conv.weight.shape[0]
+
+    def core_state_size(self, T):
+        raise NotImplementedError
+
+    def state_size(self, T):
+        """Floats a decoder keeps per sequence after T tokens: mechanism state + short-conv cache."""
+        return self.core_state_size(T) + self.conv_state_size()
+
+
+class QKVMixer(Mixer):
+    """The common shell (spec/kata.md §2.1): bias-free q/k/v projections, optional short conv (SiLU)
+    over [q|k|v], a per-head output RMSNorm (optionally gated) and an output projection.
+    Subclasses implement `mix(q, k, v, x, core_state, use_cache) -> (o [B,T,H,dv], core_state)`."""
+
+    gated_output = False
+    output_norm = True
+
+    def __init__(self, d_model, **config):
+        super().__init__(d_model, **config)
+        H, dk, dv = self.heads, self.dk, self.dv
+        self.q_proj = nn.Linear(d_model, H * dk, bias=False)
+        self.k_proj = nn.Linear(d_model, H * dk, bias=False)
+        self.v_proj = nn.Linear(d_model, H * dv, bias=False)
+        self.conv = ShortConv(H * (2 * dk + dv), self.config.conv_size) if self.config.short_conv else None
+        self.o_norm = RMSNorm(dv) if self.output_norm else None
+        self.g_proj = nn.Linear(d_model, H * dv, bias=False) if self.gated_output else None
+        self.o_proj = nn.Linear(H * dv, d_model, bias=False)
+
+    def forward(self, x, state=None, use_cache=False):
+        H, dk = self.heads, self.dk
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, H*(2dk+dv)]
+        conv_cache = None
+        if self.conv is not None:
+            qkv, conv_cache = self.conv(qkv, None if state is None else state.conv)
+        q, k, v = qkv.split([H * dk, H * dk, H * self.dv], dim=-1)
+        q, k, v = (split_heads(t, H) for t in (q, k, v))  # [B, T, H*D] -> [B, T, H, D]
+        core = None if state is None else state.core
+        o, core = self.mix(q, k, v, x, core, use_cache)  # [B, T, H, dv]
+        if self.o_norm is not None:
+            o = self.o_norm(o, None if self.g_proj is None else split_heads(self.g_proj(x), H))
+        o = o.flatten(-2)  # [B, T, H, dv] -> [B, T, H*dv]
+        y = self.o_proj(o.to(x.dtype))
+        if not use_cache:
+            return y, None
+        position = x.shape[1] + (0 if state is None else state.position)
+        return y, MixerState(conv_cache, cast_state(core, x), position)

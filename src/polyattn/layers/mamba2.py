@@ -1,0 +1,120 @@
+"""``mamba2`` (Dao & Gu, SSD) and ``loglinear-mamba2`` (spec/loglinear.md §2.2).
+
+Mamba-2 as in fla's ``Mamba2`` (n_groups = 1)::
+
+    in_proj: x -> [ z (d_inner) | xBC (d_inner + 2N) | dt (H) ]          d_inner = expand · d_model
+    xBC = silu(conv1d(xBC));  x, B, C = split(xBC)                         x: [B, T, H, P], B, C: [B, T, N]
+    dt  = softplus(dt + dt_bias);  g = −exp(A_log) · dt                     A_log init log(1..H)
+    y   = linear_attn(q=C, k=B, v=x·dt, g, scale=1) + D·x                   B, C shared by all heads
+    out = out_proj(rmsnorm(y · silu(z)))                                    (RMSNormGated, norm after gate)
+
+Log-linear Mamba-2 adds ``lam = softplus(Lpar ⊙ l_proj x)`` (``l_proj`` reads the block input, not the
+conv output) and calls ``loglinear_attn`` instead. States: ``H·N·P`` floats for Mamba-2, times
+``num_levels(T)`` for the log-linear form, plus the conv cache.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from polyattn import ops
+from polyattn.layers.common import (
+    LevelScales,
+    Mixer,
+    MixerConfig,
+    MixerState,
+    RMSNorm,
+    ShortConv,
+    cast_state,
+    inverse_softplus,
+    sample_dt,
+    split_heads,
+)
+from polyattn.ops.common import compute_dtype, num_levels
+
+
+@dataclass
+class Mamba2Config(MixerConfig):
+    """``head_dim`` is Mamba-2's P (None: 2·d_model // num_heads), ``d_state`` its N; expand is 2."""
+
+    d_state: int = 16
+    expand: int = 2
+
+
+@dataclass
+class LogLinearMamba2Config(Mamba2Config):
+    max_levels: int = 15
+
+
+class Mamba2(Mixer):
+    registry_name = "mamba2"
+    config_class = Mamba2Config
+
+    def __init__(self, d_model, **config):
+        super().__init__(d_model, **config)
+        cfg = self.config
+        self.d_inner = cfg.expand * d_model
+        if cfg.head_dim is None and self.d_inner % self.heads:
+            raise ValueError(f"expected expand·d_model divisible by num_heads={self.heads}, got {self.d_inner}")
+        self.P = cfg.head_dim or self.d_inner // self.heads
+        self.d_inner = self.P * self.heads
+        self.N = cfg.d_state
+        conv_dim = self.d_inner + 2 * self.N
+        self.in_proj = nn.Linear(d_model, self.d_inner + conv_dim + self.heads, bias=False)
+        self.conv = ShortConv(conv_dim, cfg.conv_size)
+        self.dt_bias = nn.Parameter(inverse_softplus(sample_dt(self.heads)))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, self.heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(self.heads))
+        for p in (self.dt_bias, self.A_log, self.D):
+            p._no_weight_decay = True
+        self.norm = RMSNorm(self.d_inner)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
+
+    def forward(self, x, state=None, use_cache=False):
+        H, P, N = self.heads, self.P, self.N
+        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.d_inner + 2 * N, H], dim=-1)
+        xBC, conv_cache = self.conv(xBC, None if state is None else state.conv)
+        xs, Bm, Cm = xBC.split([self.d_inner, N, N], dim=-1)
+        xs = split_heads(xs, H)  # [B, T, H*P] -> [B, T, H, P]
+        cdt = compute_dtype(x)
+        dt = F.softplus(dt.to(cdt) + self.dt_bias.to(cdt))  # [B, T, H] fp32
+        g = -torch.exp(self.A_log.to(cdt)) * dt  # [B, T, H]
+        q = Cm[:, :, None].expand(-1, -1, H, -1)  # [B, T, N] -> [B, T, H, N]
+        k = Bm[:, :, None].expand(-1, -1, H, -1)  # [B, T, N] -> [B, T, H, N]
+        v = (xs * dt[..., None]).to(xs.dtype)  # [B, T, H, P]
+        core = None if state is None else state.core
+        y, core = self.ssd(q, k, v, g, x, core, use_cache)  # [B, T, H, P]
+        y = y + self.D.to(y.dtype)[:, None] * xs
+        y = self.norm(y.flatten(-2) * F.silu(z.to(y.dtype)))  # [B, T, H, P] -> [B, T, H*P]
+        out = self.out_proj(y.to(x.dtype))
+        if not use_cache:
+            return out, None
+        position = x.shape[1] + (0 if state is None else state.position)
+        return out, MixerState(conv_cache, cast_state(core, x), position)
+
+    def ssd(self, q, k, v, g, x, core, use_cache):
+        return ops.linear_attn(
+            q, k, v, g, scale=1.0, initial_state=core, output_final_state=use_cache, impl=self.impl_for(q.shape[1])
+        )
+
+    def core_state_size(self, T):
+        return self.heads * self.N * self.P
+
+
+class LogLinearMamba2(Mamba2):
+    registry_name = "loglinear-mamba2"
+    config_class = LogLinearMamba2Config
+
+    def __init__(self, d_model, **config):
+        super().__init__(d_model, **config)
+        self.lam = LevelScales(d_model, self.heads, self.config.max_levels)
+
+    def ssd(self, q, k, v, g, x, core, use_cache):
+        return ops.loglinear_attn(
+            q, k, v, self.lam(x), g, scale=1.0, initial_state=core, output_final_state=use_cache, impl=self.impl_for(q.shape[1])
+        )
+
+    def core_state_size(self, T):
+        return num_levels(T) * self.heads * self.N * self.P

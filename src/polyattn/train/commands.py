@@ -1,0 +1,149 @@
+"""Arguments and entry points of ``polyattn train``, ``polyattn sweep`` and ``polyattn demo``."""
+
+import functools
+import json
+import sys
+from dataclasses import replace
+
+from polyattn.layers import MIXERS
+from polyattn.tasks import TASKS
+from polyattn.train.config import TrainConfig
+
+
+def reports_errors(fn):
+    """Print invalid-configuration errors (ValueError, NotImplementedError) as one line; exit status 2."""
+
+    @functools.wraps(fn)
+    def run(args):
+        try:
+            return fn(args)
+        except (ValueError, NotImplementedError) as err:
+            print(f"polyattn: error: {err}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def parse_segments(text):
+    """``"64:20000:4,128:20000:8"`` -> ``[(64, 20000, 4), (128, 20000, 8)]`` (seq_len:examples:pairs)."""
+    try:
+        return [tuple(int(x) for x in part.split(":")) for part in text.split(",") if part]
+    except ValueError as err:
+        raise ValueError(f"expected segments like '64:20000:4,128:20000:8', got {text!r}") from err
+
+
+def parse_list(text, kind):
+    return [kind(x) for x in text.split(",") if x]
+
+
+def add_train_arguments(parser):
+    d = TrainConfig()
+    seg = lambda segs: ",".join(f"{s.seq_len}:{s.num_examples}:{s.num_pairs}" for s in segs)  # noqa: E731
+    parser.add_argument("--task", default=d.task, help=f"one of {sorted(TASKS)}")
+    parser.add_argument("--mixer", default=d.mixer, help=f"one of {list(MIXERS)}")
+    parser.add_argument("--mixer-config", default="{}", help="JSON options for the mixer, e.g. '{\"num_heads\": 4}'")
+    parser.add_argument("--task-options", default=json.dumps(d.task_options), help="JSON options for the task generator")
+    parser.add_argument("--train", default=seg(d.train_segments), help="train segments seq_len:examples:pairs,...")
+    parser.add_argument("--test", default=seg(d.test_segments), help="test segments seq_len:examples:pairs,...")
+    parser.add_argument("--d-model", type=int, default=d.d_model)
+    parser.add_argument("--n-layers", type=int, default=d.n_layers)
+    parser.add_argument("--mlp-ratio", type=float, default=d.mlp_ratio, help="0 = no MLP (Zoology MQAR models)")
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    parser.add_argument("--warmup", type=float, default=d.warmup, help="fraction of steps")
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--batch-size", type=int, default=d.batch_size)
+    parser.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    parser.add_argument("--early-stop", type=float, default=None, help="stop at this running train accuracy")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--device", default=d.device, help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--impl", default=d.impl, help="op implementation for every mixer (auto: triton on CUDA)")
+    parser.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
+    parser.add_argument("--no-checkpoint", action="store_true")
+    parser.add_argument("--out", default=None, help="directory for results.json, PNGs and the checkpoint")
+
+
+def config_from_args(args):
+    return TrainConfig(
+        task=args.task,
+        task_options=json.loads(args.task_options),
+        train_segments=parse_segments(args.train),
+        test_segments=parse_segments(args.test),
+        mixer=args.mixer,
+        mixer_config=json.loads(args.mixer_config),
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        mlp_ratio=args.mlp_ratio,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        warmup=args.warmup,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        grad_clip=args.grad_clip,
+        early_stop=args.early_stop,
+        seed=args.seed,
+        device=args.device,
+        impl=args.impl,
+        bf16=not args.no_bf16,
+        out_dir=args.out,
+        checkpoint=not args.no_checkpoint,
+    )
+
+
+def check_mixers(names):
+    unknown = [m for m in names if m not in MIXERS]
+    if unknown:
+        raise ValueError(f"unknown mixers {unknown}: expected some of {list(MIXERS)}")
+
+
+@reports_errors
+def run_train(args):
+    from polyattn.train.loop import train
+    from polyattn.train.sweep import format_table
+
+    config = config_from_args(args)
+    check_mixers([config.mixer])
+    result, _ = train(config)
+    print(format_table([result]))
+    if config.out_dir:
+        print(f"wrote {config.out_dir}/results.json")
+    return 0
+
+
+def add_sweep_arguments(parser):
+    add_train_arguments(parser)
+    parser.add_argument("--mixers", default="softmax,gdn,kata-m2", help="comma-separated mixer names")
+    parser.add_argument("--widths", default="64,128", help="comma-separated d_model values")
+    parser.add_argument("--lrs", default="1e-3,3.2e-3,1e-2,3.2e-2", help="comma-separated learning rates")
+
+
+@reports_errors
+def run_sweep(args):
+    from polyattn.train.sweep import format_table, sweep
+
+    mixers = parse_list(args.mixers, str)
+    check_mixers(mixers)
+    base = replace(config_from_args(args), checkpoint=False)
+    summary, best = sweep(base, mixers, parse_list(args.widths, int), parse_list(args.lrs, float), args.out)
+    print(format_table(best, extra_columns=[("best lr", lambda r: f"{r['config']['lr']:g}")]))
+    return 0
+
+
+def add_demo_arguments(parser):
+    from polyattn.train.demo import DEFAULT_OUT
+
+    parser.add_argument("--out", default=DEFAULT_OUT, help="output directory")
+    parser.add_argument("--mixers", default=None, help="comma-separated subset (default: every available mixer)")
+    parser.add_argument("--steps", type=int, default=None, help="override the protocol's step count")
+    parser.add_argument("--workers", type=int, default=2, help="parallel training processes (1 thread each)")
+
+
+@reports_errors
+def run_demo(args):
+    from polyattn.train.demo import run_demo as demo
+
+    mixers = None if args.mixers is None else parse_list(args.mixers, str)
+    if mixers:
+        check_mixers(mixers)
+    demo(args.out, mixers, args.steps, args.workers)
+    return 0

@@ -1,0 +1,180 @@
+"""The training loop: data, AdamW with warmup + cosine, grad clipping, bf16 autocast on CUDA, evaluation
+sliced by (length, pairs), JSON results, PNG plots and a checkpoint."""
+
+import inspect
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from polyattn.models import CausalLM, LMConfig
+from polyattn.tasks import IGNORE_INDEX, TASKS, concat_data, make_task
+from polyattn.train.progress import Progress
+
+TEST_SEED_OFFSET = 1_000_003
+EARLY_STOP_WINDOW = 20
+
+
+def resolve_device(name):
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def task_vocab_size(config):
+    """The task's vocabulary: `task_options["vocab_size"]` or the generator's default."""
+    default = inspect.signature(TASKS[config.task]).parameters["vocab_size"].default
+    return config.task_options.get("vocab_size", default)
+
+
+def build_data(config):
+    """Train data grouped by length (one `TaskData` per length) and one `TaskData` per test segment."""
+
+    def make(seg, seed):
+        return make_task(config.task, seg.num_examples, seg.seq_len, seg.num_pairs, seed=seed, **config.task_options)
+
+    by_length = {}
+    for i, seg in enumerate(config.train_segments):
+        by_length.setdefault(seg.seq_len, []).append(make(seg, config.seed + i))
+    train = [concat_data(group) for group in by_length.values()]
+    test = [make(seg, config.seed + TEST_SEED_OFFSET + i) for i, seg in enumerate(config.test_segments)]
+    return train, test
+
+
+def build_model(config):
+    lm = LMConfig(
+        vocab_size=task_vocab_size(config),
+        d_model=config.d_model,
+        n_layers=config.n_layers,
+        mixer=config.mixer,
+        mixer_config={"impl": config.impl, **config.mixer_config},
+        mlp_ratio=config.mlp_ratio,
+    )
+    return CausalLM(lm)
+
+
+def param_groups(model, weight_decay):
+    """Weight decay on matrices only: not on norms, biases, gate/λ parameters (``_no_weight_decay``)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (no_decay if p.ndim < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_lambda(steps, warmup):
+    """Linear warmup over ``warmup·steps`` steps, then cosine decay to 0."""
+    warm = max(1, int(warmup * steps))
+
+    def factor(step):
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
+
+    return factor
+
+
+def autocast(device, bf16):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and bf16 else nullcontext()
+
+
+def scored_loss(model, inputs, labels):
+    """Cross-entropy and correct count on scored positions only (the head runs on those rows only)."""
+    hidden, _ = model.hidden_states(inputs)  # [B, T, d]
+    mask = labels != IGNORE_INDEX  # [B, T]
+    logits = model.logits(hidden[mask]).float()  # [n, d] -> [n, vocab]
+    target = labels[mask]  # [n]
+    return F.cross_entropy(logits, target), (logits.argmax(-1) == target).sum(), target.numel()
+
+
+@torch.no_grad()
+def evaluate(model, test, batch_size, device, bf16=True):
+    """Accuracy on scored positions per slice: ``[{"length", "pairs", "accuracy", "examples"}]``."""
+    model.eval()
+    rows = []
+    for data in test:
+        correct = total = 0
+        for i in range(0, len(data), batch_size):
+            inputs = data.inputs[i : i + batch_size].to(device)
+            labels = data.labels[i : i + batch_size].to(device)
+            with autocast(device, bf16):
+                _, c, n = scored_loss(model, inputs, labels)
+            correct, total = correct + int(c), total + n
+        rows.append({"length": data.length, "pairs": data.pairs, "accuracy": correct / max(total, 1), "examples": len(data)})
+    model.train()
+    return rows
+
+
+def train(config, quiet=False, label=None):
+    """Train one model; returns the results dict (and writes JSON/PNG/checkpoint under `out_dir`)."""
+    device = resolve_device(config.device)
+    torch.manual_seed(config.seed)
+    train_data, test_data = build_data(config)
+    model = build_model(config).to(device)
+    opt = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config.steps, config.warmup))
+    gen = torch.Generator().manual_seed(config.seed)
+    weights = torch.tensor([float(len(d)) for d in train_data])
+    progress = None if quiet else Progress(config.steps, label or f"{config.mixer} lr={config.lr:g}")
+    history, tokens, train_seconds, step = [], 0, 0.0, 0
+    for step in range(1, config.steps + 1):
+        t0 = time.perf_counter()
+        data = train_data[int(torch.multinomial(weights, 1, generator=gen))]
+        idx = torch.randint(len(data), (config.batch_size,), generator=gen)
+        inputs, labels = data.inputs[idx].to(device), data.labels[idx].to(device)
+        with autocast(device, config.bf16):
+            loss, correct, n = scored_loss(model, inputs, labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        opt.step()
+        sched.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        train_seconds += time.perf_counter() - t0
+        tokens += inputs.numel()
+        acc = int(correct) / max(n, 1)
+        history.append({"step": step, "loss": loss.item(), "accuracy": acc})
+        if progress:
+            progress.update(step, loss=history[-1]["loss"], acc=acc, tok_s=f"{tokens / train_seconds:,.0f}")
+        window = history[-EARLY_STOP_WINDOW:]
+        if config.early_stop is not None and len(window) == EARLY_STOP_WINDOW:
+            if sum(h["accuracy"] for h in window) / EARLY_STOP_WINDOW >= config.early_stop:
+                break
+    results = {
+        "config": asdict(config),
+        "mixer": config.mixer,
+        "params": model.num_parameters(),
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "train": {
+            "steps": step,
+            "tokens": tokens,
+            "seconds": train_seconds,
+            "tokens_per_s": tokens / max(train_seconds, 1e-9),
+            "final_loss": history[-1]["loss"],
+            "history": history,
+        },
+        "eval": evaluate(model, test_data, config.eval_batch_size, device, config.bf16),
+        "state_floats": {str(s.seq_len): model.state_size(s.seq_len) for s in config.test_segments},
+        "max_train_len": config.max_train_len,
+    }
+    if config.out_dir:
+        write_results(model, results, config)
+    return results, model
+
+
+def write_results(model, results, config):
+    from polyattn.train.plots import plot_accuracy_vs_length, plot_training_curve
+
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot_accuracy_vs_length([results], out / "accuracy_vs_length.png")
+    plot_training_curve([results], out / "training_curve.png")
+    if config.checkpoint:
+        model.save_pretrained(out / "checkpoint")

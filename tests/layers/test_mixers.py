@@ -1,0 +1,101 @@
+"""Every registered mixer: prefill + one-token steps == full forward in float64, state sizes, config errors."""
+
+import pytest
+import torch
+
+from polyattn.layers import MIXERS, build_mixer
+from polyattn.ops.common import num_levels
+from polyattn.testing import assert_close_rel
+
+D_MODEL, T = 16, 23
+
+
+def make(name, **config):
+    torch.manual_seed(0)
+    return build_mixer(name, D_MODEL, num_heads=2, **config).double()
+
+
+def float_numel(state):
+    if isinstance(state, torch.Tensor):
+        return state.numel() if state.is_floating_point() else 0
+    return sum(float_numel(s) for s in state)
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+@pytest.mark.parametrize("prefix", [1, 9, 22], ids=lambda p: f"prefill{p}")
+def test_prefill_then_steps_equals_full(name, prefix):
+    mixer = make(name)
+    x = torch.randn(2, T, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    full, none = mixer(x)
+    assert none is None
+    outs = []
+    y, state = mixer(x[:, :prefix], use_cache=True)
+    outs.append(y)
+    for t in range(prefix, T):
+        y, state = mixer(x[:, t : t + 1], state, use_cache=True)
+        outs.append(y)
+    assert state.position == T
+    assert_close_rel(torch.cat(outs, dim=1), full, 1e-9, name)
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_chunked_continuation_equals_full(name):
+    mixer = make(name)
+    x = torch.randn(1, T, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    full, _ = mixer(x)
+    y1, state = mixer(x[:, :8], use_cache=True)
+    y2, state = mixer(x[:, 8:], state, use_cache=True)
+    assert_close_rel(torch.cat([y1, y2], dim=1), full, 1e-9, name)
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_state_size_counts_the_state(name):
+    """`state_size(T)` == floats in the returned state per sequence (log-linear: the levels in use)."""
+    mixer = make(name)
+    x = torch.randn(2, T, D_MODEL, dtype=torch.float64)
+    _, state = mixer(x, use_cache=True)
+    held = (float_numel(state.core) + float_numel(state.conv)) // 2
+    if name.startswith("loglinear"):
+        per_level = mixer.core_state_size(1)
+        assert mixer.core_state_size(T) == num_levels(T) * per_level
+        assert held == mixer.config.max_levels * per_level + mixer.conv_state_size()
+    else:
+        assert mixer.state_size(T) == held
+
+
+def test_softmax_state_grows_recurrent_states_do_not():
+    assert make("softmax").state_size(200) > make("softmax").state_size(100)
+    for name in ("linear", "mamba2", "gdn", "hla2", "kata-m2", "deltakata-m1"):
+        assert make(name).state_size(200) == make(name).state_size(100), name
+
+
+def test_kata_state_sizes_follow_the_feature_dimension():
+    dk = D_MODEL // 2
+    assert make("kata-m1").core_state_size(1) == 2 * dk * dk * (dk + 1)
+    assert make("kata-m2").core_state_size(1) == 2 * 2 * (dk // 2) ** 2 * (dk + 1)
+    assert make("kata-s2").core_state_size(1) == 2 * (dk // 2) ** 2 * (dk + 1)
+    assert make("deltakata-m1").core_state_size(1) == 2 * dk * dk * dk
+
+
+def test_bad_configs_raise_clear_errors():
+    with pytest.raises(ValueError, match="unknown mixer 'nope'"):
+        build_mixer("nope", D_MODEL)
+    with pytest.raises(ValueError, match=r"unknown options \['bogus'\]"):
+        build_mixer("gdn", D_MODEL, bogus=1)
+    with pytest.raises(ValueError, match="positive feature map"):
+        build_mixer("hla2", D_MODEL, normalize=True)
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        build_mixer("softmax", D_MODEL, num_heads=3)
+    with pytest.raises(ValueError, match="groups"):
+        build_mixer("kata-m2", D_MODEL, num_heads=2, groups=3)
+    with pytest.raises(ValueError, match="qk_norm must be one of"):
+        build_mixer("kata-m1", D_MODEL, qk_norm="layer")
+
+
+def test_normalized_hla_with_positive_features_is_exact_when_streamed():
+    mixer = make("hla2", normalize=True, feature_map="elu1")
+    x = torch.randn(1, 12, D_MODEL, dtype=torch.float64)
+    full, _ = mixer(x)
+    y1, state = mixer(x[:, :5], use_cache=True)
+    y2, _ = mixer(x[:, 5:], state, use_cache=True)
+    assert_close_rel(torch.cat([y1, y2], dim=1), full, 1e-9)
