@@ -1,6 +1,6 @@
 """Shared machinery of every mechanism: validation, dispatch, varlen, segment sums, chunking, scans, levels."""
 
-from polyattn.ops.common.chunking import pad_time, to_chunks
+from polyattn.ops.common.chunking import heads_chunks, heads_unchunk, pad_time, to_chunks
 from polyattn.ops.common.dispatch import FORMS, resolve_impl
 from polyattn.ops.common.dtypes import compute_dtype
 from polyattn.ops.common.fenwick import level, level_matrix, level_table, num_levels
@@ -33,6 +33,8 @@ __all__ = [
     "combine_decayed",
     "compute_dtype",
     "exp_segsum",
+    "heads_chunks",
+    "heads_unchunk",
     "level",
     "level_matrix",
     "level_table",

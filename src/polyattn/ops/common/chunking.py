@@ -23,3 +23,13 @@ def to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
     if T % C:
         raise ValueError(f"to_chunks: expected T to be a multiple of the chunk size {C}, got T = {T}")
     return x.reshape(B, T // C, C, *x.shape[2:])
+
+
+def heads_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
+    """Per-token ``[B, T, H, ...]`` -> ``[B, H, N, C, ...]``, zero-padded along time to a multiple of C."""
+    return to_chunks(pad_time(x, C), C).movedim(3, 1)  # [B, T, H, ...] -> [B, N, C, H, ...] -> [B, H, N, C, ...]
+
+
+def heads_unchunk(x: torch.Tensor, T: int) -> torch.Tensor:
+    """``[B, H, N, C, D] -> [B, T, H, D]``, dropping the padding (inverse of :func:`heads_chunks`)."""
+    return x.flatten(2, 3).transpose(1, 2)[:, :T]  # [B, H, N*C, D] -> [B, N*C, H, D] -> [B, T, H, D]

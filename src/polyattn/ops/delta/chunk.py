@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from polyattn.ops.delta.naive import delta_rule_system
-from polyattn.ops.linear.chunk import chunk_inputs, unchunk
-from polyattn.ops.common import pad_time, to_chunks
+from polyattn.ops.common import heads_chunks, heads_unchunk
+from polyattn.ops.linear.chunk import chunk_inputs
 
 
 def delta_rule_chunk(q, k, v, beta, g=None, *, scale, initial_state=None, output_final_state=False, chunk_size=64):
@@ -26,7 +26,7 @@ def delta_rule_chunk(q, k, v, beta, g=None, *, scale, initial_state=None, output
     T = q.shape[1]
     C = chunk_size
     qc, kc, vc, gl = chunk_inputs(q, k, v, g, scale, C)  # [B, H, N, C, D], g: [B, H, N, C]
-    bc = to_chunks(pad_time(beta.to(qc.dtype), C), C).permute(0, 3, 1, 2)  # [B, T, H] -> [B, H, N, C]
+    bc = heads_chunks(beta.to(qc.dtype), C)  # [B, T, H] -> [B, H, N, C]
     D, M = delta_rule_system(kc, bc, gl)  # [B, H, N, C, C] each
     gc = torch.cumsum(gl, dim=-1)  # [B, H, N, C]
     rhs = torch.cat([kc * torch.exp(gc)[..., None], vc], dim=-1) * bc[..., None]  # [B, H, N, C, K + V]
@@ -49,4 +49,4 @@ def delta_rule_chunk(q, k, v, beta, g=None, *, scale, initial_state=None, output
     h = torch.stack(before, dim=2)  # [B, H, N, K, V]
     U = torch.stack(pseudo, dim=2)  # [B, H, N, C, V]
     o = ((qc @ kc.transpose(-1, -2)) * D) @ U + torch.exp(gc)[..., None] * (qc @ h)  # [B, H, N, C, V]
-    return unchunk(o, T, q.dtype), (state if output_final_state else None)
+    return heads_unchunk(o, T).to(q.dtype), (state if output_final_state else None)

@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 import torch
 
-from polyattn.ops.common import associative_scan
+from polyattn.ops.common import associative_scan, heads_unchunk
 from polyattn.ops.hla.variants import finish_output, prepare
-from polyattn.ops.linear.chunk import chunk_inputs, chunk_outputs, chunk_summaries, unchunk
+from polyattn.ops.linear.chunk import chunk_inputs, chunk_outputs, chunk_summaries
 
 
 def _rate(a: torch.Tensor, p: int) -> torch.Tensor:
@@ -118,6 +118,6 @@ def hla_scan(
     env = {"k": kc, "v": vc}
     for call, state in zip(variant.calls, states):
         env[call.out] = chunk_outputs(qc, env[call.key], env[call.value], call.decay * gc, state[:, :, :N])
-    o = unchunk(env["o"], T, env["o"].dtype)  # [B, H, N, C, V'] -> [B, T, H, V']
+    o = heads_unchunk(env["o"], T)  # [B, H, N, C, V'] -> [B, T, H, V']
     final = variant.state(*(state[:, :, N] for state in states)) if output_final_state else None
     return finish_output(o, normalize, eps, out_dtype), final

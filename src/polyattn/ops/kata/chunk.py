@@ -25,19 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import compute_dtype, exp_segsum, pad_time, to_chunks
+from polyattn.ops.common import compute_dtype, exp_segsum, heads_chunks, heads_unchunk
 from polyattn.ops.kata.feature_maps import make_feature_map
 from polyattn.ops.kata.state import join_state, normalized_read, split_state, with_ones
-
-
-def heads_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
-    """Per-token ``[B, T, H, ...]`` -> ``[B, H, NC, C, ...]``, zero-padded along time to a multiple of C."""
-    return to_chunks(pad_time(x, C), C).movedim(3, 1)  # [B, T, H, ...] -> [B, NC, C, H, ...] -> [B, H, NC, C, ...]
-
-
-def unchunk(x: torch.Tensor, T: int) -> torch.Tensor:
-    """``[B, H, NC, C, D] -> [B, T, H, D]``, dropping the padding."""
-    return x.flatten(2, 3).transpose(1, 2)[:, :T]  # [B, H, NC*C, D] -> [B, NC*C, H, D] -> [B, T, H, D]
 
 
 def kata_chunk_summaries(fmap, q, k, v, g):
@@ -97,7 +87,7 @@ def kata_chunked(
     summaries = torch.cat([state[:, :, None], local_state], dim=2)  # [B, H, NC + 1, P, V + 1]
     states = prefix(decays, summaries)  # [B, H, NC + 1, P, V + 1]
     out = kata_chunk_read(fmap, qc, gc, intra, states[:, :, :-1])  # [B, H, NC, C, V + 1]
-    o = normalized_read(unchunk(out, T), normalize, eps).to(out_dtype)  # [B, T, H, V]
+    o = normalized_read(heads_unchunk(out, T), normalize, eps).to(out_dtype)  # [B, T, H, V]
     return o, (split_state(states[:, :, -1]) if output_final_state else None)
 
 
@@ -143,5 +133,5 @@ def deltakata_chunk(
         outputs.append(inter + scores[:, :, c] @ u)  # (5): [B, H, C, C] @ [B, H, C, V] -> [B, H, C, V]
         written = fmap.write(kc[:, :, c], write_weight[:, :, c, :, None] * u)  # Σ_s D[C, s] ψ̂(k_s) u_sᵀ: [B, H, P, V]
         state = torch.exp(gc[:, :, c].sum(-1))[..., None, None] * state + written  # (6)
-    o = unchunk(torch.stack(outputs, dim=2), T).to(out_dtype)  # [B, H, NC, C, V] -> [B, T, H, V]
+    o = heads_unchunk(torch.stack(outputs, dim=2), T).to(out_dtype)  # [B, H, NC, C, V] -> [B, T, H, V]
     return o, (state if output_final_state else None)

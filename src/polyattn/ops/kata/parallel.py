@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from polyattn.ops.common import exp_segsum, segsum
-from polyattn.ops.kata.chunk import prepare, unchunk
+from polyattn.ops.common import exp_segsum, heads_unchunk, segsum
+from polyattn.ops.kata.chunk import prepare
 from polyattn.ops.kata.state import join_state, normalized_read, split_state
 
 
@@ -49,7 +49,7 @@ def kata_parallel(
         if state is not None:
             out = out + torch.exp(head[:, :, i] + between[..., None])[..., None] * fmap.read(qc[:, :, i], state)
         outputs.append(out)
-    out = unchunk(torch.stack(outputs, dim=2), T)  # [B, H, NC, C, V + 1] -> [B, T, H, V + 1]
+    out = heads_unchunk(torch.stack(outputs, dim=2), T)  # [B, H, NC, C, V + 1] -> [B, T, H, V + 1]
     o = normalized_read(out, normalize, eps).to(out_dtype)  # [B, T, H, V]
     if not output_final_state:
         return o, None

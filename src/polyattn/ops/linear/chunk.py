@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import compute_dtype, exp_segsum, pad_time, to_chunks
+from polyattn.ops.common import compute_dtype, exp_segsum, heads_chunks, heads_unchunk
 
 
 def chunk_inputs(q, k, v, g, scale, C):
@@ -22,10 +22,7 @@ def chunk_inputs(q, k, v, g, scale, C):
     B, T, H, _ = q.shape
     if g is None:
         g = torch.zeros(B, T, H, dtype=dt, device=q.device)
-    q, k, v, g = (to_chunks(pad_time(x.to(dt), C), C) for x in (q * scale, k, v, g))  # [B, T, H, *] -> [B, N, C, H, *]
-    q, k, v = (x.permute(0, 3, 1, 2, 4) for x in (q, k, v))  # [B, N, C, H, D] -> [B, H, N, C, D]
-    g = g.permute(0, 3, 1, 2)  # [B, N, C, H] -> [B, H, N, C]
-    return q, k, v, g
+    return tuple(heads_chunks(x.to(dt), C) for x in (q * scale, k, v, g))  # [B, T, H, *] -> [B, H, N, C, *]
 
 
 def chunk_summaries(k, v, g):
@@ -44,12 +41,6 @@ def chunk_outputs(q, k, v, g, states_before):
     return o + torch.exp(gc)[..., None] * (q @ states_before)  # [B, H, N, C, K] @ [B, H, N, K, V] -> [B, H, N, C, V]
 
 
-def unchunk(o, T, dtype):
-    """``[B, H, N, C, V] -> [B, T, H, V]`` (drop padding) in the output dtype."""
-    B, H, N, C, V = o.shape
-    return o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T].to(dtype)  # [B, H, N, C, V] -> [B, T, H, V]
-
-
 def linear_attn_chunk(q, k, v, g=None, *, scale, initial_state=None, output_final_state=False, chunk_size=64):
     """Chunks in parallel, states carried chunk to chunk. Returns ``(o [B,T,H,V], final_state [B,H,K,V] | None)``."""
     T = q.shape[1]
@@ -62,4 +53,4 @@ def linear_attn_chunk(q, k, v, g=None, *, scale, initial_state=None, output_fina
         before.append(state)
         state = torch.exp(a[..., n])[..., None, None] * state + U[:, :, n]
     o = chunk_outputs(qc, kc, vc, gc, torch.stack(before, dim=2))  # N x [B, H, K, V] -> [B, H, N, K, V]
-    return unchunk(o, T, q.dtype), (state if output_final_state else None)
+    return heads_unchunk(o, T).to(q.dtype), (state if output_final_state else None)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import associative_scan, combine_decayed
-from polyattn.ops.linear.chunk import chunk_inputs, chunk_outputs, chunk_summaries, unchunk
+from polyattn.ops.common import associative_scan, combine_decayed, heads_unchunk
+from polyattn.ops.linear.chunk import chunk_inputs, chunk_outputs, chunk_summaries
 
 
 def linear_attn_scan(q, k, v, g=None, *, scale, initial_state=None, output_final_state=False, chunk_size=64):
@@ -25,4 +25,4 @@ def linear_attn_scan(q, k, v, g=None, *, scale, initial_state=None, output_final
     U = torch.cat([h0[:, :, None], U], dim=2)  # [B, H, N + 1, K, V]
     _, states = associative_scan(combine_decayed, (a, U), dim=2)  # states[:, :, n] = state after n chunks
     o = chunk_outputs(qc, kc, vc, gc, states[:, :, :N])
-    return unchunk(o, T, q.dtype), (states[:, :, N] if output_final_state else None)
+    return heads_unchunk(o, T).to(q.dtype), (states[:, :, N] if output_final_state else None)

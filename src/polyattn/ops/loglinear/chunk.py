@@ -33,9 +33,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from polyattn.ops.common import compute_dtype, exp_segsum, level_table, pad_time, to_chunks
+from polyattn.ops.common import compute_dtype, exp_segsum, heads_chunks, heads_unchunk, level_table
 from polyattn.ops.delta.naive import delta_rule_system
-from polyattn.ops.linear.chunk import chunk_inputs, unchunk
+from polyattn.ops.linear.chunk import chunk_inputs
 from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, fenwick_carry, initial_levels, state_positions
 
 
@@ -74,7 +74,7 @@ def _chunk_at(q, k, v, lam, g, beta, levels0, P, *, scale, C, output_final_state
     q, k, v, lam, g, beta = (_front_pad(x, r0) for x in (q, k, v, lam, g, beta))
     lam = F.pad(lam, [0, Lp - L])  # [B, r0 + T, H, Lp]
     qc, kc, vc, gl = chunk_inputs(q, k, v, g, scale, C)  # [B, H, N, C, D]; g: [B, H, N, C]
-    lamc = to_chunks(pad_time(lam, C), C).permute(0, 3, 1, 2, 4)  # [B, T', H, Lp] -> [B, H, N, C, Lp]
+    lamc = heads_chunks(lam, C)  # [B, T', H, Lp] -> [B, H, N, C, Lp]
     N = qc.shape[2]
     gc = torch.cumsum(gl, dim=-1)  # [B, H, N, C]
     decay = torch.exp(gc[..., -1])  # [B, H, N]
@@ -84,7 +84,7 @@ def _chunk_at(q, k, v, lam, g, beta, levels0, P, *, scale, C, output_final_state
         W = (qc @ kc.transpose(-1, -2)) * exp_segsum(gl)  # [B, H, N, C, C]
         U, w = vc, None
     else:
-        bc = to_chunks(pad_time(beta.to(dt), C), C).permute(0, 3, 1, 2)  # [B, T', H] -> [B, H, N, C]
+        bc = heads_chunks(beta.to(dt), C)  # [B, T', H] -> [B, H, N, C]
         D, M = delta_rule_system(kc, bc, gl)  # [B, H, N, C, C] each
         A = (qc @ kc.transpose(-1, -2)) * D  # [B, H, N, C, C]
         eye = torch.eye(C, dtype=dt, device=q.device)
@@ -120,7 +120,7 @@ def _chunk_at(q, k, v, lam, g, beta, levels0, P, *, scale, C, output_final_state
         nxt = torch.full((B,), first + n + 1, dtype=torch.int64, device=q.device)
         Hs = fenwick_carry(torch.cat([new[:, :, None], Hs], dim=2), nxt)[:, :, 1:]  # [B, H, Lc, K, V]
     o = o + torch.stack(inter, dim=2)  # N x [B, H, C, V] -> [B, H, N, C, V]
-    o = unchunk(o, r0 + T, dt)[:, r0:]  # [B, H, N, C, V] -> [B, T, H, V]
+    o = heads_unchunk(o, r0 + T)[:, r0:]  # [B, H, N, C, V] -> [B, T, H, V]
     if not output_final_state:
         return o, None
 
