@@ -24,8 +24,9 @@ def _mechanism_forms() -> dict[str, list[str]]:
         "linear_attn": ("polyattn.ops.linear", "LINEAR_ATTN_FORMS"),
         "delta_rule": ("polyattn.ops.delta", "DELTA_RULE_FORMS"),
         "hla": ("polyattn.ops.hla", "HLA_FORMS"),
-        "loglinear_attn": ("polyattn.ops.loglinear", "LOGLINEAR_FORMS"),
+        "loglinear_attn": ("polyattn.ops.loglinear", "LOGLINEAR_ATTN_FORMS"),
         "kata": ("polyattn.ops.kata", "KATA_FORMS"),
+        "kata (DeltaKATA, beta=)": ("polyattn.ops.kata", "DELTAKATA_FORMS"),
     }
     found = {}
     for op, (module, attr) in registries.items():
@@ -53,7 +54,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"device   {cuda}")
     print("ops and their impls (plus 'auto'):")
     for op, forms in _mechanism_forms().items():
-        print(f"  {op:<16} {', '.join(forms)}")
+        print(f"  {op:<24} {', '.join(forms)}")
     return 0
 
 

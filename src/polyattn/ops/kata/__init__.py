@@ -4,16 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import (
-    check_cu_seqlens,
-    check_log_decay,
-    check_per_token,
-    check_qkv,
-    check_state,
-    resolve_impl,
-    resolve_scale,
-    run_varlen,
-)
+from polyattn.ops.common import check_inputs, check_state, resolve_impl, resolve_scale, run_varlen
 from polyattn.ops.kata.chunk import deltakata_chunk, kata_chunk
 from polyattn.ops.kata.feature_maps import FEATURE_MAPS, kata_state_size, make_feature_map
 from polyattn.ops.kata.gate import kata_convex_gate
@@ -80,21 +71,17 @@ def kata(
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state or None)``.
     """
-    B, T, H, K, V = check_qkv(q, k, v)
+    B, T, H, K, V, N = check_inputs(q, k, v, g, cu_seqlens, beta=beta)
     fmap = make_feature_map(feature, K, groups, combine)
     if not isinstance(normalize, bool):
         raise ValueError(f"normalize: expected a bool, got {normalize!r}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps: expected a positive float, got {eps!r}")
-    if g is not None:
-        check_log_decay(g, q)
-    N = check_cu_seqlens(cu_seqlens, q)
     P = fmap.dim()
     options = dict(feature=feature, groups=groups, combine=combine, eps=float(eps), scale=resolve_scale(scale, K))
     if beta is not None:
         if normalize:
             raise ValueError("beta: DeltaKATA's read is unnormalized; expected normalize=False with beta, got normalize=True")
-        check_per_token("beta", beta, q)
         if initial_state is not None:
             check_state("initial_state", initial_state, (N, H, P, V), q)
         fn = resolve_impl("DeltaKATA", impl, DELTAKATA_FORMS, q.device)

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import (
-    check_cu_seqlens,
-    check_log_decay,
-    check_per_token,
-    check_qkv,
-    resolve_impl,
-    resolve_scale,
-    run_varlen,
-)
+from polyattn.ops.common import check_inputs, check_per_token, resolve_impl, resolve_scale, run_varlen
 from polyattn.ops.loglinear.chunk import loglinear_attn_chunk
 from polyattn.ops.loglinear.naive import loglinear_attn_naive
 from polyattn.ops.loglinear.recurrent import loglinear_attn_recurrent, loglinear_attn_step
@@ -69,13 +61,8 @@ def loglinear_attn(
     Returns:
         ``(o [B, T, H, V] in q's dtype, LogLinearState or None)``.
     """
-    B, T, H, K, V = check_qkv(q, k, v)
+    B, T, H, K, V, N = check_inputs(q, k, v, g, cu_seqlens, beta=beta)
     check_per_token("lam", lam, q, last_dim=-1)
-    if g is not None:
-        check_log_decay(g, q)
-    if beta is not None:
-        check_per_token("beta", beta, q)
-    N = check_cu_seqlens(cu_seqlens, q)
     L = lam.shape[-1]
     if initial_state is not None:
         check_loglinear_state(initial_state, N, H, L, K, V, q)
