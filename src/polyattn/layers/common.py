@@ -224,10 +224,10 @@ class Mixer(nn.Module):
 
 class QKVMixer(Mixer):
     """The common shell (spec/kata.md §2.1): bias-free q/k/v projections, optional short conv (SiLU)
-    over [q|k|v], a per-head output RMSNorm (optionally gated) and an output projection.
+    over [q|k|v], a per-head output RMSNorm (gated by ``silu(g_proj x)`` when the config has
+    ``output_gate=True``) and an output projection.
     Subclasses implement `mix(q, k, v, x, core_state, use_cache) -> (o [B,T,H,dv], core_state)`."""
 
-    gated_output = False
     output_norm = True
 
     def __init__(self, d_model, **config):
@@ -238,7 +238,7 @@ class QKVMixer(Mixer):
         self.v_proj = nn.Linear(d_model, H * dv, bias=False)
         self.conv = ShortConv(H * (2 * dk + dv), self.config.conv_size) if self.config.short_conv else None
         self.o_norm = RMSNorm(dv) if self.output_norm else None
-        self.g_proj = nn.Linear(d_model, H * dv, bias=False) if self.gated_output else None
+        self.g_proj = nn.Linear(d_model, H * dv, bias=False) if getattr(self.config, "output_gate", False) else None
         self.o_proj = nn.Linear(H * dv, d_model, bias=False)
 
     def forward(self, x, state=None, use_cache=False):

@@ -22,18 +22,19 @@ from polyattn.ops.common import compute_dtype, num_levels
 
 @dataclass
 class GDNConfig(MixerConfig):
-    pass
+    """``output_gate=False`` drops the ``silu(g_proj x)`` output gate (plain per-head RMSNorm)."""
+
+    output_gate: bool = True
 
 
 @dataclass
-class LogLinearGDNConfig(MixerConfig):
+class LogLinearGDNConfig(GDNConfig):
     max_levels: int = 15
 
 
 class GatedDeltaNet(QKVMixer):
     registry_name = "gdn"
     config_class = GDNConfig
-    gated_output = True
 
     def __init__(self, d_model, **config):
         super().__init__(d_model, **config)

@@ -37,10 +37,12 @@ from polyattn.ops.common import compute_dtype, num_levels
 
 @dataclass
 class Mamba2Config(MixerConfig):
-    """``head_dim`` is Mamba-2's P (None: 2·d_model // num_heads), ``d_state`` its N; expand is 2."""
+    """``head_dim`` is Mamba-2's P (None: expand·d_model // num_heads), ``d_state`` its N;
+    ``output_gate=False`` drops the z branch (plain RMSNorm before ``out_proj``)."""
 
     d_state: int = 16
     expand: int = 2
+    output_gate: bool = True
 
 
 @dataclass
@@ -62,7 +64,8 @@ class Mamba2(Mixer):
         self.d_inner = self.P * self.heads
         self.N = cfg.d_state
         conv_dim = self.d_inner + 2 * self.N
-        self.in_proj = nn.Linear(d_model, self.d_inner + conv_dim + self.heads, bias=False)
+        self.z_dim = self.d_inner if cfg.output_gate else 0
+        self.in_proj = nn.Linear(d_model, self.z_dim + conv_dim + self.heads, bias=False)
         self.conv = ShortConv(conv_dim, cfg.conv_size)
         self.dt_bias = nn.Parameter(inverse_softplus(sample_dt(self.heads)))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, self.heads + 1, dtype=torch.float32)))
@@ -74,7 +77,7 @@ class Mamba2(Mixer):
 
     def forward(self, x, state=None, use_cache=False):
         H, P, N = self.heads, self.P, self.N
-        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.d_inner + 2 * N, H], dim=-1)
+        z, xBC, dt = self.in_proj(x).split([self.z_dim, self.d_inner + 2 * N, H], dim=-1)
         xBC, conv_cache = self.conv(xBC, None if state is None else state.conv)
         xs, Bm, Cm = xBC.split([self.d_inner, N, N], dim=-1)
         xs = split_heads(xs, H)  # [B, T, H*P] -> [B, T, H, P]
@@ -87,7 +90,8 @@ class Mamba2(Mixer):
         core = None if state is None else state.core
         y, core = self.ssd(q, k, v, g, x, core, use_cache)  # [B, T, H, P]
         y = y + self.D.to(y.dtype)[:, None] * xs
-        y = self.norm(y.flatten(-2) * F.silu(z.to(y.dtype)))  # [B, T, H, P] -> [B, T, H*P]
+        y = y.flatten(-2)  # [B, T, H, P] -> [B, T, H*P]
+        y = self.norm(y * F.silu(z.to(y.dtype)) if self.z_dim else y)
         out = self.out_proj(y.to(x.dtype))
         if not use_cache:
             return out, None

@@ -7,6 +7,8 @@ from polyattn.tasks import TASKS, Segment
 
 def as_segment(s):
     """A `Segment` from a Segment, a ``(seq_len, num_examples, num_pairs)`` triple or its JSON dict."""
+    if isinstance(s, Segment):
+        return s
     return Segment(**s) if isinstance(s, dict) else Segment(*s)
 
 

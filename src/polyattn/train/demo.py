@@ -38,15 +38,19 @@ DEMO_CONFIG = TrainConfig(
     n_layers=2,
     mlp_ratio=0.0,
     lr=1e-2,
-    steps=300,
+    steps=450,
     batch_size=32,
     eval_batch_size=32,
     early_stop=0.995,
     device="cpu",
     checkpoint=False,
 )
-# per-mixer options: the KATA cores train with their exact quadratic ("flash") form at these lengths
+# Per-mixer options (recorded in demo.json): the KATA cores train with their exact quadratic ("flash")
+# form at these lengths; Gated DeltaNet's output gate is off because with it these tiny models stay at
+# chance within the step budget (measured: 0.01 in-distribution accuracy with the gate, 0.91 without).
 DEMO_MIXER_CONFIG = {
+    "gdn": {"output_gate": False},
+    "loglinear-gdn": {"output_gate": False},
     "kata-m1": {"impl": "parallel"},
     "kata-m2": {"impl": "parallel"},
     "kata-s2": {"impl": "parallel"},
@@ -104,7 +108,8 @@ def run_demo(out_dir=DEFAULT_OUT, mixers=None, steps=None, workers=2, stream=sys
           f"{workers} worker process(es) × 1 thread", file=stream, flush=True)
     results = {}
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-        futures = {pool.submit(run_one, cfg, m == check): m for m, cfg in jobs.items()}
+        # the registry lists the costlier mechanisms last: submit them first so both workers finish together
+        futures = {pool.submit(run_one, jobs[m], m == check): m for m in reversed(mixers)}
         for future in as_completed(futures):
             r = future.result()
             results[r["mixer"]] = r

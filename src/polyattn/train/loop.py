@@ -4,6 +4,7 @@ sliced by (length, pairs), JSON results, PNG plots and a checkpoint."""
 import inspect
 import json
 import math
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -169,12 +170,16 @@ def train(config, quiet=False, label=None):
 
 
 def write_results(model, results, config):
-    from polyattn.train.plots import plot_accuracy_vs_length, plot_training_curve
-
+    """results.json always; PNGs when matplotlib is installed (else a notice); the checkpoint if asked."""
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot_accuracy_vs_length([results], out / "accuracy_vs_length.png")
-    plot_training_curve([results], out / "training_curve.png")
+    try:
+        from polyattn.train.plots import plot_accuracy_vs_length, plot_training_curve
+    except ImportError as err:
+        print(f"polyattn: no PNG plots ({err}); install polyattn[demo]", file=sys.stderr)
+    else:
+        plot_accuracy_vs_length([results], out / "accuracy_vs_length.png")
+        plot_training_curve([results], out / "training_curve.png")
     if config.checkpoint:
         model.save_pretrained(out / "checkpoint")

@@ -6,16 +6,43 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+# one colour family per mechanism family, so 13 mixers stay readable
+FAMILY_COLORS = {
+    "softmax": ["black"],
+    "linear": ["0.55"],
+    "mamba2": ["tab:brown"],
+    "gdn": ["tab:olive"],
+    "hla": ["#1f77b4", "#4a98d3", "#8cc0ea"],
+    "loglinear": ["#2ca02c", "#7bd37b"],
+    "kata": ["#d62728", "#ff7f0e", "#e377c2"],
+    "deltakata": ["#9467bd"],
+}
+FAMILY_OF = {"hla2": "hla", "ahla": "hla", "hla3": "hla"}
+
+
 def label_of(result):
     return result.get("label", result["mixer"])
+
+
+def colors_for(results):
+    """A colour per result: the mixer family's palette, in order of appearance."""
+    used = {}
+    out = []
+    for r in results:
+        name = r["mixer"]
+        family = FAMILY_OF.get(name, name.split("-")[0])
+        palette = FAMILY_COLORS.get(family, ["tab:gray"])
+        out.append(palette[used.get(family, 0) % len(palette)])
+        used[family] = used.get(family, 0) + 1
+    return out
 
 
 def plot_accuracy_vs_length(results, path):
     """Accuracy per eval slice against sequence length; the shaded band is beyond the training length."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
+    for r, color in zip(results, colors_for(results)):
         rows = sorted(r["eval"], key=lambda e: (e["length"], e["pairs"]))
-        ax.plot([e["length"] for e in rows], [e["accuracy"] for e in rows], marker="o", label=label_of(r))
+        ax.plot([e["length"] for e in rows], [e["accuracy"] for e in rows], marker="o", label=label_of(r), color=color)
     max_len = max(r["max_train_len"] for r in results)
     ax.axvspan(max_len, ax.get_xlim()[1], color="0.9", zorder=0, label="extrapolation")
     ax.set_xscale("log", base=2)
@@ -32,11 +59,11 @@ def plot_accuracy_vs_state(results, path, slices):
     """One panel per slice `(length, pairs)`: accuracy against decoding-state floats at that length."""
     fig, axes = plt.subplots(1, len(slices), figsize=(5 * len(slices), 4), squeeze=False)
     for ax, (length, pairs) in zip(axes[0], slices):
-        for r in results:
+        for r, color in zip(results, colors_for(results)):
             acc = [e["accuracy"] for e in r["eval"] if e["length"] == length and e["pairs"] == pairs]
             if acc:
                 state = r["state_floats"][str(length)]
-                ax.scatter(state, acc[0], s=40)
+                ax.scatter(state, acc[0], s=40, color=color)
                 ax.annotate(label_of(r), (state, acc[0]), fontsize=7, xytext=(4, 2), textcoords="offset points")
         ax.set_xscale("log")
         ax.set_xlabel(f"decoding state (floats per sequence, T={length})")
@@ -50,9 +77,9 @@ def plot_accuracy_vs_state(results, path, slices):
 
 def plot_training_curve(results, path):
     fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
+    for r, color in zip(results, colors_for(results)):
         hist = r["train"]["history"]
-        ax.plot([h["step"] for h in hist], [h["loss"] for h in hist], label=label_of(r), lw=1)
+        ax.plot([h["step"] for h in hist], [h["loss"] for h in hist], label=label_of(r), lw=1, color=color)
     ax.set_xlabel("step")
     ax.set_ylabel("train loss")
     ax.set_yscale("log")
