@@ -94,11 +94,25 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     add_demo_arguments(parser)
 
 
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from polyattn.bench.__main__ import add_arguments
+
+    add_arguments(parser)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from polyattn.bench.__main__ import run
+
+    return run(args)
+
+
 COMMANDS = {
     "info": ("versions, device, and which mechanisms and impls exist", _add_info_arguments, _cmd_info),
     "train": ("train one mixer on a synthetic recall task (JSON, PNGs, checkpoint)", _add_train_arguments, _cmd_train),
     "sweep": ("mixers × widths × learning rates; best LR per cell", _add_sweep_arguments, _cmd_sweep),
     "demo": ("every mixer on a small MQAR on the CPU in minutes: table, JSON, PNG", _add_demo_arguments, _cmd_demo),
+    "bench": ("GPU benchmarks: kernels (fwd, fwd+bwd) and decode against SDPA and fla (JSON, markdown, PNG)",
+              _add_bench_arguments, _cmd_bench),
 }
 
 

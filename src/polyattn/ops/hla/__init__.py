@@ -9,6 +9,7 @@ from polyattn.ops.hla.chunk import compose_linear_attn, hla_chunk, hla_from_line
 from polyattn.ops.hla.naive import hla_naive
 from polyattn.ops.hla.recurrent import hla_recurrent, hla_step
 from polyattn.ops.hla.scan import hla_scan
+from polyattn.ops.hla.triton import hla_triton  # composes the Triton linear_attn; triton loads on first call
 from polyattn.ops.hla.variants import AHLAState, HLA2State, HLA3State, check_hla_state, resolve_variant
 
 HLA_FORMS = {
@@ -16,6 +17,7 @@ HLA_FORMS = {
     "recurrent": hla_recurrent,
     "chunk": hla_chunk,
     "scan": hla_scan,
+    "triton": hla_triton,
 }
 
 

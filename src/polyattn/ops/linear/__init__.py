@@ -17,6 +17,7 @@ from polyattn.ops.linear.chunk import linear_attn_chunk
 from polyattn.ops.linear.naive import linear_attn_naive
 from polyattn.ops.linear.recurrent import linear_attn_recurrent, linear_attn_step
 from polyattn.ops.linear.scan import linear_attn_scan
+from polyattn.ops.linear.triton import linear_attn_triton  # lazy: triton loads on first call
 
 
 LINEAR_ATTN_FORMS = {
@@ -24,6 +25,7 @@ LINEAR_ATTN_FORMS = {
     "recurrent": linear_attn_recurrent,
     "chunk": linear_attn_chunk,
     "scan": linear_attn_scan,
+    "triton": linear_attn_triton,
 }
 
 

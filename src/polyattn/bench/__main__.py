@@ -1,0 +1,48 @@
+"""`python -m polyattn.bench {kernels,decode} --out DIR`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("suite", choices=["kernels", "decode"], help="which benchmark to run")
+    parser.add_argument("--out", type=Path, required=True, help="directory for JSON, markdown and PNG results")
+    parser.add_argument("--dims", type=int, nargs="+", default=[128, 64], help="head dims K = V (kernels)")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=None, help="T values (kernels) or contexts (decode)")
+    parser.add_argument("--impls", nargs="+", default=None, help="kernels: time only these impls (e.g. polyattn-triton)")
+    parser.add_argument("--skip", nargs="+", default=[], help="kernels: skip IMPL:D pairs (e.g. sdpa-flash:128)")
+    parser.add_argument("--compile-only", action="store_true", help="kernels: run our kernels once to compile them, no timing")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("polyattn bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.suite == "kernels":
+        from polyattn.bench import kernels
+
+        t_grid = tuple(args.seqlens or kernels.T_GRID)
+        if args.compile_only:
+            kernels.compile_only(dims=tuple(args.dims), t_grid=t_grid)
+        else:
+            skip = {(item.split(":")[0], int(item.split(":")[1])) for item in args.skip}
+            kernels.run(args.out, dims=tuple(args.dims), t_grid=t_grid, impls=args.impls, skip=skip)
+    else:
+        from polyattn.bench import decode
+
+        decode.run(args.out, contexts=tuple(args.seqlens or decode.CONTEXTS))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m polyattn.bench", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

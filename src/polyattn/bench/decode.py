@@ -1,0 +1,87 @@
+"""`python -m polyattn.bench decode`: one-token decoding latency.
+
+Our fused step (state [B, H, K, V] fp32 updated in place: reads and writes 2 * 4 * B*H*K*V bytes
+whatever the context) against SDPA over a bf16 KV cache of the given context, and fla's
+`fused_recurrent_simple_gla` one-token call when importable. B = 8, H = 16, K = V = 128.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from polyattn.bench.timing import device_line, try_bench, write_rows
+
+CONTEXTS = (4096, 16384, 32768, 131072)
+B, H, D = 8, 16, 128
+
+
+def run(out: Path, contexts=CONTEXTS) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from polyattn.ops.linear.recurrent import linear_attn_step as reference_step
+    from polyattn.ops.linear.triton import linear_attn_step
+
+    print(device_line(), flush=True)
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    g = -torch.rand(B, H, device="cuda", generator=gen) * 0.1
+    state = torch.randn(B, H, D, D, device="cuda", generator=gen)
+    state_bytes = 2 * state.numel() * 4
+
+    def record(op, impl, T, ms):
+        row = dict(op=op, impl=impl, T=T, B=B, H=H, K=D, V=D, mode="step", ms=ms)
+        if isinstance(ms, float) and op == "decode-linear":
+            row["gbps"] = state_bytes / ms * 1e-6
+        rows.append(row)
+        print(f"{op:14} {impl:32} ctx {T:>6} {ms if isinstance(ms, str) else f'{ms * 1e3:9.1f} us'}", flush=True)
+
+    ms_step = try_bench(lambda: linear_attn_step(q, k, v, g, state, scale=D ** -0.5), rep_ms=200)
+    state_ref = state.clone()
+    ms_ref = try_bench(lambda: reference_step(q.float(), k.float(), v.float(), g, state_ref, scale=D ** -0.5), rep_ms=200)
+    fused_gla = None
+    try:
+        fused_gla = importlib.import_module("fla.ops").fused_recurrent_simple_gla
+    except (ImportError, AttributeError):
+        pass
+    if fused_gla is not None:
+        q1, k1, v1, g1 = (x[:, None] for x in (q, k, v, g))  # [B, H, *] -> [B, 1, H, *]
+        ms_fla = try_bench(lambda: fused_gla(q1, k1, v1, g1, initial_state=state, output_final_state=True), rep_ms=200)
+    for T in contexts:
+        record("decode-linear", "polyattn-triton-step", T, ms_step)
+        record("decode-linear", "polyattn-pytorch-step", T, ms_ref)
+        if fused_gla is not None:
+            record("decode-linear", "fla-fused_recurrent_simple_gla", T, ms_fla)
+        kc, vc = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        qs = q[:, :, None]  # [B, H, D] -> [B, H, 1, D]
+        for name, backend in (("sdpa-flash-kvcache", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn-kvcache", SDPBackend.CUDNN_ATTENTION)):
+            def attend(backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qs, kc, vc)
+            record("decode-softmax", name, T, try_bench(attend, rep_ms=200))
+        del kc, vc
+        torch.cuda.empty_cache()
+    write_rows(rows, out, "decode")
+    (out / "decode.md").write_text(table(rows))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    contexts = sorted({r["T"] for r in rows})
+    lines = [f"# decode, B={B}, H={H}, K=V={D} ({device_line()})", "",
+             "| impl | " + " | ".join(f"{t // 1024}K" for t in contexts) + " |", "|---|" + "---|" * len(contexts)]
+    ours = {r["T"]: r["ms"] for r in rows if r["impl"] == "polyattn-triton-step"}
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        cells = []
+        for t in contexts:
+            r = next((r for r in rows if r["impl"] == impl and r["T"] == t), None)
+            if r is None or not isinstance(r["ms"], float):
+                cells.append("error" if r else "-")
+                continue
+            speed = f" ({r['ms'] / ours[t]:.1f}x ours)" if isinstance(ours.get(t), float) and impl != "polyattn-triton-step" else ""
+            cells.append(f"{r['ms'] * 1e3:.1f} us{speed}")
+        lines.append(f"| {impl} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

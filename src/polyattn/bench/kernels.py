@@ -1,0 +1,229 @@
+"""`python -m polyattn.bench kernels`: linear attention (and HLA2) against SDPA and fla.
+
+Standard shape: bf16, H = 16, K = V in {128, 64}, B = 65,536 // T sequences (B = 1 at 128K),
+T from 2K to 128K; forward and forward + backward. FLOP and byte counts follow the formulas of
+ops/linear/README.md ("Triton kernels"): per token and head, forward FLOPs `2C(K+V) + 4KV`
+(chunk C = 64), minimum forward bytes `(2K + 2V) * 2` (read q, k, v, write o), fwd+bwd FLOPs 3x
+forward and bytes `(5K + 6V) * 2` (forward, then read q, k, v, do and write dq, dk, dv).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from polyattn.bench.timing import device_line, error_entry, try_bench, write_rows
+
+T_GRID = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
+TOKENS = 65536
+H = 16
+CHUNK = 64
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str  # "linear_attn", "linear_attn_decay", "hla2", "softmax"
+    impl: str
+    make: object  # (q, k, v, g) -> callable returning the output tensor
+
+
+def _fla(name: str):
+    try:
+        return getattr(importlib.import_module("fla.ops"), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def make(q, k, v, g):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, T, H, D] -> [B, H, T, D]
+
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+        return run
+
+    return make
+
+
+def cases() -> list[Case]:
+    from torch.nn.attention import SDPBackend
+
+    from polyattn import ops
+
+    out = [
+        Case("linear_attn", "polyattn-triton", lambda q, k, v, g: lambda: ops.linear_attn(q, k, v, impl="triton")[0]),
+        Case("linear_attn_decay", "polyattn-triton", lambda q, k, v, g: lambda: ops.linear_attn(q, k, v, g, impl="triton")[0]),
+    ]
+    if "triton" in getattr(importlib.import_module("polyattn.ops.hla"), "HLA_FORMS", {}):
+        out.append(Case("hla2", "polyattn-triton", lambda q, k, v, g: lambda: ops.hla(q, k, v, impl="triton")[0]))
+    out += [
+        Case("softmax", "sdpa-flash", _sdpa(SDPBackend.FLASH_ATTENTION)),
+        Case("softmax", "sdpa-cudnn", _sdpa(SDPBackend.CUDNN_ATTENTION)),
+    ]
+    chunk_linear_attn, chunk_simple_gla = _fla("chunk_linear_attn"), _fla("chunk_simple_gla")
+    if chunk_linear_attn is not None:
+        out.append(Case("linear_attn", "fla-chunk_linear_attn",
+                        lambda q, k, v, g: lambda: chunk_linear_attn(q, k, v, normalize=False)[0]))
+    if chunk_simple_gla is not None:
+        out.append(Case("linear_attn_decay", "fla-chunk_simple_gla", lambda q, k, v, g: lambda: chunk_simple_gla(q, k, v, g)[0]))
+    return out
+
+
+def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int) -> tuple[float, float]:
+    """FLOPs and minimum bytes of one call (ops/linear/README.md); HLA2 counts two linear calls."""
+    fwd_flops = 2 * CHUNK * (K + V) + 4 * K * V
+    fwd_bytes = (2 * K + 2 * V) * 2
+    flops, bytes_ = (fwd_flops, fwd_bytes) if mode == "fwd" else (3 * fwd_flops, (5 * K + 6 * V) * 2)
+    if op == "hla2":
+        flops *= 2
+    return flops * tokens * H, bytes_ * tokens * H
+
+
+def inputs(B, T, D, requires_grad, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    g = F.logsigmoid(torch.randn(B, T, H, device="cuda", generator=gen) + 4.0)  # [B, T, H], log-decay < 0
+    if requires_grad:
+        for x in (q, k, v, g):
+            x.requires_grad_(True)
+    return q, k, v, g
+
+
+def measure(case: Case, B: int, T: int, D: int, mode: str, timed: bool = True) -> float | str:
+    q, k, v, g = inputs(B, T, D, requires_grad=mode == "fwdbwd")
+    bench = try_bench if timed else (lambda fn: fn())
+    try:
+        fn = case.make(q, k, v, g)
+        if mode == "fwd":
+            with torch.no_grad():
+                return bench(fn)
+        leaves = [q, k, v, g] if case.op.endswith("decay") else [q, k, v]
+        do = torch.randn_like(fn())
+        return bench(lambda: torch.autograd.grad(fn(), leaves, do))
+    except Exception as exc:  # noqa: BLE001 -- an anchor that cannot run is a table entry
+        return error_entry(exc)
+    finally:
+        del q, k, v, g
+        torch.cuda.empty_cache()
+
+
+def compile_only(dims=(128, 64), t_grid=T_GRID) -> None:
+    """Run each polyattn case once per mode at the shortest and longest T (with and without the
+    segment split) so that Triton compiles every kernel variant; no timing."""
+    for D in dims:
+        for T in sorted({min(t_grid), max(t_grid)}):
+            for case in cases():
+                if case.impl.startswith("polyattn"):
+                    for mode in ("fwd", "fwdbwd"):
+                        measure(case, max(1, TOKENS // T), T, D, mode, timed=False)
+    torch.cuda.synchronize()
+
+
+def run(out: Path, dims=(128, 64), t_grid=T_GRID, modes=("fwd", "fwdbwd"), impls=None, skip=()) -> list[dict]:
+    """Time every case (or those whose impl is in `impls`) at every (D, T, mode) not in `skip`
+    (a set of `(impl, D)`), write kernels.json / kernels.md / kernels.png into `out`."""
+    rows = []
+    all_cases = [c for c in cases() if impls is None or c.impl in impls]
+    print(device_line(), flush=True)
+    for D in dims:
+        for T in t_grid:
+            B = max(1, TOKENS // T)
+            for mode in modes:
+                for case in all_cases:
+                    if (case.impl, D) in skip:
+                        continue
+                    ms = measure(case, B, T, D, mode)
+                    row = dict(op=case.op, impl=case.impl, T=T, B=B, H=H, K=D, V=D, mode=mode, ms=ms)
+                    if isinstance(ms, float):
+                        flops, bytes_ = flops_bytes(case.op, mode, B * T, D, D)
+                        row.update(tokens_per_s=B * T / ms * 1e3)
+                        if case.op != "softmax":
+                            row.update(tflops=flops / ms * 1e-9, gbps=bytes_ / ms * 1e-6)
+                    rows.append(row)
+                    shown = ms if isinstance(ms, str) else f"{ms:9.3f} ms"
+                    print(f"D{D} T{T:>6} B{B:>2} {mode:6} {case.op:18} {case.impl:22} {shown}", flush=True)
+            write_rows(rows, out, "kernels")
+    report(rows, out, device_line())
+    return rows
+
+
+def report(rows: list[dict], out: Path, device: str) -> None:
+    """kernels.json, kernels.md (ratios + all times) and kernels.png from measured rows."""
+    write_rows(rows, out, "kernels")
+    (out / "kernels.md").write_text(ratio_table(rows, device))
+    plot(rows, out / "kernels.png")
+
+
+def _ms(rows, **key):
+    for r in rows:
+        if all(r[k] == v for k, v in key.items()) and isinstance(r["ms"], float):
+            return r["ms"]
+    return None
+
+
+RATIOS = (  # (our op, anchor op, anchor impl)
+    ("linear_attn", "linear_attn", "fla-chunk_linear_attn"),
+    ("linear_attn", "softmax", "sdpa-flash"),
+    ("linear_attn", "softmax", "sdpa-cudnn"),
+    ("linear_attn_decay", "linear_attn_decay", "fla-chunk_simple_gla"),
+    ("linear_attn_decay", "linear_attn", "polyattn-triton"),
+    ("hla2", "linear_attn", "polyattn-triton"),
+)
+
+
+def ratio_table(rows: list[dict], device: str) -> str:
+    """Markdown: ratio ours / anchor per T (< 1: ours is faster), then every measured ms."""
+    lines = [f"# kernels ({device})", ""]
+    for D in sorted({r["K"] for r in rows}, reverse=True):
+        ts = sorted({r["T"] for r in rows if r["K"] == D})
+        head = " | ".join(f"{t // 1024}K" for t in ts)
+        lines += [f"## K = V = {D}, H = {H}, bf16, B*T = {TOKENS}", "", f"| ours | anchor | mode | {head} |",
+                  "|---|---|---|" + "---|" * len(ts)]
+        for ours, anchor_op, anchor in RATIOS:
+            for mode in ("fwd", "fwdbwd"):
+                cells = []
+                for t in ts:
+                    a = _ms(rows, op=ours, impl="polyattn-triton", T=t, K=D, mode=mode)
+                    b = _ms(rows, op=anchor_op, impl=anchor, T=t, K=D, mode=mode)
+                    cells.append(f"{a / b:.2f}x" if a and b else "-")
+                lines.append(f"| {ours} | {anchor_op} / {anchor} | {mode} | " + " | ".join(cells) + " |")
+        lines += ["", f"| op | impl | mode | {head} |", "|---|---|---|" + "---|" * len(ts)]
+        for op, impl in sorted({(r["op"], r["impl"]) for r in rows if r["K"] == D}):
+            for mode in ("fwd", "fwdbwd"):
+                cells = []
+                for t in ts:
+                    r = next((r for r in rows if (r["op"], r["impl"], r["T"], r["K"], r["mode"]) == (op, impl, t, D, mode)), None)
+                    cells.append("-" if r is None else (f"{r['ms']:.3f}" if isinstance(r["ms"], float) else "error"))
+                lines.append(f"| {op} | {impl} | {mode} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = sorted({r["K"] for r in rows}, reverse=True)
+    fig, axes = plt.subplots(len(dims), 2, figsize=(12, 4.5 * len(dims)), squeeze=False)
+    for i, D in enumerate(dims):
+        for j, mode in enumerate(("fwd", "fwdbwd")):
+            ax = axes[i][j]
+            for op, impl in sorted({(r["op"], r["impl"]) for r in rows}):
+                pts = [(r["T"], r["ms"]) for r in rows
+                       if (r["op"], r["impl"], r["K"], r["mode"]) == (op, impl, D, mode) and isinstance(r["ms"], float)]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"{op} / {impl}")
+            ax.set(xscale="log", yscale="log", xlabel="T (B*T = 65536)", ylabel="ms", title=f"K=V={D}, H={H}, bf16, {mode}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

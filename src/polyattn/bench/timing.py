@@ -1,0 +1,41 @@
+"""Timing and reporting helpers shared by the kernel and decode benchmarks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds of `fn()` by CUDA events (`triton.testing.do_bench`)."""
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def error_entry(exc: Exception) -> str:
+    """A table entry for a call that raised: type and first line of the message."""
+    first = str(exc).splitlines()[0][:120] if str(exc) else ""
+    return f"error: {type(exc).__name__}: {first}"
+
+
+def try_bench(fn, **kwargs) -> float | str:
+    """`bench_ms`, or an error entry when the call raises (an anchor that refuses)."""
+    try:
+        return bench_ms(fn, **kwargs)
+    except Exception as exc:  # noqa: BLE001 -- any failure of a third-party anchor is a table entry
+        return error_entry(exc)
+
+
+def write_rows(rows: list[dict], out: Path, name: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(rows, indent=1))
+    return path
+
+
+def device_line() -> str:
+    import triton
+
+    return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}"

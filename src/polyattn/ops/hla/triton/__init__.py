@@ -1,0 +1,48 @@
+"""`ops.hla(..., impl="triton")`: HLA composed from the Triton `linear_attn` (2 or 3 calls).
+
+Numerics (DESIGN.md §5, spec/hla.md §8.2): inside each call states and accumulators are fp32;
+the intermediates Y = LA(Q, K, K) and Z = LA(Q, K, V) are written in the input dtype (bf16
+inputs: bf16 Y/Z, one rounding per element, ~2^-9 relative) so the next call runs on the
+bf16 tensor cores. Use `impl="chunk"` for fp32 intermediates; fp32 inputs keep everything fp32
+here. `cu_seqlens` is handled natively by every call; gradients flow through all calls by the
+Triton autograd Function. This module does not import triton itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from polyattn.ops.hla.chunk import compose_linear_attn
+from polyattn.ops.hla.variants import finish_output, resolve_variant
+from polyattn.ops.linear.triton import linear_attn_triton
+
+
+def hla_triton(
+    q, k, v, g=None, *, order=2, asymmetric=False, normalize=False, eps=1e-6, scale,
+    initial_state=None, output_final_state=False, cu_seqlens=None,
+):
+    """Triton HLA (same arguments as `hla_chunk`, plus native `cu_seqlens`).
+
+    Returns `(o [B, T, H, V] in q's dtype, final_state or None)`; each call gets the unscaled
+    q and `scale`, so q is never rounded after scaling.
+    """
+    variant = resolve_variant(order, asymmetric)
+    if normalize:
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, T, H, V] -> [B, T, H, V + 1]
+    g = None if g is None else g.float()
+    states = (None,) * len(variant.calls) if initial_state is None else tuple(f.float() for f in initial_state)
+    query_scale = scale
+
+    def call(a, b, c, decay, *, scale: float, initial_state, output_final_state):
+        del scale  # compose_linear_attn passes 1.0 for a pre-scaled q; here q is not pre-scaled
+        return linear_attn_triton(
+            a, b, c, decay, scale=query_scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        )
+
+    o, final = compose_linear_attn(call, variant, q, k, v, g, states, output_final_state)
+    return finish_output(o, normalize, eps, q.dtype), final
+
+
+hla_triton.native_varlen = True
+
+__all__ = ["hla_triton"]

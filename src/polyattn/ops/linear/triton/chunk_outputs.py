@@ -1,0 +1,98 @@
+"""Stage 2 of a pass: outputs with the state kept on chip.
+
+`chunk_outputs_kernel` implements `linear_attn_chunk` (ops/linear/chunk.py) for one segment:
+per chunk of C tokens, with `Gc` the chunk-local inclusive cumsum of the log2-decay,
+
+    causal      out = scale * [((a b^T) * exp2(Gc_i - Gc_j) * [j <= i]) @ c + exp2(Gc_i) * (a @ S)]
+                S   = exp2(Gc_last) S + (b * exp2(Gc_last - Gc_j))^T @ c
+    anticausal  out = scale * [((a b^T) * exp2(Gc_j - Gc_i) * [j >= i]) @ c + exp2(Gc_last - Gc_i) * (a @ R)]
+                R   = exp2(Gc_last) R + (b * exp2(Gc_j))^T @ c
+
+(see common.py for the pass vocabulary). Per-row factors (scale, decays of the query side) are
+applied after the products, in fp32; fp32 operands (the score tile, the state, decayed keys)
+enter the tensor cores split in two input-dtype halves (`mma_left_fp32`, `mma_right_fp32`).
+Optionally it also writes `rowdot = sum(x * out, -1)` per DC tile, the per-token term of the
+log-decay gradient.
+"""
+import triton
+import triton.language as tl
+
+from .chunk_states import chunk_decay, chunk_segsum, keys_times_values
+from .common import mma, mma_left_fp32, mma_right_fp32, to_output
+
+
+@triton.jit(do_not_specialize=["N_tok", "s_h0n", "s_h0h", "s_h0a", "s_h0c"])
+def chunk_outputs_kernel(
+    a, b, c, g, out, seg, s_in, h0, ht, dot_x, rowdot,
+    s_h0n, s_h0h, s_h0a, s_h0c,
+    scale, N_tok, H, DA, DC,
+    C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr,
+    REVERSE: tl.constexpr, USE_G: tl.constexpr, SPLIT: tl.constexpr, USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr, ROWDOT: tl.constexpr, F32: tl.constexpr,
+):
+    """One segment's outputs for one DC tile.
+
+    grid: (cdiv(DC, BC), num_segments, H). Tiling: a and b rows of the full DA (padded to BA),
+    c / out columns [BC]; the fp32 state [BA, BC] stays in registers for the whole segment.
+    Loop: over the segment's chunks, forward (causal) or backward (anticausal); per chunk the
+    products `[C, BA] @ [BA, C]` (scores), `[C, C] @ [C, BC]` (intra), `[C, BA] @ [BA, BC]`
+    (inter) and the state update `[BA, C] @ [C, BC]`. The incoming state is `s_in[s]` (SPLIT:
+    written by `segment_scan_kernel`) or `h0[n]` (strided) or zero; the segment that ends its
+    sequence in the pass direction stores its final state to `ht[n]` (strided like h0).
+    """
+    i_c, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(seg + i_s * 4).to(tl.int64)
+    eos = tl.load(seg + i_s * 4 + 1).to(tl.int64)
+    i_n = tl.load(seg + i_s * 4 + 2).to(tl.int64)
+    flags = tl.load(seg + i_s * 4 + 3)
+    o_a = tl.arange(0, BA)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_a = o_a < DA
+    m_c = o_c < DC
+    m_s = m_a[:, None] & m_c[None, :]
+    o_t = tl.arange(0, C)
+    if SPLIT:
+        p_s = s_in + ((i_s * H + i_h) * DA + o_a[:, None]).to(tl.int64) * DC + o_c[None, :]
+        b_s = tl.load(p_s, mask=m_s, other=0.0)
+    elif USE_H0:
+        p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_a[:, None] * s_h0a + o_c[None, :] * s_h0c
+        b_s = tl.load(p_h0, mask=m_s, other=0.0).to(tl.float32)
+    else:
+        b_s = tl.zeros([BA, BC], dtype=tl.float32)
+    n_chunks = tl.cdiv(eos - bos, C)
+    for i in range(0, n_chunks):
+        if REVERSE:
+            t = bos + (n_chunks - 1 - i) * C + o_t
+        else:
+            t = bos + i * C + o_t
+        m_t = t < eos
+        row_a = (t * H + i_h)[:, None] * DA + o_a[None, :]  # [C, BA]
+        row_c = (t * H + i_h)[:, None] * DC + o_c[None, :]  # [C, BC]
+        m_ta = m_t[:, None] & m_a[None, :]
+        m_tc = m_t[:, None] & m_c[None, :]
+        b_a = tl.load(a + row_a, mask=m_ta, other=0.0)  # [C, BA]
+        b_b = tl.load(b + row_a, mask=m_ta, other=0.0)  # [C, BA]
+        b_v = tl.load(c + row_c, mask=m_tc, other=0.0)  # [C, BC]
+        b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+        if REVERSE:
+            b_wa = tl.exp2(b_last - b_gc) * scale  # [C]
+        else:
+            b_wa = tl.exp2(b_gc) * scale  # [C]
+        b_d = chunk_segsum(b_g, b_gc, REVERSE, F32)  # [C, C]
+        b_att = mma(b_a, tl.trans(b_b), F32)  # [C, BA] @ [BA, C] -> [C, C]
+        b_att = b_att * (tl.exp2(b_d) * scale)  # [C, C]
+        b_o = mma_left_fp32(b_att, b_v, F32)  # [C, C] @ [C, BC] -> [C, BC]
+        b_o += mma_right_fp32(b_a, b_s, F32) * b_wa[:, None]  # [C, BA] @ [BA, BC] -> [C, BC]
+        b_s = b_s * tl.exp2(b_last) + keys_times_values(b_b, b_v, b_gc, b_last, REVERSE, USE_G, F32)
+        tl.store(out + row_c, to_output(b_o, out.dtype.element_ty, F32), mask=m_tc)  # downcast: output dtype
+        if ROWDOT:
+            b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0).to(tl.float32)  # [C, BC]
+            tl.store(rowdot + (i_c * N_tok + t) * H + i_h, tl.sum(b_x * b_o, axis=1), mask=m_t)
+    if STORE_HT:
+        if REVERSE:
+            terminal = (flags & 1) != 0
+        else:
+            terminal = (flags & 2) != 0
+        if terminal:
+            p_ht = ht + i_n * s_h0n + i_h * s_h0h + o_a[:, None] * s_h0a + o_c[None, :] * s_h0c
+            tl.store(p_ht, b_s, mask=m_s)

@@ -1,0 +1,163 @@
+"""Stage 1 of a pass: each segment's local end state, then the per-sequence combine.
+
+`segment_states_kernel` implements, for one segment of one sequence, the end state that
+`linear_attn_chunk` (ops/linear/chunk.py) carries from chunk to chunk, started from zero:
+
+    causal      S = sum_j exp(G_last - G_j) b_j c_j^T           [DA, DC]
+    anticausal  R = sum_j exp(G_j - G_first_minus_1) b_j c_j^T
+
+and the segment's total log2-decay. `segment_scan_kernel` turns local states into each
+segment's incoming state by the sequential form of `ops.common.scan.combine_decayed`.
+"""
+import triton
+import triton.language as tl
+
+from .common import mma, mma_right_fp32
+
+
+@triton.jit
+def chunk_decay(g, t, m_t, H, i_h, USE_G: tl.constexpr):
+    """The chunk's `g` over rows `t` (0 past the end), its inclusive cumsum `Gc` prescaled by
+    log2(e) (after the sum: one rounding) and the last entry of `Gc`, the chunk's log2-decay."""
+    if USE_G:
+        b_g = tl.load(g + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+        b_gc = tl.cumsum(b_g, axis=0) * 1.4426950408889634  # [C]
+        return b_g, b_gc, tl.sum(b_g, axis=0) * 1.4426950408889634
+    b_zero = tl.zeros([t.shape[0]], dtype=tl.float32)
+    return b_zero, b_zero, tl.sum(b_zero, axis=0)
+
+
+@triton.jit
+def chunk_segsum(b_g, b_gc, REVERSE: tl.constexpr, EXACT: tl.constexpr):
+    """[C, C] log2-decay between rows: causal `Gc_i - Gc_j` (j <= i), anticausal `Gc_j - Gc_i`
+    (j >= i); -inf outside the triangle. EXACT (fp32 inputs) sums the g's in between by a
+    masked cumsum, as `ops.common.segsum` does, instead of subtracting two long cumsums, whose
+    rounding (~|Gc| ulp) would dominate fp32 outputs; for bf16/fp16 the difference is ample."""
+    o_t = tl.arange(0, b_g.shape[0])
+    if REVERSE:
+        m_tri = o_t[:, None] <= o_t[None, :]  # [C, C]: j >= i
+        if EXACT:
+            b_m = tl.where(o_t[:, None] < o_t[None, :], b_g[None, :], 0.0)  # [C, C]: g_s for s > i
+            b_d = tl.cumsum(b_m, axis=1) * 1.4426950408889634  # [C, C]
+        else:
+            b_d = b_gc[None, :] - b_gc[:, None]  # [C, C]
+    else:
+        m_tri = o_t[:, None] >= o_t[None, :]  # [C, C]: j <= i
+        if EXACT:
+            b_m = tl.where(o_t[:, None] > o_t[None, :], b_g[:, None], 0.0)  # [C, C]: g_s for s > j
+            b_d = tl.cumsum(b_m, axis=0) * 1.4426950408889634  # [C, C]
+        else:
+            b_d = b_gc[:, None] - b_gc[None, :]  # [C, C]
+    return tl.where(m_tri, b_d, float("-inf"))
+
+
+@triton.jit
+def keys_times_values(b_b, b_v, b_gc, b_last, REVERSE: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr):
+    """The chunk's contribution to the state, `b^T @ (c * w)` with w = exp2(Gc_last - Gc_j)
+    (causal) or exp2(Gc_j) (anticausal): [BA, C] @ [C, BC] -> [BA, BC] fp32. Without decay
+    b and c enter the tensor cores as they are; the decayed values are fp32 ([C, BC], the
+    smaller operand) and enter split in two halves."""
+    if USE_G:
+        if REVERSE:
+            b_w = tl.exp2(b_gc)  # [C]
+        else:
+            b_w = tl.exp2(b_last - b_gc)  # [C]
+        return mma_right_fp32(tl.trans(b_b), b_v.to(tl.float32) * b_w[:, None], F32)
+    return mma(tl.trans(b_b), b_v, F32)
+
+
+@triton.jit
+def segment_states_kernel(
+    b, c, g, seg, states, seg_decay,
+    H, DA, DC,
+    C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr,
+    REVERSE: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
+):
+    """Local end state of one segment (no incoming state).
+
+    grid: (cdiv(DC, BC), num_segments, H). Each program owns a [BA, BC] fp32 state tile in
+    registers and walks the segment's chunks of C tokens (forward for causal, backward for
+    anticausal), one `[BA, C] @ [C, BC]` product per chunk. The segment that ends its sequence
+    in the pass direction (last when causal, first when anticausal) is skipped: no later
+    segment reads its state. Writes `states[s, h]` ([DA, DC] fp32) and `seg_decay[s, h]`
+    (total log2-decay of the segment).
+    """
+    i_c, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(seg + i_s * 4).to(tl.int64)
+    eos = tl.load(seg + i_s * 4 + 1).to(tl.int64)
+    flags = tl.load(seg + i_s * 4 + 3)
+    if REVERSE:
+        terminal = (flags & 1) != 0
+    else:
+        terminal = (flags & 2) != 0
+    if terminal:
+        return
+    o_a = tl.arange(0, BA)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_a = o_a < DA
+    m_c = o_c < DC
+    o_t = tl.arange(0, C)
+    b_s = tl.zeros([BA, BC], dtype=tl.float32)
+    b_total = tl.sum(tl.zeros([C], dtype=tl.float32), axis=0)
+    n_chunks = tl.cdiv(eos - bos, C)
+    for i in range(0, n_chunks):
+        if REVERSE:
+            t = bos + (n_chunks - 1 - i) * C + o_t
+        else:
+            t = bos + i * C + o_t
+        m_t = t < eos
+        b_b = tl.load(b + (t * H + i_h)[:, None] * DA + o_a[None, :], mask=m_t[:, None] & m_a[None, :], other=0.0)  # [C, BA]
+        b_v = tl.load(c + (t * H + i_h)[:, None] * DC + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)  # [C, BC]
+        _, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+        b_s = b_s * tl.exp2(b_last) + keys_times_values(b_b, b_v, b_gc, b_last, REVERSE, USE_G, F32)
+        b_total += b_last
+    p_s = states + ((i_s * H + i_h) * DA + o_a[:, None]).to(tl.int64) * DC + o_c[None, :]
+    tl.store(p_s, b_s, mask=m_a[:, None] & m_c[None, :])
+    if i_c == 0:
+        tl.store(seg_decay + i_s * H + i_h, b_total)
+
+
+@triton.jit(do_not_specialize=["s_h0n", "s_h0h", "s_h0a", "s_h0c"])
+def segment_scan_kernel(
+    states, seg_decay, cu_seg, h0,
+    s_h0n, s_h0h, s_h0a, s_h0c,
+    H, DA, DC,
+    BA: tl.constexpr, BC: tl.constexpr,
+    REVERSE: tl.constexpr, USE_H0: tl.constexpr,
+):
+    """Incoming state of every segment, in place over the local states.
+
+    grid: (cdiv(DC, BC), N, H). One program per (state tile, sequence, head) walks the
+    sequence's segments in pass order with an fp32 [BA, BC] carry starting from `h0[n]`
+    (strided, so a transposed view works) or zero: it reads the segment's local state, writes
+    the carry in its place, then `carry = exp2(decay) * carry + local`. The terminal segment's
+    local state is never read; the outputs kernel, which ends on the true final state,
+    stores `ht`.
+    """
+    i_c, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    lo = tl.load(cu_seg + i_n)
+    hi = tl.load(cu_seg + i_n + 1)
+    o_a = tl.arange(0, BA)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_s = (o_a < DA)[:, None] & (o_c < DC)[None, :]
+    if USE_H0:
+        p_h0 = h0 + i_n.to(tl.int64) * s_h0n + i_h * s_h0h + o_a[:, None] * s_h0a + o_c[None, :] * s_h0c
+        b_carry = tl.load(p_h0, mask=m_s, other=0.0).to(tl.float32)
+    else:
+        b_carry = tl.zeros([BA, BC], dtype=tl.float32)
+    for i in range(0, hi - lo - 1):
+        if REVERSE:
+            i_s = hi - 1 - i
+        else:
+            i_s = lo + i
+        p_s = states + ((i_s * H + i_h) * DA + o_a[:, None]).to(tl.int64) * DC + o_c[None, :]
+        b_local = tl.load(p_s, mask=m_s, other=0.0)
+        b_decay = tl.load(seg_decay + i_s * H + i_h)
+        tl.store(p_s, b_carry, mask=m_s)
+        b_carry = b_carry * tl.exp2(b_decay) + b_local
+    if REVERSE:
+        i_s = lo
+    else:
+        i_s = hi - 1
+    p_s = states + ((i_s * H + i_h) * DA + o_a[:, None]).to(tl.int64) * DC + o_c[None, :]
+    tl.store(p_s, b_carry, mask=m_s)

@@ -1,0 +1,76 @@
+"""Host side of one pass (see common.py): segment planning and the three kernel launches."""
+import torch
+import triton
+
+from .chunk_outputs import chunk_outputs_kernel
+from .chunk_states import segment_scan_kernel, segment_states_kernel
+from .common import KernelConfig, dot_f32, get_config, plan_segments, segment_table
+
+
+def _block(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def chunk_pass(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    g: torch.Tensor | None,
+    seq_lens: tuple,
+    *,
+    scale: float,
+    reverse: bool,
+    initial_state: torch.Tensor | None = None,
+    store_final_state: bool = False,
+    dot_x: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+):
+    """Run one chunked pass over flattened tokens.
+
+    a, b: [N_tok, H, DA]; c, dot_x: [N_tok, H, DC]; g: [N_tok, H] or None; all contiguous.
+    seq_lens: host lengths of the N sequences laid end to end. initial_state: [N, H, DA, DC]
+    (any strides), the causal S_0 or the anticausal R_end. config: default `get_config()`. Returns `(out [N_tok, H, DC] in
+    c's dtype, final_state [N, H, DA, DC] fp32 or None, rowdot [N_tok, H] fp32 or None)`.
+    """
+    config = config or get_config()
+    N_tok, H, DA = a.shape
+    DC = c.shape[-1]
+    N = len(seq_lens)
+    BA, BC, C = _block(DA), min(_block(DC), config.block_c), config.chunk_size
+    n_c = triton.cdiv(DC, BC)
+    F32 = dot_f32(a.dtype)
+    hint = plan_segments(seq_lens, H, DC, config, a.device)
+    seg, cu_seg, S = segment_table(seq_lens, hint, C, a.device)
+    split = S > N
+    out = torch.empty_like(c)
+    final_state = torch.empty(N, H, DA, DC, dtype=torch.float32, device=a.device) if store_final_state else None
+    if initial_state is not None and final_state is not None:
+        assert initial_state.stride() == final_state.stride(), "h0 and ht share strides"
+    strided = initial_state if initial_state is not None else final_state
+    strides = tuple(strided.stride()) if strided is not None else (0, 0, 0, 0)
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    s_in = None
+    if split:
+        s_in = torch.empty(S, H, DA, DC, dtype=torch.float32, device=a.device)
+        seg_decay = torch.empty(S, H, dtype=torch.float32, device=a.device)
+        segment_states_kernel[(n_c, S, H)](
+            b, c, g, seg, s_in, seg_decay, H, DA, DC,
+            C=C, BA=BA, BC=BC, REVERSE=reverse, USE_G=g is not None, F32=F32, **launch,
+        )
+        segment_scan_kernel[(n_c, N, H)](
+            s_in, seg_decay, cu_seg, initial_state, *strides, H, DA, DC,
+            BA=BA, BC=BC, REVERSE=reverse, USE_H0=initial_state is not None, num_warps=4,
+        )
+    rowdot = None
+    if dot_x is not None:
+        rowdot = torch.empty(n_c, N_tok, H, dtype=torch.float32, device=a.device)
+    chunk_outputs_kernel[(n_c, S, H)](
+        a, b, c, g, out, seg, s_in, initial_state, final_state, dot_x, rowdot, *strides,
+        scale, N_tok, H, DA, DC,
+        C=C, BA=BA, BC=BC, REVERSE=reverse, USE_G=g is not None, SPLIT=split,
+        USE_H0=initial_state is not None, STORE_HT=store_final_state, ROWDOT=dot_x is not None,
+        F32=F32, **launch,
+    )
+    if rowdot is not None:
+        rowdot = rowdot.sum(0)  # [n_c, N_tok, H] -> [N_tok, H]
+    return out, final_state, rowdot
