@@ -1,0 +1,69 @@
+"""Registers and spills of the linear_attn Triton kernels for Hopper, compiled on a machine without a GPU.
+
+python benchmarks/triton_spills.py
+Compiles `chunk_outputs_kernel` / `segment_states_kernel` for sm_90a with the installed Triton and runs
+the ptxas that ships with it (`-v`) for several launch configurations: no device time needed. The
+installed Triton may differ from the GPU machine's, so read the numbers as indications.
+"""
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
+from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
+
+POINTERS = {
+    "a": "*bf16", "b": "*bf16", "c": "*bf16", "g": "*fp32", "out": "*bf16", "seg": "*i32", "s_in": "*fp32",
+    "h0": "*fp32", "ht": "*fp32", "dot_x": "*bf16", "rowdot": "*fp32", "states": "*fp32", "seg_decay": "*fp32",
+}
+PASSES = {  # name: (REVERSE, USE_G, ROWDOT)
+    "forward": (False, False, False),
+    "forward, decay": (False, True, False),
+    "dk pass, decay": (True, True, True),
+}
+LAUNCHES = [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3), (64, 32, 4, 2), (64, 128, 8, 2), (32, 64, 4, 2)]  # C, BC, warps, stages
+
+
+def ptxas() -> Path:
+    """The newest ptxas bundled with Triton that accepts the PTX it emits."""
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return next(p for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists())
+
+
+def resources(fn, constexprs: dict, warps: int, stages: int) -> str:
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "fp32" if n == "scale" else "i32") for n in names}
+    consts = {(names.index(n),): v for n, v in constexprs.items()}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        report = subprocess.run([ptxas(), "-arch=sm_90a", "-v", ptx, "-o", Path(tmp) / "k.cubin"],
+                                capture_output=True, text=True).stderr
+    regs = next(line.split("Used ")[1].split(",")[0] for line in report.splitlines() if "Used " in line)
+    spill = next(line.strip() for line in report.splitlines() if "spill" in line)
+    return f"{regs}; {spill}"
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    print(f"triton {triton.__version__}, {ptxas().name}, sm_90a, BA = 128 (K = 128), bf16")
+    for name, (reverse, use_g, rowdot) in PASSES.items():
+        for C, BC, warps, stages in LAUNCHES:
+            constexprs = dict(C=C, BA=128, BC=BC, REVERSE=reverse, USE_G=use_g, SPLIT=True, USE_H0=False,
+                              STORE_HT=False, ROWDOT=rowdot, F32=False)
+            print(f"chunk_outputs  {name:15} C{C} BC{BC} warps{warps} stages{stages}: "
+                  f"{resources(chunk_outputs_kernel, constexprs, warps, stages)}", flush=True)
+    for warps in (4, 8):
+        constexprs = dict(C=64, BA=128, BC=64, REVERSE=False, USE_G=True, F32=False)
+        print(f"segment_states decay C64 BC64 warps{warps}: {resources(segment_states_kernel, constexprs, warps, 2)}")
+
+
+if __name__ == "__main__":
+    main()
