@@ -65,12 +65,19 @@ def test_pad_and_chunk():
 
 def test_resolve_impl():
     forms = {"naive": len, "chunk": abs}
-    assert resolve_impl("op", "auto", forms, torch.device("cpu")) is abs
-    assert resolve_impl("op", "naive", forms, torch.device("cpu")) is len
+    q = torch.zeros(1)
+    assert resolve_impl("op", "auto", forms, q) is abs
+    assert resolve_impl("op", "naive", forms, q) is len
     with pytest.raises(NotImplementedError, match=r"op has no impl='scan'; it has \['chunk', 'naive'\]"):
-        resolve_impl("op", "scan", forms, torch.device("cpu"))
+        resolve_impl("op", "scan", forms, q)
     with pytest.raises(ValueError, match="impl must be"):
-        resolve_impl("op", "fast", forms, torch.device("cpu"))
+        resolve_impl("op", "fast", forms, q)
+
+
+def test_auto_picks_triton_only_for_cuda_non_float64():
+    forms = {"chunk": abs, "triton": len}
+    assert resolve_impl("op", "auto", forms, torch.zeros(1, device="meta")) is abs
+    assert resolve_impl("op", "auto", forms, torch.zeros(1)) is abs
 
 
 @pytest.mark.parametrize(

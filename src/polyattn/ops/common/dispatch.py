@@ -9,15 +9,17 @@ import torch
 FORMS = ("naive", "recurrent", "chunk", "scan", "parallel", "triton")
 
 
-def resolve_impl(mechanism: str, impl: str, available: Mapping[str, Callable], device: torch.device) -> Callable:
-    """Return the form function named by ``impl``.
+def resolve_impl(mechanism: str, impl: str, available: Mapping[str, Callable], q: torch.Tensor) -> Callable:
+    """Return the form function named by ``impl`` for inputs like ``q``.
 
-    ``"auto"`` picks ``"triton"`` on CUDA when the mechanism has it, else ``"chunk"``. A name outside
+    ``"auto"`` picks ``"triton"`` for fp16/bf16/fp32 CUDA tensors when the mechanism has it, else
+    ``"chunk"`` (float64 always takes the PyTorch forms: the kernels compute in fp32). A name outside
     :data:`FORMS` raises ``ValueError``; a known form that this mechanism lacks raises
     ``NotImplementedError`` naming the forms it has.
     """
     if impl == "auto":
-        impl = "triton" if torch.device(device).type == "cuda" and "triton" in available else "chunk"
+        gpu = q.device.type == "cuda" and q.dtype != torch.float64
+        impl = "triton" if gpu and "triton" in available else "chunk"
     if impl not in FORMS:
         raise ValueError(f"impl must be 'auto' or one of {list(FORMS)}, got {impl!r}")
     if impl not in available:

@@ -66,7 +66,7 @@ def hla(
     d = check_inputs(q, k, v, g, cu_seqlens)
     if initial_state is not None:
         check_hla_state(variant, initial_state, d.N, d.H, d.K, d.V, normalize, q)
-    fn = resolve_impl("hla", impl, HLA_FORMS, q.device)
+    fn = resolve_impl("hla", impl, HLA_FORMS, q)
     return run_varlen(
         fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state,
         order=order, asymmetric=asymmetric, normalize=normalize, eps=eps, scale=resolve_scale(scale, d.K),

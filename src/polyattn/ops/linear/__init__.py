@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import (
-    check_cu_seqlens,
-    check_log_decay,
-    check_qkv,
-    check_state,
-    resolve_impl,
-    resolve_scale,
-    run_varlen,
-)
+from polyattn.ops.common import check_inputs, check_state, resolve_impl, resolve_scale, run_varlen
 from polyattn.ops.linear.chunk import linear_attn_chunk
 from polyattn.ops.linear.naive import linear_attn_naive
 from polyattn.ops.linear.recurrent import linear_attn_recurrent, linear_attn_step
@@ -54,14 +46,11 @@ def linear_attn(
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state or None)``.
     """
-    B, T, H, K, V = check_qkv(q, k, v)
-    if g is not None:
-        check_log_decay(g, q)
-    N = check_cu_seqlens(cu_seqlens, q)
+    d = check_inputs(q, k, v, g, cu_seqlens)
     if initial_state is not None:
-        check_state("initial_state", initial_state, (N, H, K, V), q)
-    fn = resolve_impl("linear_attn", impl, LINEAR_ATTN_FORMS, q.device)
-    scale = resolve_scale(scale, K)
+        check_state("initial_state", initial_state, (d.N, d.H, d.K, d.V), q)
+    fn = resolve_impl("linear_attn", impl, LINEAR_ATTN_FORMS, q)
+    scale = resolve_scale(scale, d.K)
     return run_varlen(fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state, scale=scale)
 
 
