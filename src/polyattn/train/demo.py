@@ -2,9 +2,10 @@
 
 Trains each mixer (one process per core, one thread each) with the same protocol, evaluates accuracy
 per (length, pairs) slice up to 16× the training length, prints a table (mixer, params, decoding-state
-floats, accuracy per slice, train tokens/s), writes ``demo.json`` and PNGs (accuracy vs state size,
-accuracy vs length, training curves), and checks on one trained model that token-by-token decoding
-from the recurrent state reproduces the parallel forward.
+floats, accuracy per slice, train tokens/s), writes ``demo.json``, ``table.txt`` and PNGs (accuracy vs
+state size, accuracy vs length, training curves), and checks on one trained model that token-by-token
+decoding from the recurrent state reproduces the parallel forward. A second, smaller study runs the
+repeated-key overwrite task for a few mixers (softmax, the first-order baselines, KATA vs DeltaKATA).
 """
 
 import json
@@ -22,6 +23,7 @@ import torch
 from polyattn.layers import MIXERS, available_mixers
 from polyattn.train.config import TrainConfig
 from polyattn.train.loop import build_data, train
+from polyattn.train.sweep import format_table
 
 DEFAULT_OUT = "benchmarks/results/demo-cpu"
 DECODE_CHECK_MIXER = "kata-m1"
@@ -48,6 +50,16 @@ DEMO_CONFIG = TrainConfig(
 # Per-mixer options (recorded in demo.json): the KATA cores train with their exact quadratic ("flash")
 # form at these lengths; Gated DeltaNet's output gate is off because with it these tiny models stay at
 # chance within the step budget (measured: 0.01 in-distribution accuracy with the gate, 0.91 without).
+# Overwrite (queries want the latest of several bindings) for a few mixers, same model and optimiser.
+OVERWRITE_CONFIG = replace(
+    DEMO_CONFIG,
+    task="overwrite",
+    task_options={"vocab_size": 256, "num_updates": 4},
+    train_segments=[(64, 6000, 4), (64, 6000, 8)],
+    test_segments=[(64, 256, 8), (256, 128, 32), (1024, 32, 64)],
+    steps=300,
+)
+OVERWRITE_MIXERS = ("softmax", "linear", "gdn", "kata-m1", "deltakata-m1")
 DEMO_MIXER_CONFIG = {
     "gdn": {"output_gate": False},
     "loglinear-gdn": {"output_gate": False},
@@ -91,56 +103,67 @@ def run_one(config, check_decode):
     return result
 
 
-def run_demo(out_dir=DEFAULT_OUT, mixers=None, steps=None, workers=2, stream=sys.stdout):
-    """Train every mixer, print the table, write JSON + PNGs; returns the summary dict."""
-    from polyattn.train.plots import plot_accuracy_vs_length, plot_accuracy_vs_state, plot_training_curve
-    from polyattn.train.sweep import format_table
-
+def run_demo(out_dir=DEFAULT_OUT, mixers=None, steps=None, workers=2, stream=None):
+    """Train every mixer (MQAR) and a few on overwrite, print tables, write JSON + PNGs; returns the summary."""
     start = time.perf_counter()
+    stream = stream or sys.stdout
     mixers = mixers or available_mixers()
     unknown = [m for m in mixers if m not in MIXERS]
     if unknown:
         raise ValueError(f"unknown mixers {unknown}: expected some of {list(MIXERS)}")
-    base = DEMO_CONFIG if steps is None else replace(DEMO_CONFIG, steps=steps)
+    studies = {"mqar": (DEMO_CONFIG, mixers), "overwrite": (OVERWRITE_CONFIG, [m for m in OVERWRITE_MIXERS if m in mixers])}
     check = DECODE_CHECK_MIXER if DECODE_CHECK_MIXER in mixers else mixers[0]
-    jobs = {m: replace(base, mixer=m, mixer_config=DEMO_MIXER_CONFIG.get(m, {})) for m in mixers}
-    print(f"polyattn demo: {len(mixers)} mixers, MQAR {base.task_options}, {base.steps} steps max, "
+    jobs = []
+    for task, (base, names) in studies.items():
+        base = base if steps is None else replace(base, steps=steps)
+        studies[task] = (base, names)
+        jobs += [(task, m, replace(base, mixer=m, mixer_config=DEMO_MIXER_CONFIG.get(m, {}))) for m in names]
+    print(f"polyattn demo: {len(mixers)} mixers on MQAR, {len(studies['overwrite'][1])} on overwrite, "
           f"{workers} worker process(es) × 1 thread", file=stream, flush=True)
-    results = {}
+    results = {task: {} for task in studies}
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
         # the registry lists the costlier mechanisms last: submit them first so both workers finish together
-        futures = {pool.submit(run_one, jobs[m], m == check): m for m in reversed(mixers)}
-        for future in as_completed(futures):
+        futures = {pool.submit(run_one, cfg, task == "mqar" and m == check): (task, m) for task, m, cfg in reversed(jobs)}
+        for done, future in enumerate(as_completed(futures), 1):
+            task, m = futures[future]
             r = future.result()
-            results[r["mixer"]] = r
+            results[task][m] = r
             accs = " ".join(f"{e['accuracy']:.2f}" for e in r["eval"])
-            print(f"[{len(results):2d}/{len(mixers)}] {r['mixer']:<17} acc {accs}  ({r['train']['steps']} steps, "
+            print(f"[{done:2d}/{len(jobs)}] {task:<9} {m:<17} acc {accs}  ({r['train']['steps']} steps, "
                   f"{r['wall_s']:.0f}s)", file=stream, flush=True)
-    ordered = [results[m] for m in mixers]
-    table = format_table(ordered)
-    decode = results[check]["decode_check"]
-    wall = time.perf_counter() - start
-    summary = {
-        "protocol": asdict(base),
-        "mixers": mixers,
-        "results": ordered,
-        "decode_check": {"mixer": check, **decode},
-        "table": table,
-        "wall_s": wall,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "load_avg_at_end": os.getloadavg()},
-    }
+    summary = {"studies": {}}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    tables = []
+    for task, (base, names) in studies.items():
+        ordered = [results[task][m] for m in names]
+        if not ordered:
+            continue
+        options = "; ".join(f"{m}: {json.dumps(DEMO_MIXER_CONFIG[m])}" for m in names if m in DEMO_MIXER_CONFIG)
+        table = f"{task}:\n" + format_table(ordered) + (f"\nper-mixer options: {options}" if options else "")
+        tables.append(table)
+        summary["studies"][task] = {"protocol": asdict(base), "mixers": names, "results": ordered, "table": table}
+        write_plots(task, ordered, base, out)
+    decode = results["mqar"][check]["decode_check"]
+    summary["decode_check"] = {"mixer": check, **decode}
+    summary["wall_s"] = time.perf_counter() - start
+    summary["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                          "load_avg_at_end": os.getloadavg()}
     (out / "demo.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "table.txt").write_text(table + "\n")
-    slices = [(s.seq_len, s.num_pairs) for s in base.test_segments]
-    plot_accuracy_vs_state(ordered, out / "accuracy_vs_state.png", [slices[1], slices[-1]])
-    plot_accuracy_vs_length(ordered, out / "accuracy_vs_length.png")
-    plot_training_curve(ordered, out / "training_curves.png")
-    print("\n" + table, file=stream)
+    (out / "table.txt").write_text("\n\n".join(tables) + "\n")
+    print("\n" + "\n\n".join(tables), file=stream)
     print(f"\ndecoding check ({check}, {decode['tokens']} tokens, prefill {decode['prefill']} then one token at a "
           f"time): max relative logit difference {decode['float32']:.1e} (float32), {decode['float64']:.1e} (float64)",
           file=stream)
-    print(f"wrote {out}/demo.json, table.txt and PNGs; wall time {wall:.0f}s", file=stream, flush=True)
+    print(f"wrote {out}/demo.json, table.txt and PNGs; wall time {summary['wall_s']:.0f}s", file=stream, flush=True)
     return summary
+
+
+def write_plots(task, results, base, out):
+    from polyattn.train.plots import plot_accuracy_vs_length, plot_accuracy_vs_state, plot_training_curve
+
+    prefix = "" if task == "mqar" else f"{task}_"
+    slices = [(s.seq_len, s.num_pairs) for s in base.test_segments]
+    plot_accuracy_vs_state(results, out / f"{prefix}accuracy_vs_state.png", [slices[0], slices[-1]])
+    plot_accuracy_vs_length(results, out / f"{prefix}accuracy_vs_length.png")
+    plot_training_curve(results, out / f"{prefix}training_curves.png")

@@ -38,18 +38,22 @@ def colors_for(results):
 
 
 def plot_accuracy_vs_length(results, path):
-    """Accuracy per eval slice against sequence length; the shaded band is beyond the training length."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    """Accuracy per eval slice, slices ordered by (length, pairs); shaded: beyond the training length."""
+    slices = sorted({(e["length"], e["pairs"]) for r in results for e in r["eval"]})
+    fig, ax = plt.subplots(figsize=(7.5, 4))
     for r, color in zip(results, colors_for(results)):
-        rows = sorted(r["eval"], key=lambda e: (e["length"], e["pairs"]))
-        ax.plot([e["length"] for e in rows], [e["accuracy"] for e in rows], marker="o", label=label_of(r), color=color)
+        acc = {(e["length"], e["pairs"]): e["accuracy"] for e in r["eval"]}
+        xs = [i for i, s in enumerate(slices) if s in acc]
+        ax.plot(xs, [acc[slices[i]] for i in xs], marker="o", label=label_of(r), color=color)
     max_len = max(r["max_train_len"] for r in results)
-    ax.axvspan(max_len, ax.get_xlim()[1], color="0.9", zorder=0, label="extrapolation")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length")
+    beyond = [i for i, (length, _) in enumerate(slices) if length > max_len]
+    if beyond:
+        ax.axvspan(beyond[0] - 0.5, len(slices) - 0.5, color="0.92", zorder=0, label="beyond training length")
+    ax.set_xticks(range(len(slices)), [f"T={length}\n{pairs} pairs" for length, pairs in slices])
+    ax.set_xlim(-0.5, len(slices) - 0.5)
     ax.set_ylabel("accuracy on queries")
     ax.set_ylim(-0.02, 1.02)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -76,14 +80,14 @@ def plot_accuracy_vs_state(results, path, slices):
 
 
 def plot_training_curve(results, path):
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4))
     for r, color in zip(results, colors_for(results)):
         hist = r["train"]["history"]
         ax.plot([h["step"] for h in hist], [h["loss"] for h in hist], label=label_of(r), lw=1, color=color)
     ax.set_xlabel("step")
     ax.set_ylabel("train loss")
     ax.set_yscale("log")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
