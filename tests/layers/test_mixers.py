@@ -99,3 +99,18 @@ def test_normalized_hla_with_positive_features_is_exact_when_streamed():
     y1, state = mixer(x[:, :5], use_cache=True)
     y2, _ = mixer(x[:, 5:], state, use_cache=True)
     assert_close_rel(torch.cat([y1, y2], dim=1), full, 1e-9)
+
+
+@pytest.mark.parametrize("name", ["mamba2", "loglinear-mamba2"])
+def test_mamba2_without_skip_and_gate_is_exact_when_streamed(name):
+    mixer = make(name, d_skip=False, output_gate=False)
+    assert mixer.D is None and not any(n == "D" for n, _ in mixer.named_parameters())
+    x = torch.randn(1, 12, D_MODEL, dtype=torch.float64)
+    full, _ = mixer(x)
+    y1, state = mixer(x[:, :5], use_cache=True)
+    y2, _ = mixer(x[:, 5:], state, use_cache=True)
+    assert_close_rel(torch.cat([y1, y2], dim=1), full, 1e-9)
+    with_skip = make(name, output_gate=False)
+    with torch.no_grad():
+        with_skip.D.zero_()
+    assert_close_rel(with_skip(x)[0], full, 1e-12)

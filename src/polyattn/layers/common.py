@@ -106,14 +106,14 @@ class QKNorm(nn.Module):
 class DecayGate(nn.Module):
     """Mamba-2 / GDN log-decay ``g = −exp(A_log) · softplus(a_proj x + dt_bias)`` per (token, head).
 
-    Init as fla's Gated DeltaNet: ``A ~ U(0, 16)``, ``dt ~ logU(1e-3, 0.1)`` floored at 1e-4,
-    ``dt_bias = softplus⁻¹(dt)`` (spec/loglinear.md §2.3).
+    Init as fla's Gated DeltaNet: ``A ~ U(0, a_max)`` with ``a_max = 16``, ``dt ~ logU(1e-3, 0.1)`` floored
+    at 1e-4, ``dt_bias = softplus⁻¹(dt)`` (spec/loglinear.md §2.3).
     """
 
-    def __init__(self, d_model, heads):
+    def __init__(self, d_model, heads, a_max=16.0):
         super().__init__()
         self.a_proj = nn.Linear(d_model, heads, bias=False)
-        self.A_log = nn.Parameter(torch.log(torch.empty(heads).uniform_(1e-4, 16)))
+        self.A_log = nn.Parameter(torch.log(torch.empty(heads).uniform_(1e-4, a_max)))
         self.dt_bias = nn.Parameter(inverse_softplus(sample_dt(heads)))
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True

@@ -8,6 +8,11 @@ Mamba-2 as in fla's ``Mamba2`` (n_groups = 1)::
     y   = linear_attn(q=C, k=B, v=x·dt, g, scale=1) + D·x                   B, C shared by all heads
     out = out_proj(rmsnorm(y · silu(z)))                                    (RMSNormGated, norm after gate)
 
+Defaults follow fla (D = 1, z gate, norm after gate). ``d_skip=False`` / ``output_gate=False`` drop the
+D·x skip / the z gate: at small width and short training the skip dominates at init (v = x·dt with
+dt ≈ 1e-3…0.1 makes the SSM output ~2 % of D·x in RMS at d_model 64, and the scale-free RMSNorm only
+sees the sum), and such models stay at chance on MQAR; ``polyattn demo`` trains without both.
+
 Log-linear Mamba-2 adds ``lam = softplus(Lpar ⊙ l_proj x)`` (``l_proj`` reads the block input, not the
 conv output) and calls ``loglinear_attn`` instead. States: ``H·N·P`` floats for Mamba-2, times
 ``num_levels(T)`` for the log-linear form, plus the conv cache.
@@ -38,11 +43,13 @@ from polyattn.ops.common import compute_dtype, num_levels
 @dataclass
 class Mamba2Config(MixerConfig):
     """``head_dim`` is Mamba-2's P (None: expand·d_model // num_heads), ``d_state`` its N;
-    ``output_gate=False`` drops the z branch (plain RMSNorm before ``out_proj``)."""
+    ``output_gate=False`` drops the z branch (plain RMSNorm before ``out_proj``); ``d_skip=False`` drops
+    the ``D·x`` skip (and the parameter D)."""
 
     d_state: int = 16
     expand: int = 2
     output_gate: bool = True
+    d_skip: bool = True
 
 
 @dataclass
@@ -69,9 +76,10 @@ class Mamba2(Mixer):
         self.conv = ShortConv(conv_dim, cfg.conv_size)
         self.dt_bias = nn.Parameter(inverse_softplus(sample_dt(self.heads)))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, self.heads + 1, dtype=torch.float32)))
-        self.D = nn.Parameter(torch.ones(self.heads))
+        self.D = nn.Parameter(torch.ones(self.heads)) if cfg.d_skip else None
         for p in (self.dt_bias, self.A_log, self.D):
-            p._no_weight_decay = True
+            if p is not None:
+                p._no_weight_decay = True
         self.norm = RMSNorm(self.d_inner)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
 
@@ -89,7 +97,8 @@ class Mamba2(Mixer):
         v = (xs * dt[..., None]).to(xs.dtype)  # [B, T, H, P]
         core = None if state is None else state.core
         y, core = self.ssd(q, k, v, g, x, core, use_cache)  # [B, T, H, P]
-        y = y + self.D.to(y.dtype)[:, None] * xs
+        if self.D is not None:
+            y = y + self.D.to(y.dtype)[:, None] * xs
         y = y.flatten(-2)  # [B, T, H, P] -> [B, T, H*P]
         y = self.norm(y * F.silu(z.to(y.dtype)) if self.z_dim else y)
         out = self.out_proj(y.to(x.dtype))
