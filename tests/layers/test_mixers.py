@@ -114,3 +114,39 @@ def test_mamba2_without_skip_and_gate_is_exact_when_streamed(name):
     with torch.no_grad():
         with_skip.D.zero_()
     assert_close_rel(with_skip(x)[0], full, 1e-12)
+
+
+@pytest.mark.parametrize("name", ["hla2", "ahla", "hla3"])
+@pytest.mark.parametrize("outer_decay", [False, True], ids=["inner-decay", "outer-decay"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+def test_hla_decay_placements_are_exact_when_streamed(name, outer_decay, normalize):
+    features = {"normalize": True, "feature_map": "relu"} if normalize else {}
+    mixer = make(name, outer_decay=outer_decay, **features)
+    x = torch.randn(1, 12, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    full, _ = mixer(x)
+    y1, state = mixer(x[:, :5], use_cache=True)
+    outs = [y1]
+    for t in range(5, 12):
+        y, state = mixer(x[:, t : t + 1], state, use_cache=True)
+        outs.append(y)
+    assert_close_rel(torch.cat(outs, dim=1), full, 1e-9)
+
+
+def test_hla2_inner_decay_matches_its_index_form():
+    """``o_t = s² Σ_{j≤t} Σ_{i≤j} exp(g_{i+1}+…+g_j) (q_t·k_i)(q_j·k_i) v_j``: the key moment decays, the
+    outer sum over j does not."""
+    gen = torch.Generator().manual_seed(4)
+    B, T, H, K, V = 1, 7, 2, 3, 4
+    q, k = (torch.randn(B, T, H, K, dtype=torch.float64, generator=gen) for _ in range(2))
+    v = torch.randn(B, T, H, V, dtype=torch.float64, generator=gen)
+    g = -torch.rand(B, T, H, dtype=torch.float64, generator=gen)
+    mixer = make("hla2")
+    o, _ = mixer.inner_decay_hla(q, k, v, g, None, False, order=2, asymmetric=False, normalize=False)
+    s = K**-0.5
+    expected = torch.zeros_like(o)
+    for t in range(T):
+        for j in range(t + 1):
+            for i in range(j + 1):
+                w = torch.exp(g[:, i + 1 : j + 1].sum(1)) * (q[:, t] * k[:, i]).sum(-1) * (q[:, j] * k[:, i]).sum(-1)
+                expected[:, t] += s * s * w[..., None] * v[:, j]
+    assert_close_rel(o, expected, 1e-12)

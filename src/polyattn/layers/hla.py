@@ -2,25 +2,28 @@
 
 q/k/v projections, short conv + SiLU, q/k post-processing (L2 norm by default: unnormalized HLA outputs
 grow polynomially in t, spec/hla.md §8.1), an optional feature map, an optional learned per-token
-decay ``g = −exp(A_log)·softplus(a_proj x + dt_bias)`` (on by default), ``ops.hla``, then a per-head
-output RMSNorm and ``o_proj``.
+decay ``g = −exp(A_log)·softplus(a_proj x + dt_bias)`` (on by default), the HLA composition, then a
+per-head output RMSNorm and ``o_proj``. ``normalize=True`` requires a positive feature map (``elu1`` or
+``relu``): with signed features the denominator changes sign (spec/hla.md §8.3); the config check
+enforces it.
 
-HLA has no published experiments, so the shell is ours. The decay: the composed calls forget at up to
-``m·g`` (``m`` = 2 for HLA2's outer call ``2g``, 3 for HLA3's ``3g``, 1 for AHLA, whose pair weights decay
-as ``g^{t-j}``), so the gate's ``A`` is drawn from ``U(0, 16/m)``: the fastest composed decay then starts
-in the range of a first-order gate (Gated DeltaNet, ``A ~ U(0, 16)``) instead of m times faster, which
-forgets a key within a few tokens. Measured on ``polyattn demo``'s MQAR (450 steps, lr 3e-2, length-64
-accuracy, single runs that vary by about ±0.2 at this LR): HLA3 0.23 with ``U(0, 16)``, 0.54 with
-``U(0, 16/3)``, 0.65 without decay.
-
-HLA2 does not learn that MQAR in 450 steps with any shell we tried (length-64 accuracy, lr 1e-2 unless
-noted): as here 0.06; lr 3e-2 0.01; no decay at lr 3e-2 0.05; no decay and no q/k norm 0.07; q/k RMSNorm
-0.03; relu 0.09 (no decay 0.11); elu+1 0.05; normalized relu 0.07; 8 heads 0.03; ``scale=1`` 0.04;
-output-norm eps 1e-12 0.04; q, k projections equal at init 0.05; ``A ~ U(0, 8)`` at lr 3e-2 0.05; 1500
-steps 0.10. Its weight for value j, ``q_tᵀ S_j q_j``, compares two *queries* under the key moment, so
-recall needs two coupled alignments that get no consistent gradient from a random start. AHLA learns
-(0.80 at lr 3e-2). ``normalize=True`` requires a positive feature map (``elu1`` or ``relu``):
-with signed features the denominator changes sign (spec/hla.md §8.3); the config check enforces it.
+Where the decay acts (HLA has no published experiments, so this shell is ours). HLA is a composition
+of linear-attention calls (`polyattn.ops.hla.variants`): inner calls build moments (HLA2's
+``Y = LA(Q, K, K)``, AHLA's and HLA3's ``Z = LA(Q, K, V)``), the last call reads them over the whole
+prefix. By default (``outer_decay=False``) the inner calls decay with ``g`` and the last call does
+not: spec/hla.md §2.4's two-rate decay with ``g_out = 1``. Without any decay the key moment
+``S_j = Σ_{i≤j} k_i k_iᵀ`` piles up every earlier key, a background that grows with j and swamps the
+one matching key; the canonical decay (``outer_decay=True``, `ops.hla`: last call at ``2g`` for HLA2,
+``g`` for AHLA, ``3g`` for HLA3) removes the background only by forgetting the recalled pair as fast or
+faster. With ``outer_decay=True`` the gate's ``A`` is drawn from ``U(0, 16/m)``, m the last call's rate
+multiplier (2 or 3; 1 for AHLA), so that its fastest decay starts in a first-order gate's range.
+Measured on ``polyattn demo``'s MQAR (450 steps, length-64 accuracy, single runs, lr 1e-2 unless noted):
+HLA2 canonical 0.06, no decay 0.07 (q/k norm off), inner decay only 0.63 (0.90 with ``A ~ U(0, 8)``);
+AHLA canonical 0.24 (0.80 at lr 3e-2), inner decay only 0.93; HLA3 does not learn in that budget
+whichever placement: canonical 0.24 (0.23 at lr 3e-2; with ``A ~ U(0, 16/3)`` 0.24, and 0.34 or 0.54 in
+two runs at lr 3e-2), no decay 0.27 (0.65 at lr 3e-2), inner decay only 0.12 (0.34). Before finding this, HLA2 stayed at
+chance with lr 3e-2, q/k RMSNorm, relu or elu+1 features, the normalized form, 8 heads, ``scale=1``,
+q = k at init, and 1500 steps. The decode state is the calls' states either way.
 
 States per head (spec/hla.md §2.4, §3.2, §4.1; ``dv' = dv + 1`` when normalized, the ones column):
 HLA2 ``S (dk×dk) + F (dk×dv')``; AHLA ``P, E (dk×dv')``; HLA3 ``S (dk×dk) + P, F (dk×dv')``.
@@ -38,10 +41,13 @@ from polyattn.layers.common import (
     QKVMixer,
     check_option,
 )
+from polyattn.ops.hla.variants import finish_output, prepare
 
 
 @dataclass
 class HLAConfig(MixerConfig):
+    """``outer_decay=False``: ``g`` decays the inner calls only (module docstring); True: `ops.hla`'s decay."""
+
     order: int = 2
     asymmetric: bool = False
     normalize: bool = False
@@ -49,6 +55,7 @@ class HLAConfig(MixerConfig):
     feature_map: str = "identity"
     qk_norm: str = "l2"
     eps: float = 1e-6
+    outer_decay: bool = False
 
 
 class HigherOrderLinearAttention(QKVMixer):
@@ -68,7 +75,7 @@ class HigherOrderLinearAttention(QKVMixer):
                 f"got feature_map={cfg.feature_map!r}"
             )
         self.qk_norm = QKNorm(cfg.qk_norm, self.dk)
-        rate = 1 if cfg.asymmetric else cfg.order  # the fastest composed decay is rate·g
+        rate = cfg.order if cfg.outer_decay and not cfg.asymmetric else 1  # the fastest composed decay is rate·g
         self.decay = DecayGate(d_model, self.heads, a_max=16.0 / rate) if cfg.decay else None
 
     def mix(self, q, k, v, x, core, use_cache):
@@ -76,10 +83,28 @@ class HigherOrderLinearAttention(QKVMixer):
         phi = FEATURE_MAPS[cfg.feature_map]
         q, k = phi(self.qk_norm(q)), phi(self.qk_norm(k))
         g = None if self.decay is None else self.decay(x)
+        options = dict(order=cfg.order, asymmetric=cfg.asymmetric, normalize=cfg.normalize)
+        if g is not None and not cfg.outer_decay:
+            return self.inner_decay_hla(q, k, v, g, core, use_cache, **options)
         return ops.hla(
-            q, k, v, g, order=cfg.order, asymmetric=cfg.asymmetric, normalize=cfg.normalize, eps=cfg.eps,
-            initial_state=core, output_final_state=use_cache, impl=self.impl_for(q.shape[1]),
+            q, k, v, g, **options, eps=cfg.eps, initial_state=core, output_final_state=use_cache,
+            impl=self.impl_for(q.shape[1]),
         )
+
+    def inner_decay_hla(self, q, k, v, g, core, use_cache, **options):
+        """The variant's composed `linear_attn` calls (`polyattn.ops.hla.variants`), all but the last with
+        log-decay ``g`` and the last undecayed; same state (the calls' states, in order) as ``ops.hla``."""
+        scale = q.shape[-1] ** -0.5
+        variant, q, k, v, g, state, dtype = prepare(q, k, v, g, scale=scale, initial_state=core, **options)
+        env, finals = {"k": k, "v": v}, []
+        for call, initial in zip(variant.calls, state):
+            env[call.out], final = ops.linear_attn(
+                q, env[call.key], env[call.value], None if call.out == "o" else g, scale=1.0,
+                initial_state=initial, output_final_state=use_cache, impl=self.impl_for(q.shape[1]),
+            )  # [B, T, H, width of the call's values]
+            finals.append(final)
+        o = finish_output(env["o"], options["normalize"], self.config.eps, dtype)
+        return o, (variant.state(*finals) if use_cache else None)
 
     def core_state_size(self, T):
         cfg = self.config
