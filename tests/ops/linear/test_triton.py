@@ -119,7 +119,7 @@ def test_triton_varlen(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 def test_triton_segment_split(dtype):
     """One sequence, few heads: the sequence is split into segments combined by the scan."""
-    from polyattn.ops.linear.triton.common import KernelConfig, use_config
+    from polyattn.ops.triton.plan import KernelConfig, use_config
 
     config = KernelConfig(chunk_size=16, block_c=16, min_segment_chunks=1) if not CUDA else KernelConfig()
     h0 = torch.randn(1, H, K, V, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(DEVICE)

@@ -1,8 +1,8 @@
 """Triton kernels of `linear_attn`: the only package of ops/linear that imports triton.
 
-Files by stage: common.py (pass vocabulary, dot helper, segment table, config),
+Files by stage (on the shared core ops/triton: precision helpers, segment plan, chunk decay):
 chunk_states.py (segment end states + combine), chunk_outputs.py (outputs, state on chip),
-launch.py (one pass on the host), function.py (autograd Function: forward and backward
+launch.py (one pass on the host, the pass vocabulary), function.py (autograd Function: forward and backward
 passes, dg), step.py (fused decoding step). Importing this package does not import triton:
 the two entry points below load the kernels on first call, so CPU-only installs never need it.
 """

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from polyattn.ops.triton.precision import LOG2E
+
 
 @triton.jit
 def linear_attn_step_kernel(
@@ -29,7 +31,7 @@ def linear_attn_step_kernel(
     b_k = tl.load(k + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
     b_v = tl.load(v + i_bh * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
     if USE_G:
-        b_s *= tl.exp2(tl.load(g + i_bh).to(tl.float32) * 1.4426950408889634)
+        b_s *= tl.exp2(tl.load(g + i_bh).to(tl.float32) * LOG2E)
     b_s += b_k[:, None] * b_v[None, :]  # [BK, 1] * [1, BV] -> [BK, BV]
     b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BK, BV] -> [BV]
     tl.store(p_s, b_s, mask=m_k[:, None] & m_v[None, :])
