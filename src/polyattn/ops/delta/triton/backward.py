@@ -8,16 +8,17 @@ A_qk = scale Q K^T ⊙ Γ ⊙ L) and dh' the gradient of the state leaving the c
     dh = exp(gc_last) dh' + (scale Q)^T diag(exp(gc)) dO - K^T diag(beta exp(gc)) dR
 
 `delta_state_grad_kernel` runs this recurrence backward over the chunks of one sequence, head
-and value tile, storing dh' of every chunk (`dhs: [NC, H, K, V]`) and dR (`drs: [N_tok, H, V]`,
-fp32). `delta_grads_kernel` then, for one chunk and head, sums over value tiles
+and value tile, storing dh' of every chunk (`dhs: [NC, H, K, V]`), dR (`drs: [N_tok, H, V]`), both
+fp32, `dv = diag(beta) dR` and the per-tile `v . dv`.
+`delta_grads_kernel` then, for one chunk and head, sums over value tiles
 
     P  = dO U^T,   E = -dR U^T           (dA = strict_lower(E): U = (I + A)^{-1} R)
     dq = scale (P ⊙ Γ ⊙ L) K + scale diag(exp(gc)) dO h^T
     dk = scale (P ⊙ Γ ⊙ L)^T Q + diag(exp(gc_last - gc)) U dh'^T - diag(beta exp(gc)) dR h^T
          + M K + M^T K,  M = diag(beta) (dA ⊙ Γ)
-    dv = diag(beta) dR,   dbeta = rowsum(dR ⊙ (V - diag(exp(gc)) K h)) + rowsum(dA ⊙ Γ ⊙ K K^T)
+    dbeta = rowsum(dR ⊙ (V - diag(exp(gc)) K h)) + rowsum(dA ⊙ Γ ⊙ K K^T)
 
-and the per-token log-decay term `q . dq - v . dv` (function.py turns it into dg).
+and the per-token `q . dq` of the log-decay term `q . dq - v . dv` (function.py turns it into dg).
 `delta_backward_ref` is the PyTorch twin of both kernels.
 """
 import torch
@@ -30,8 +31,8 @@ from polyattn.ops.triton.precision import mma, mma_fp32, mma_left_fp32, mma_righ
 
 @triton.jit
 def delta_state_grad_kernel(
-    q, k, do, beta, g, t_inv, seqs, cu_chunks, dht, dh0, dhs, drs,
-    scale, H, K, V,
+    q, k, v, do, beta, g, t_inv, seqs, cu_chunks, dht, dh0, dhs, drs, dv, vdv,
+    scale, N_tok, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, F32: tl.constexpr,
 ):
@@ -74,6 +75,10 @@ def delta_state_grad_kernel(
         b_du += mma_right_fp32(b_k, b_dh, F32) * tl.exp2(b_last - b_gc)[:, None]  # [C, BK] @ [BK, BV]
         b_dr = mma_fp32(tl.trans(b_tinv), b_du, b_q.dtype, F32)  # [C, C] @ [C, BV] -> [C, BV]
         tl.store(drs + row_v, b_dr, mask=m_tv)
+        b_dv = b_dr * b_beta[:, None]  # [C, BV]
+        tl.store(dv + row_v, to_output(b_dv, dv.dtype.element_ty, F32), mask=m_tv)  # downcast: input dtype
+        b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
+        tl.store(vdv + (i_v * N_tok + t) * H + i_h, tl.sum(b_v * b_dv, axis=1), mask=m_t)
         b_dow = b_do.to(tl.float32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BV]
         b_drw = b_dr * (b_beta * tl.exp2(b_gc))[:, None]  # [C, BV]
         b_dh = b_dh * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_q), b_dow, F32) - mma_right_fp32(tl.trans(b_k), b_drw, F32)
@@ -83,13 +88,13 @@ def delta_state_grad_kernel(
 
 @triton.jit
 def delta_grads_kernel(
-    q, k, v, beta, g, do, chunks, hs, dhs, us, drs, dq, dk, dv, dbeta, dgterm,
+    q, k, v, beta, g, do, chunks, hs, dhs, us, drs, dq, dk, dbeta, dgterm,
     scale, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
 ):
     """grid: (num_chunks, H). Loads q, k of the chunk once ([C, BK], the full K), then loops
     over value tiles accumulating P, E ([C, C]) and the h-side parts of dq, dk ([C, BK]) in
-    fp32; writes dv per tile and dq, dk, dbeta, the log-decay term at the end."""
+    fp32; writes dq, dk, dbeta and `q . dq` at the end."""
     i_ch, i_h = tl.program_id(0), tl.program_id(1)
     bos = tl.load(chunks + i_ch * 4).to(tl.int64)
     eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
@@ -111,7 +116,6 @@ def delta_grads_kernel(
     b_dq = tl.zeros([C, BK], dtype=tl.float32)
     b_dk = tl.zeros([C, BK], dtype=tl.float32)
     b_db = tl.zeros([C], dtype=tl.float32)
-    b_vdv = tl.zeros([C], dtype=tl.float32)
     p_state = ((i_ch * H + i_h) * K + o_k[None, :]).to(tl.int64) * V  # [1, BK]: row starts of h^T
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -132,9 +136,6 @@ def delta_grads_kernel(
         b_dk -= mma_fp32(b_dr, b_ht, b_q.dtype, F32) * (b_beta * b_egc)[:, None]  # [C, BV] @ [BV, BK]
         b_kh = mma_right_fp32(b_k, tl.trans(b_ht), F32)  # [C, BK] @ [BK, BV] -> [C, BV]
         b_db += tl.sum(b_dr * (b_v.to(tl.float32) - b_egc[:, None] * b_kh), axis=1)  # [C]
-        b_dv = b_dr * b_beta[:, None]  # [C, BV]
-        b_vdv += tl.sum(b_v.to(tl.float32) * b_dv, axis=1)  # [C]
-        tl.store(dv + row_v, to_output(b_dv, dv.dtype.element_ty, F32), mask=m_tv)  # downcast: input dtype
     b_gamma = tl.exp2(b_d)  # [C, C], 0 above the diagonal
     b_ds = b_p * b_gamma * scale  # [C, C]
     b_dq = mma_left_fp32(b_ds, b_k, F32) + b_dq * (b_egc * scale)[:, None]  # [C, C] @ [C, BK]
@@ -147,8 +148,7 @@ def delta_grads_kernel(
     tl.store(dq + row_k, to_output(b_dq, dq.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
     tl.store(dk + row_k, to_output(b_dk, dk.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
     tl.store(dbeta + t * H + i_h, b_db, mask=m_t)
-    b_qdq = tl.sum(b_q.to(tl.float32) * b_dq, axis=1)  # [C]
-    tl.store(dgterm + t * H + i_h, b_qdq - b_vdv, mask=m_t)
+    tl.store(dgterm + t * H + i_h, tl.sum(b_q.to(tl.float32) * b_dq, axis=1), mask=m_t)  # q . dq
 
 
 def delta_backward_ref(q, k, v, beta, g, t_inv, do, dht, hs, us, seq_lens: tuple, *, scale, chunk_size):

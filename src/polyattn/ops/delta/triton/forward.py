@@ -8,8 +8,10 @@ h the [K, BV] fp32 state entering the chunk (ops/delta/README.md, "Chunk form"):
     O  = (scale Q K^T ⊙ Γ ⊙ L) U + diag(exp(gc)) (scale Q) h
     h' = exp(gc_last) h + K^T diag(exp(gc_last - gc)) U
 
-With SAVE (a backward will run) it stores the state entering every chunk (`hs: [NC, H, K, V]`)
-and U (`us: [N_tok, H, V]`), both fp32. `delta_forward_ref` is the PyTorch twin.
+With SAVE (a backward will run) it stores the state entering every chunk (`hs: [NC, H, K, V]`,
+fp32) and U (`us: [N_tok, H, V]`, fp32). Every fp32 operand (state, Tinv, R, U, the score tile)
+enters the tensor cores split in input-dtype halves, exact to ~2^-16: rounding R or U to bf16
+instead doubles the output error against the float64 spec (measured under the test bounds). `delta_forward_ref` is the PyTorch twin.
 """
 import torch
 import triton

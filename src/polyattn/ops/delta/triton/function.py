@@ -69,23 +69,27 @@ class DeltaRuleFunction(torch.autograd.Function):
         dhs = torch.empty_like(hs)
         drs = torch.empty_like(us)
         BK, BV = block(K), min(block(V), config.block_c)
+        n_v = triton.cdiv(V, BV)
         F32 = dot_f32(qf.dtype)
-        delta_state_grad_kernel[(triton.cdiv(V, BV), N, H)](
-            qf, kf, dof, bf, gf, t_inv, seqs, chunks[1], dht, dh0, dhs, drs,
-            scale, H, K, V,
+        dv = torch.empty_like(vf)
+        vdv = torch.empty(n_v, B * T, H, dtype=torch.float32, device=qf.device)
+        delta_state_grad_kernel[(n_v, N, H)](
+            qf, kf, vf, dof, bf, gf, t_inv, seqs, chunks[1], dht, dh0, dhs, drs, dv, vdv,
+            scale, B * T, H, K, V,
             C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
             F32=F32, num_warps=config.num_warps, num_stages=config.num_stages,
         )
-        dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
+        dq, dk = torch.empty_like(qf), torch.empty_like(kf)
         dbeta = torch.empty(B * T, H, dtype=torch.float32, device=qf.device)
         dgterm = torch.empty_like(dbeta)
         delta_grads_kernel[(chunks[2], H)](
-            qf, kf, vf, bf, gf, dof, chunks[0], hs, dhs, us, drs, dq, dk, dv, dbeta, dgterm,
+            qf, kf, vf, bf, gf, dof, chunks[0], hs, dhs, us, drs, dq, dk, dbeta, dgterm,
             scale, H, K, V,
             C=C, BK=BK, BV=BV, USE_G=gf is not None, F32=F32, num_warps=8, num_stages=config.num_stages,
         )
         dg = None
         if gf is not None and ctx.needs_input_grad[4]:
+            dgterm -= vdv.sum(0)  # q . dq - v . dv, [n_v, B*T, H] -> [B*T, H]
             if dht is not None:
                 ends = torch.tensor(seq_lens, device=qf.device).cumsum(0) - 1  # [N]
                 dgterm[ends] += (dht * ht).sum((-1, -2))  # [N, H, K, V] -> [N, H]
