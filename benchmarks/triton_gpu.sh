@@ -16,7 +16,7 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/compile.log" 2>&1
 python3 -m polyattn.bench kernels --out "$out/compile" --dims 128 --compile-only >> "$out/compile.log" 2>&1 &
 c1=$!
-tests=${TESTS:-tests/ops/delta/test_triton.py tests/ops/linear/test_triton.py tests/ops/hla/test_hla_triton.py}
+tests=${TESTS:-tests/ops/delta/test_delta_triton.py tests/ops/linear/test_triton.py tests/ops/hla/test_hla_triton.py}
 timeout -s INT "${TEST_TIMEOUT:-300}" python3 -m pytest -n 8 -q -p no:cacheprovider $tests -rA --durations=15 > "$out/test_triton_gpu.log" 2>&1
 tail -n 4 "$out/test_triton_gpu.log"
 grep -E "^(FAILED|ERROR)" "$out/test_triton_gpu.log" | head -30
