@@ -18,14 +18,14 @@ from polyattn.ops.triton.plan import get_config, use_config
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--T", type=int, nargs="+", default=[8192])
-    parser.add_argument("--warps", type=int, nargs="+", default=[4])
-    parser.add_argument("--block-v", type=int, nargs="+", default=[64])
+    parser.add_argument("--warps", type=int, nargs="+", default=[8])
+    parser.add_argument("--block-v", type=int, nargs="+", default=[32])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = {}
     for warps in args.warps:
         for block_v in args.block_v:
-            with use_config(replace(get_config(), num_warps=warps, block_c=block_v)):
+            with use_config(replace(get_config(), delta_num_warps=warps, delta_block_v=block_v)):
                 for T in args.T:
                     print(f"num_warps={warps} block_v={block_v}")
                     results[f"T{T}-w{warps}-bv{block_v}"] = profile(T, warps)

@@ -29,13 +29,13 @@ T_GRID = [1, 63, 64, 65, LONG_T]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _inputs(Bx, T, decay, seed=0):
+def _inputs(Bx, T, decay, seed=0, K=K):
     x = seeded_inputs(Bx, T, H, K, V, decay=decay, beta=True, seed=seed, device=DEVICE)
     x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)  # the contractive rule: |k| = 1, 0 < beta < 1
     return {n: x[n] for n in ("q", "k", "v", "beta", "g")}
 
 
-def _h0(N, seed):
+def _h0(N, seed, K=K):
     return 0.5 * torch.randn(N, H, K, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(DEVICE)
 
 
@@ -45,6 +45,15 @@ def _h0(N, seed):
 def test_triton_matches_naive(T, dtype, decay):
     Bx = 1 if T == LONG_T else B
     assert_low_precision_matches(delta_rule_naive, delta_rule_chunk, delta_rule_triton, _inputs(Bx, T, decay), _h0(Bx, 2), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_triton_key_tiles(dtype):
+    """K over one 64-wide key tile: the gradient kernel splits keys across programs."""
+    Kx = 72 if not CUDA else 96
+    assert_low_precision_matches(
+        delta_rule_naive, delta_rule_chunk, delta_rule_triton, _inputs(1, 130, True, seed=11, K=Kx), _h0(1, 12, K=Kx), dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=dtype_id)

@@ -21,8 +21,12 @@ LAST = 2  # the segment ends its sequence
 class KernelConfig:
     """Launch parameters shared by every pass (no autotuning: the interpreter cannot run it).
 
-    chunk_size: tokens per chunk C; block_c: tile of the DC (value) dimension per program;
-    programs_per_sm: the segment split aims at this many programs per multiprocessor.
+    chunk_size: tokens per chunk C; block_c: tile of the DC (value) dimension per program of a
+    linear-attention pass; programs_per_sm: the segment split aims at this many programs per
+    multiprocessor. The delta rule's kernels hold more fp32 tiles per program (the solve matrix,
+    the pseudo-values, their split halves): delta_block_v is their value tile and
+    delta_num_warps the warps of their recurrence and per-chunk gradient kernels (at 4 warps and
+    a 64-wide tile they spill 1.6-5 KB per thread; at 8 warps and 32, 0.7-0.9 KB).
     """
 
     chunk_size: int = 64
@@ -31,6 +35,8 @@ class KernelConfig:
     num_stages: int = 2
     programs_per_sm: int = 4
     min_segment_chunks: int = 4
+    delta_block_v: int = 32
+    delta_num_warps: int = 8
 
 
 _CONFIG = [KernelConfig()]

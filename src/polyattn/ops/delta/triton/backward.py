@@ -89,17 +89,19 @@ def delta_state_grad_kernel(
 @triton.jit
 def delta_grads_kernel(
     q, k, v, beta, g, do, chunks, hs, dhs, us, drs, dq, dk, dbeta, dgterm,
-    scale, H, K, V,
+    scale, N_tok, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
 ):
-    """grid: (num_chunks, H). Loads q, k of the chunk once ([C, BK], the full K), then loops
-    over value tiles accumulating P, E ([C, C]) and the h-side parts of dq, dk ([C, BK]) in
-    fp32; writes dq, dk, dbeta and `q . dq` at the end."""
-    i_ch, i_h = tl.program_id(0), tl.program_id(1)
+    """grid: (num_chunks, H, cdiv(K, BK)). One program per chunk, head and key tile: it loads
+    the chunk's q, k columns of its tile ([C, BK]) and loops over value tiles, accumulating
+    P, E ([C, C], over the whole V: recomputed by each key tile) and the h-side parts of dq, dk
+    ([C, BK]) in fp32; writes its dq, dk columns and its share of dbeta and `q . dq` (the
+    per-key-tile shares `dbeta[i_k]`, `dgterm[i_k]` are summed on the host)."""
+    i_ch, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(chunks + i_ch * 4).to(tl.int64)
     eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
     o_t = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     t = bos + o_t
     m_t = t < eos
     m_k = o_k < K
@@ -126,7 +128,6 @@ def delta_grads_kernel(
         b_u = tl.load(us + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
         b_dr = tl.load(drs + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV]
-        b_v = tl.load(v + row_v, mask=m_tv, other=0.0)  # [C, BV]
         b_ht = tl.load(hs + p_state + o_v[:, None], mask=m_vk, other=0.0)  # [BV, BK] = h^T tile
         b_dht = tl.load(dhs + p_state + o_v[:, None], mask=m_vk, other=0.0)  # [BV, BK] = dh'^T tile
         b_p += mma_right_fp32(b_do, tl.trans(b_u), F32)  # [C, BV] @ [BV, C] -> [C, C]
@@ -134,21 +135,24 @@ def delta_grads_kernel(
         b_dq += mma_right_fp32(b_do, b_ht, F32)  # [C, BV] @ [BV, BK] -> [C, BK]
         b_dk += mma_fp32(b_u, b_dht, b_q.dtype, F32) * tl.exp2(b_last - b_gc)[:, None]  # [C, BV] @ [BV, BK]
         b_dk -= mma_fp32(b_dr, b_ht, b_q.dtype, F32) * (b_beta * b_egc)[:, None]  # [C, BV] @ [BV, BK]
-        b_kh = mma_right_fp32(b_k, tl.trans(b_ht), F32)  # [C, BK] @ [BK, BV] -> [C, BV]
-        b_db += tl.sum(b_dr * (b_v.to(tl.float32) - b_egc[:, None] * b_kh), axis=1)  # [C]
+        b_kh = mma_right_fp32(b_k, tl.trans(b_ht), F32)  # [C, BK] @ [BK, BV] -> [C, BV]: this tile's share of K h
+        b_db -= tl.sum(b_dr * (b_egc[:, None] * b_kh), axis=1)  # [C]
+        if i_k == 0:
+            b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
+            b_db += tl.sum(b_dr * b_v, axis=1)  # [C]
     b_gamma = tl.exp2(b_d)  # [C, C], 0 above the diagonal
     b_ds = b_p * b_gamma * scale  # [C, C]
     b_dq = mma_left_fp32(b_ds, b_k, F32) + b_dq * (b_egc * scale)[:, None]  # [C, C] @ [C, BK]
     b_dk += mma_left_fp32(tl.trans(b_ds), b_q, F32)  # [C, C] @ [C, BK] -> [C, BK]
     strict = o_t[:, None] > o_t[None, :]
     b_da = tl.where(strict, b_e * b_gamma, 0.0)  # [C, C]: dA ⊙ Γ
-    b_db += tl.sum(b_da * mma(b_k, tl.trans(b_k), F32), axis=1)  # [C]
+    b_db += tl.sum(b_da * mma(b_k, tl.trans(b_k), F32), axis=1)  # [C]: this key tile's share of K K^T
     b_m = b_da * b_beta[:, None]  # [C, C]
     b_dk += mma_left_fp32(b_m, b_k, F32) + mma_left_fp32(tl.trans(b_m), b_k, F32)  # [C, C] @ [C, BK]
     tl.store(dq + row_k, to_output(b_dq, dq.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
     tl.store(dk + row_k, to_output(b_dk, dk.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
-    tl.store(dbeta + t * H + i_h, b_db, mask=m_t)
-    tl.store(dgterm + t * H + i_h, tl.sum(b_q.to(tl.float32) * b_dq, axis=1), mask=m_t)  # q . dq
+    tl.store(dbeta + (i_k * N_tok + t) * H + i_h, b_db, mask=m_t)
+    tl.store(dgterm + (i_k * N_tok + t) * H + i_h, tl.sum(b_q.to(tl.float32) * b_dq, axis=1), mask=m_t)  # q . dq
 
 
 def delta_backward_ref(q, k, v, beta, g, t_inv, do, dht, hs, us, seq_lens: tuple, *, scale, chunk_size):

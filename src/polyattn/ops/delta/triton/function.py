@@ -42,12 +42,12 @@ class DeltaRuleFunction(torch.autograd.Function):
         ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if store_ht else None
         hs = torch.empty(chunks[2], H, K, V, dtype=torch.float32, device=q.device) if save else None
         us = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device) if save else None
-        BK, BV = block(K), min(block(V), config.block_c)
+        BK, BV = block(K), min(block(V), config.delta_block_v)
         delta_forward_kernel[(triton.cdiv(V, BV), N, H)](
             qf, kf, vf, bf, gf, t_inv, o, seqs, chunks[1], h0, ht, hs, us,
             scale, H, K, V,
             C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_H0=h0 is not None, STORE_HT=store_ht, SAVE=save,
-            F32=dot_f32(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+            F32=dot_f32(q.dtype), num_warps=config.delta_num_warps, num_stages=config.num_stages,
         )
         ctx.save_for_backward(qf, kf, vf, bf, gf, t_inv, hs, us, ht)
         ctx.scale, ctx.seq_lens, ctx.shape, ctx.has_h0 = scale, seq_lens, (B, T, H, K, V), h0 is not None
@@ -68,7 +68,7 @@ class DeltaRuleFunction(torch.autograd.Function):
         dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=qf.device) if ctx.has_h0 else None
         dhs = torch.empty_like(hs)
         drs = torch.empty_like(us)
-        BK, BV = block(K), min(block(V), config.block_c)
+        BK, BV = block(K), min(block(V), config.delta_block_v)
         n_v = triton.cdiv(V, BV)
         F32 = dot_f32(qf.dtype)
         dv = torch.empty_like(vf)
@@ -77,19 +77,22 @@ class DeltaRuleFunction(torch.autograd.Function):
             qf, kf, vf, dof, bf, gf, t_inv, seqs, chunks[1], dht, dh0, dhs, drs, dv, vdv,
             scale, B * T, H, K, V,
             C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
-            F32=F32, num_warps=config.num_warps, num_stages=config.num_stages,
+            F32=F32, num_warps=config.delta_num_warps, num_stages=config.num_stages,
         )
         dq, dk = torch.empty_like(qf), torch.empty_like(kf)
-        dbeta = torch.empty(B * T, H, dtype=torch.float32, device=qf.device)
-        dgterm = torch.empty_like(dbeta)
-        delta_grads_kernel[(chunks[2], H)](
-            qf, kf, vf, bf, gf, dof, chunks[0], hs, dhs, us, drs, dq, dk, dbeta, dgterm,
-            scale, H, K, V,
-            C=C, BK=BK, BV=BV, USE_G=gf is not None, F32=F32, num_warps=8, num_stages=config.num_stages,
+        BKT = min(BK, 64)
+        n_k = triton.cdiv(K, BKT)
+        dbeta = torch.empty(n_k, B * T, H, dtype=torch.float32, device=qf.device)
+        qdq = torch.empty_like(dbeta)
+        delta_grads_kernel[(chunks[2], H, n_k)](
+            qf, kf, vf, bf, gf, dof, chunks[0], hs, dhs, us, drs, dq, dk, dbeta, qdq,
+            scale, B * T, H, K, V,
+            C=C, BK=BKT, BV=BV, USE_G=gf is not None, F32=F32, num_warps=config.delta_num_warps, num_stages=config.num_stages,
         )
+        dbeta = dbeta.sum(0)  # [n_k, B*T, H] -> [B*T, H]
         dg = None
         if gf is not None and ctx.needs_input_grad[4]:
-            dgterm -= vdv.sum(0)  # q . dq - v . dv, [n_v, B*T, H] -> [B*T, H]
+            dgterm = qdq.sum(0) - vdv.sum(0)  # q . dq - v . dv, [n, B*T, H] -> [B*T, H]
             if dht is not None:
                 ends = torch.tensor(seq_lens, device=qf.device).cumsum(0) - 1  # [N]
                 dgterm[ends] += (dht * ht).sum((-1, -2))  # [N, H, K, V] -> [N, H]

@@ -18,17 +18,23 @@ from polyattn.ops.triton.precision import LOG2E, dot_f32, mma
 
 
 @triton.jit
-def solve_unit_lower(b_a):
-    """`(I + A)^{-1}` of a strictly lower `A: [BT, BT]` (fp32) by forward substitution:
-    row i of the inverse is `e_i - A[i, :] @ Tinv`, rows above i being final."""
-    BT: tl.constexpr = b_a.shape[0]
-    o = tl.arange(0, BT)
-    b_t = tl.where(o[:, None] == o[None, :], 1.0, 0.0)  # [BT, BT] identity
-    for i in range(1, BT):
-        a_i = tl.sum(tl.where(o[:, None] == i, b_a, 0.0), axis=0)  # [BT, BT] -> [BT]: row i of A
-        row = tl.sum(a_i[:, None] * b_t, axis=0)  # [BT, 1] * [BT, BT] -> [BT]: sum_j A[i, j] Tinv[j, :]
-        b_t = tl.where(o[:, None] == i, b_t - row[None, :], b_t)  # row i was e_i
-    return b_t
+def fp32_dot(x, y):
+    return tl.dot(x, y, input_precision="ieee")
+
+
+@triton.jit
+def invert_unit_lower(b_a):
+    """`(I + A)^{-1}` of a strictly lower `A: [16, 16]` (fp32). A is nilpotent (A^16 = 0), so
+    `(I + A)^{-1} = (I - A)(I + A^2)(I + A^4)(I + A^8)`: three squarings and three products,
+    each a [16, 16] @ [16, 16] fp32 product, instead of 15 dependent substitution steps."""
+    o = tl.arange(0, 16)
+    eye = tl.where(o[:, None] == o[None, :], 1.0, 0.0)  # [16, 16]
+    a2 = fp32_dot(b_a, b_a)
+    a4 = fp32_dot(a2, a2)
+    a8 = fp32_dot(a4, a4)
+    b_t = fp32_dot(eye - b_a, eye + a2)
+    b_t = fp32_dot(b_t, eye + a4)
+    return fp32_dot(b_t, eye + a8)
 
 
 @triton.jit
@@ -60,11 +66,6 @@ def gram_block(b_ki, b_beta_i, b_gc_i, b_kj, b_gc_j, STRICT: tl.constexpr, F32: 
 
 
 @triton.jit
-def fp32_dot(x, y):
-    return tl.dot(x, y, input_precision="ieee")
-
-
-@triton.jit
 def store_block(t_inv, bos, eos, i_b, j_b, b_x, H, i_h, C: tl.constexpr, BT: tl.constexpr):
     t = bos + i_b * BT + tl.arange(0, BT)
     cols = j_b * BT + tl.arange(0, BT)
@@ -78,7 +79,7 @@ def wy_kernel(
 ):
     """grid: (num_chunks, H); one program per chunk and head, C = 64 as four row blocks of
     BT = 16. Blocks of A come from `[BT, BK] @ [BK, BT]` products; the diagonal blocks of
-    `I + A` are inverted by forward substitution and the blocks below by
+    `I + A` are inverted by `invert_unit_lower` and the blocks below by
     `Tinv_ij = -Tinv_ii sum_{m=j}^{i-1} A_im Tinv_mj` (fp32 products); blocks above are 0."""
     BT: tl.constexpr = 16
     i_ch, i_h = tl.program_id(0), tl.program_id(1)
@@ -89,10 +90,10 @@ def wy_kernel(
     k1, b1, gc1, off = block_rows(k, beta, g, bos, eos, 1, H, i_h, K, off, BT, BK, USE_G)
     k2, b2, gc2, off = block_rows(k, beta, g, bos, eos, 2, H, i_h, K, off, BT, BK, USE_G)
     k3, b3, gc3, off = block_rows(k, beta, g, bos, eos, 3, H, i_h, K, off, BT, BK, USE_G)
-    t00 = solve_unit_lower(gram_block(k0, b0, gc0, k0, gc0, True, F32))  # [BT, BT] each
-    t11 = solve_unit_lower(gram_block(k1, b1, gc1, k1, gc1, True, F32))
-    t22 = solve_unit_lower(gram_block(k2, b2, gc2, k2, gc2, True, F32))
-    t33 = solve_unit_lower(gram_block(k3, b3, gc3, k3, gc3, True, F32))
+    t00 = invert_unit_lower(gram_block(k0, b0, gc0, k0, gc0, True, F32))  # [BT, BT] each
+    t11 = invert_unit_lower(gram_block(k1, b1, gc1, k1, gc1, True, F32))
+    t22 = invert_unit_lower(gram_block(k2, b2, gc2, k2, gc2, True, F32))
+    t33 = invert_unit_lower(gram_block(k3, b3, gc3, k3, gc3, True, F32))
     a10 = gram_block(k1, b1, gc1, k0, gc0, False, F32)
     a20 = gram_block(k2, b2, gc2, k0, gc0, False, F32)
     a21 = gram_block(k2, b2, gc2, k1, gc1, False, F32)
