@@ -223,9 +223,9 @@ class Mixer(nn.Module):
 
 
 class QKVMixer(Mixer):
-    """The common shell (spec/kata.md §2.1): bias-free q/k/v projections, optional short conv (SiLU)
-    over [q|k|v], a per-head output RMSNorm (gated by ``silu(g_proj x)`` when the config has
-    ``output_gate=True``) and an output projection.
+    """The common shell (fla's linear-attention layer; ops/kata/README.md, "Layer shell"): bias-free q/k/v
+    projections, optional short conv (SiLU) over [q|k|v], a per-head output RMSNorm (gated by
+    ``silu(g_proj x)`` when the config has ``output_gate=True``) and an output projection.
     Subclasses implement `mix(q, k, v, x, core_state, use_cache) -> (o [B,T,H,dv], core_state)`."""
 
     output_norm = True
