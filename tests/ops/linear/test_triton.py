@@ -1,4 +1,4 @@
-"""Triton `linear_attn` against the float64 naive spec (DESIGN.md §6, rung 3).
+"""Triton `linear_attn` against the float64 naive spec (ops/README.md, "Tests: a ladder of equivalences", rung 3).
 
 Error bound per tensor: `rel_err(triton) <= max(2 * rel_err(chunk), FLOOR[dtype])`, where
 `chunk` is the PyTorch chunk form run on the same low-precision inputs, and always under a hard

@@ -25,8 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # log2(e): kernels take exp2 of log2(e)-prescaled log-decays
-
 # Segment flags stored in column 3 of the segment table.
 FIRST = 1  # the segment starts its sequence
 LAST = 2  # the segment ends its sequence
