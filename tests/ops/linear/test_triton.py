@@ -1,4 +1,4 @@
-"""Triton `linear_attn` against the float64 naive spec (the Triton rung of the test ladder).
+"""Triton `linear_attn` against the float64 naive spec (ops/README.md, "Tests: a ladder of equivalences", rung 3).
 
 The bound per tensor is `polyattn.testing.assert_low_precision_matches`'s: at most twice the
 error of the PyTorch chunk form on the same low-precision inputs (or one rounding floor), and

@@ -1,4 +1,4 @@
-"""Implementation dispatch: one vocabulary of forms for every mechanism (DESIGN.md §2)."""
+"""Implementation dispatch: one vocabulary of forms for every mechanism (ops/README.md, "Forms")."""
 
 from __future__ import annotations
 
