@@ -170,7 +170,8 @@ def cast_state(state, x):
 @dataclass
 class MixerConfig:
     """Options shared by every mixer. ``head_dim=None`` means ``d_model // num_heads``; ``impl`` is the op
-    form for prompts and training, ``decode_impl`` the one for one-token calls (the token loop)."""
+    form for prompts and training, ``decode_impl`` the one for one-token calls (``"auto"``: the fused
+    Triton step on CUDA where the op has one, the token loop elsewhere)."""
 
     num_heads: int = 2
     head_dim: int | None = None
@@ -178,7 +179,7 @@ class MixerConfig:
     short_conv: bool = True
     conv_size: int = 4
     impl: str = "auto"
-    decode_impl: str = "recurrent"
+    decode_impl: str = "auto"
 
 
 class Mixer(nn.Module):

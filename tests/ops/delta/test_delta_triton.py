@@ -115,3 +115,18 @@ def test_triton_step_matches_reference(decay):
         assert same is fused
         assert rel_err(o, o_ref) <= 1e-5, f"step {t}: o rel err {rel_err(o, o_ref):.2e}"
         assert rel_err(fused, reference) <= 1e-5, f"step {t}: state rel err {rel_err(fused, reference):.2e}"
+
+
+@pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
+def test_one_token_call_runs_the_step(decay):
+    """T = 1 without gradients (decoding through `ops.delta_rule`) equals the chunk kernels' result
+    and leaves the caller's state untouched."""
+    x = {n: None if t is None else t.float() for n, t in _inputs(B, 1, decay, seed=13).items()}
+    h0 = _h0(B, 14).float()
+    kept = h0.clone()
+    with torch.no_grad():
+        o, ht = delta_rule_triton(*x.values(), scale=0.3, initial_state=h0, output_final_state=True)
+    leaves = [None if t is None else t.clone().requires_grad_() for t in x.values()]
+    o_ref, ht_ref = delta_rule_triton(*leaves, scale=0.3, initial_state=h0, output_final_state=True)
+    assert torch.equal(h0, kept)
+    assert rel_err(o, o_ref) <= 1e-5 and rel_err(ht, ht_ref) <= 1e-5

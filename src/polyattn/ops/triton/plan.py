@@ -138,3 +138,21 @@ def reverse_cumsum(x: torch.Tensor, seq_lens: tuple) -> torch.Tensor:
     ends = lengths.cumsum(0) - 1  # [N] last token of each sequence
     end_of = total[:, torch.repeat_interleave(ends, lengths)]  # [H, N_tok]
     return (end_of - total + x64).t().float()  # [H, N_tok] -> [N_tok, H]
+
+
+def one_token_step(q: torch.Tensor, cu_seqlens, tensors) -> bool:
+    """A call that the fused decoding step serves: one token per sequence (`T == 1`, no
+    `cu_seqlens`) and no gradient wanted. The step kernel then replaces the chunk kernels: one
+    read and one write of the state instead of a chunk's worth of work on a padded chunk."""
+    if q.shape[1] != 1 or cu_seqlens is not None:
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+def step_state(initial_state, q: torch.Tensor, V: int) -> torch.Tensor:
+    """The fp32 state a one-token call steps in place: a copy of `initial_state` (the caller's
+    tensor is not modified) or zeros, `[B, H, K, V]` contiguous."""
+    if initial_state is not None:
+        return initial_state.to(torch.float32, copy=True).contiguous()
+    B, _, H, K = q.shape
+    return torch.zeros(B, H, K, V, dtype=torch.float32, device=q.device)

@@ -13,11 +13,14 @@ and dg is its per-sequence reverse cumsum (`G` is the inclusive cumsum of g).
 import torch
 import triton
 
-from polyattn.ops.triton.plan import block, chunk_table, get_config, reverse_cumsum, segment_table, sequence_lengths
+from polyattn.ops.triton.plan import (
+    block, chunk_table, get_config, one_token_step, reverse_cumsum, segment_table, sequence_lengths, step_state,
+)
 from polyattn.ops.triton.precision import check_kernel_inputs, dot_f32
 
 from .backward import delta_grads_kernel, delta_state_grad_kernel
 from .forward import delta_forward_kernel
+from .step import delta_rule_step_inplace
 from .wy import wy_solve
 
 
@@ -107,10 +110,16 @@ def delta_rule_fused(q, k, v, beta, g=None, *, scale, initial_state=None, output
     """Triton form of `delta_rule` (inputs already validated, scale resolved).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; beta, g: [B, T, H] (g may be None); initial_state:
-    [N, H, K, V]; cu_seqlens: int [N + 1] with B == 1, handled natively. Returns `(o [B, T, H, V]
-    in q's dtype, final_state [N, H, K, V] fp32 or None)`.
+    [N, H, K, V]; cu_seqlens: int [N + 1] with B == 1, handled natively. One token per sequence
+    without gradients (decoding) runs the fused step on a copy of the state. Returns
+    `(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)`.
     """
     check_kernel_inputs(q)
+    if one_token_step(q, cu_seqlens, (q, k, v, beta, g, initial_state)):
+        state = step_state(initial_state, q, v.shape[-1])
+        step = (x[:, 0] for x in (q, k, v, beta))
+        o, state = delta_rule_step_inplace(*step, None if g is None else g[:, 0], state, scale=scale)
+        return o[:, None], (state if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
     seq_lens = sequence_lengths(cu_seqlens, *q.shape[:2])
     o, ht = DeltaRuleFunction.apply(q, k, v, beta, g, initial_state, float(scale), seq_lens, output_final_state)
     return o, (ht if output_final_state else None)

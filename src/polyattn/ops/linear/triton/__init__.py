@@ -22,11 +22,11 @@ def linear_attn_triton(q, k, v, g=None, *, scale, initial_state=None, output_fin
 linear_attn_triton.native_varlen = True
 
 
-def linear_attn_step(q, k, v, g, state, *, scale):
+def linear_attn_step_inplace(q, k, v, g, state, *, scale):
     """Fused decoding step, `state` updated in place; see step.py."""
-    from .step import fused_linear_attn_step
+    from .step import linear_attn_step_inplace as step
 
-    return fused_linear_attn_step(q, k, v, g, state, scale=scale)
+    return step(q, k, v, g, state, scale=scale)
 
 
-__all__ = ["linear_attn_triton", "linear_attn_step"]
+__all__ = ["linear_attn_step_inplace", "linear_attn_triton"]

@@ -17,10 +17,11 @@ every G_s with s >= t.
 """
 import torch
 
-from polyattn.ops.triton.plan import reverse_cumsum, sequence_lengths
+from polyattn.ops.triton.plan import one_token_step, reverse_cumsum, sequence_lengths, step_state
 from polyattn.ops.triton.precision import check_kernel_inputs
 
 from .launch import chunk_pass
+from .step import linear_attn_step_inplace
 
 
 class LinearAttnFunction(torch.autograd.Function):
@@ -90,10 +91,15 @@ def linear_attn_fused(
     """Triton form of `linear_attn` (inputs already validated, scale resolved).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; initial_state: [N, H, K, V];
-    cu_seqlens: int [N + 1] with B == 1, handled natively (no per-sequence loop). Returns
+    cu_seqlens: int [N + 1] with B == 1, handled natively (no per-sequence loop). One token per
+    sequence without gradients (decoding) runs the fused step on a copy of the state. Returns
     `(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)`.
     """
     check_kernel_inputs(q)
+    if one_token_step(q, cu_seqlens, (q, k, v, g, initial_state)):
+        state = step_state(initial_state, q, v.shape[-1])
+        o, state = linear_attn_step_inplace(q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0], state, scale=scale)
+        return o[:, None], (state if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
     seq_lens = sequence_lengths(cu_seqlens, *q.shape[:2])
     o, ht = LinearAttnFunction.apply(q, k, v, g, initial_state, float(scale), seq_lens, output_final_state)
     return o, (ht if output_final_state else None)

@@ -38,9 +38,9 @@ def linear_attn_step_kernel(
     tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)  # downcast: output dtype
 
 
-def fused_linear_attn_step(q, k, v, g, state, *, scale):
-    """One decoding step of `linear_attn` with `state` updated in place (same arguments as
-    `ops.linear.recurrent.linear_attn_step`).
+def linear_attn_step_inplace(q, k, v, g, state, *, scale):
+    """One decoding step of `linear_attn` with `state` updated in place (the arguments of
+    `ops.linear.recurrent.linear_attn_step`, which returns a new state instead).
 
     q, k: [B, H, K]; v: [B, H, V]; g: [B, H] log-decay or None; state: [B, H, K, V] fp32
     contiguous. Returns `(o [B, H, V] in q's dtype, state)`.
