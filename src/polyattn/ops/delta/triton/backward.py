@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.decay import chunk_decay, chunk_segsum
+from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.precision import mma, mma_fp32, mma_left_fp32, mma_right_fp32, to_output
 
 
@@ -68,11 +68,12 @@ def delta_state_grad_kernel(
         b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
         b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-        b_d = chunk_segsum(b_g, b_gc, False, F32)  # [C, C]
+        b_d = chunk_segsum(b_g, False)  # [C, C]
+        b_gs = chunk_suffix(b_g)  # [C]
         tl.store(dhs + ((c0 + i) * H + i_h) * K * V + state_tile, b_dh, mask=m_s)
         b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(b_d) * scale)  # [C, C]
         b_du = mma_left_fp32(tl.trans(b_att), b_do, F32)  # [C, C] @ [C, BV] -> [C, BV]
-        b_du += mma_right_fp32(b_k, b_dh, F32) * tl.exp2(b_last - b_gc)[:, None]  # [C, BK] @ [BK, BV]
+        b_du += mma_right_fp32(b_k, b_dh, F32) * tl.exp2(b_gs)[:, None]  # [C, BK] @ [BK, BV]
         b_dr = mma_fp32(tl.trans(b_tinv), b_du, b_q.dtype, F32)  # [C, C] @ [C, BV] -> [C, BV]
         tl.store(drs + row_v, b_dr, mask=m_tv)
         b_dv = b_dr * b_beta[:, None]  # [C, BV]
@@ -110,8 +111,9 @@ def delta_grads_kernel(
     b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
     b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
     b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
-    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-    b_d = chunk_segsum(b_g, b_gc, False, F32)  # [C, C]
+    b_g, b_gc, _ = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C]
+    b_d = chunk_segsum(b_g, False)  # [C, C]
+    b_gs = chunk_suffix(b_g)  # [C]
     b_egc = tl.exp2(b_gc)  # [C]
     b_p = tl.zeros([C, C], dtype=tl.float32)
     b_e = tl.zeros([C, C], dtype=tl.float32)
@@ -133,7 +135,7 @@ def delta_grads_kernel(
         b_p += mma_right_fp32(b_do, tl.trans(b_u), F32)  # [C, BV] @ [BV, C] -> [C, C]
         b_e -= mma_fp32(b_dr, tl.trans(b_u), b_q.dtype, F32)  # [C, BV] @ [BV, C] -> [C, C]
         b_dq += mma_right_fp32(b_do, b_ht, F32)  # [C, BV] @ [BV, BK] -> [C, BK]
-        b_dk += mma_fp32(b_u, b_dht, b_q.dtype, F32) * tl.exp2(b_last - b_gc)[:, None]  # [C, BV] @ [BV, BK]
+        b_dk += mma_fp32(b_u, b_dht, b_q.dtype, F32) * tl.exp2(b_gs)[:, None]  # [C, BV] @ [BV, BK]
         b_dk -= mma_fp32(b_dr, b_ht, b_q.dtype, F32) * (b_beta * b_egc)[:, None]  # [C, BV] @ [BV, BK]
         b_kh = mma_right_fp32(b_k, tl.trans(b_ht), F32)  # [C, BK] @ [BK, BV] -> [C, BV]: this tile's share of K h
         b_db -= tl.sum(b_dr * (b_egc[:, None] * b_kh), axis=1)  # [C]

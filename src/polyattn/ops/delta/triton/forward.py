@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.decay import chunk_decay, chunk_segsum
+from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.precision import mma, mma_fp32, mma_right_fp32, to_output
 
 
@@ -60,7 +60,8 @@ def delta_forward_kernel(
         b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
         b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-        b_d = chunk_segsum(b_g, b_gc, False, F32)  # [C, C]
+        b_d = chunk_segsum(b_g, False)  # [C, C]
+        b_gs = chunk_suffix(b_g)  # [C]
         if SAVE:
             tl.store(hs + ((c0 + i) * H + i_h) * K * V + state_tile, b_h, mask=m_s)
         b_kh = mma_right_fp32(b_k, b_h, F32)  # [C, BK] @ [BK, BV] -> [C, BV]
@@ -71,7 +72,7 @@ def delta_forward_kernel(
         b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(b_d) * scale)  # [C, BK] @ [BK, C] -> [C, C]
         b_o = mma_fp32(b_att, b_u, b_q.dtype, F32)  # [C, C] @ [C, BV] -> [C, BV]
         b_o += mma_right_fp32(b_q, b_h, F32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BK] @ [BK, BV] -> [C, BV]
-        b_w = tl.exp2(b_last - b_gc)  # [C]
+        b_w = tl.exp2(b_gs)  # [C]
         b_h = b_h * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_k), b_u * b_w[:, None], F32)  # [BK, C] @ [C, BV]
         tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
     if STORE_HT:
