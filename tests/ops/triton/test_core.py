@@ -77,3 +77,19 @@ def test_triton_forms_exact_under_extreme_gates(op, reset, position):
     assert bool(torch.isfinite(o).all()) and bool(torch.isfinite(ht).all())
     assert rel_err(o, o_ref) <= 1e-5, f"o: {rel_err(o, o_ref):.2e}"
     assert rel_err(ht, ht_ref) <= 1e-5, f"final state: {rel_err(ht, ht_ref):.2e}"
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 2), (2, 5, 0), (2, 0, 2), (0, 1, 2)], ids=["B0", "H0", "T0", "B0-T1"])
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule"])
+def test_triton_forms_empty_calls(op, shape):
+    """No sequence, no head or no token: empty outputs and the initial state back, as the PyTorch forms give."""
+    B, T, H = shape
+    K, V = 8, 12
+    q, k = torch.randn(B, T, H, K, device=DEVICE), torch.randn(B, T, H, K, device=DEVICE)
+    v, beta, g = torch.randn(B, T, H, V, device=DEVICE), torch.rand(B, T, H, device=DEVICE), -torch.rand(B, T, H, device=DEVICE)
+    h0 = torch.randn(B, H, K, V, device=DEVICE)
+    args = (q, k, v, g) if op == "linear_attn" else (q, k, v, beta, g)
+    fast = linear_attn_triton if op == "linear_attn" else delta_rule_triton
+    o, ht = fast(*args, scale=0.3, initial_state=h0, output_final_state=True)
+    assert o.shape == (B, T, H, V) and ht.shape == (B, H, K, V)
+    assert torch.equal(ht, h0)
