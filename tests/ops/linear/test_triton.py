@@ -20,7 +20,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 if CUDA:
     B, H, K, V = 2, 16, 128, 96
-    LONG_T, SPLIT_T = 1000, 4096
+    LONG_T, SPLIT_T = 1000, 2048
 else:
     B, H, K, V = 2, 2, 8, 12
     LONG_T, SPLIT_T = 1000, 300
