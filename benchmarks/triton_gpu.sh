@@ -32,5 +32,6 @@ if [ "${DECODE_TIMEOUT:-120}" != 0 ]; then
   tail -n 16 "$out/decode.log"
 fi
 if [ "${PROFILE_TIMEOUT:-60}" != 0 ]; then
-  timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/profile_delta.py --T 8192 --warps 8 4 --block-v 32 --out "$out/profile.json" 2>&1 | grep -v -i warn | tail -n 14
+  timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/profile_delta.py --T 8192 --warps 8 --block-v 32 --fp32-dot split tf32 rounded --out "$out/profile.json" 2>&1 | grep -v -i warn | tail -n 20
+  timeout "${PRECISION_TIMEOUT:-60}" python3 benchmarks/delta_precision.py --out "$out/precision.json" 2>&1 | tail -n 4
 fi

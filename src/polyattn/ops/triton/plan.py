@@ -26,7 +26,10 @@ class KernelConfig:
     multiprocessor. The delta rule's kernels hold more fp32 tiles per program (the solve matrix,
     the pseudo-values, their split halves): delta_block_v is their value tile and
     delta_num_warps the warps of their recurrence and per-chunk gradient kernels (at 4 warps and
-    a 64-wide tile they spill 1.6-5 KB per thread; at 8 warps and 32, 0.7-0.9 KB).
+    a 64-wide tile they spill 1.6-5 KB per thread; at 8 warps and 32, 0.7-0.9 KB);
+    delta_fp32_dot how their fp32 x fp32 products run on bf16/fp16 inputs (`precision.FP32_DOTS`:
+    "split", the default, keeps the tests' error bound; "tf32" and "rounded" trade accuracy for
+    fewer tensor-core products and are there to be measured).
     """
 
     chunk_size: int = 64
@@ -37,6 +40,7 @@ class KernelConfig:
     min_segment_chunks: int = 4
     delta_block_v: int = 32
     delta_num_warps: int = 8
+    delta_fp32_dot: str = "split"
 
 
 _CONFIG = [KernelConfig()]

@@ -37,6 +37,7 @@ def delta_state_grad_kernel(
     scale, N_tok, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, F32: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). The fp32 [BK, BV] state gradient stays in registers; the
     loop walks the sequence's chunks last to first."""
@@ -60,7 +61,7 @@ def delta_state_grad_kernel(
         tl.store(dhs + ((c0 + i) * H + i_h) * K * V + state_tile, b_dh, mask=m_s)
         b_du = mma_left_fp32(tl.trans(b_att), b_do, F32)  # [C, C] @ [C, BV] -> [C, BV]
         b_du += mma_right_fp32(b_k, b_dh, F32) * tl.exp2(b_gs)[:, None]  # [C, BK] @ [BK, BV]
-        b_dr = mma_fp32(tl.trans(b_tinv), b_du, b_q.dtype, F32)  # [C, C] @ [C, BV] -> [C, BV]
+        b_dr = mma_fp32(tl.trans(b_tinv), b_du, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
         tl.store(drs + row_v, b_dr, mask=m_tv)
         b_dv = b_dr * b_beta[:, None]  # [C, BV]
         tl.store(dv + row_v, to_output(b_dv, dv.dtype.element_ty, F32), mask=m_tv)  # downcast: input dtype
@@ -78,6 +79,7 @@ def delta_grads_kernel(
     q, k, v, beta, g, do, chunks, hs, dhs, us, drs, dq, dk, dbeta, dgterm,
     scale, N_tok, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     """grid: (num_chunks, H, cdiv(K, BK)). One program per chunk, head and key tile: it loads
     the chunk's q, k columns of its tile ([C, BK]) and loops over value tiles, accumulating
@@ -119,10 +121,10 @@ def delta_grads_kernel(
         b_ht = tl.load(hs + p_state + o_v[:, None], mask=m_vk, other=0.0)  # [BV, BK] = h^T tile
         b_dht = tl.load(dhs + p_state + o_v[:, None], mask=m_vk, other=0.0)  # [BV, BK] = dh'^T tile
         b_p += mma_right_fp32(b_do, tl.trans(b_u), F32)  # [C, BV] @ [BV, C] -> [C, C]
-        b_e -= mma_fp32(b_dr, tl.trans(b_u), b_q.dtype, F32)  # [C, BV] @ [BV, C] -> [C, C]
+        b_e -= mma_fp32(b_dr, tl.trans(b_u), b_q.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, C] -> [C, C]
         b_dq += mma_right_fp32(b_do, b_ht, F32)  # [C, BV] @ [BV, BK] -> [C, BK]
-        b_dk += mma_fp32(b_u, b_dht, b_q.dtype, F32) * tl.exp2(b_gs)[:, None]  # [C, BV] @ [BV, BK]
-        b_dk -= mma_fp32(b_dr, b_ht, b_q.dtype, F32) * (b_beta * b_egc)[:, None]  # [C, BV] @ [BV, BK]
+        b_dk += mma_fp32(b_u, b_dht, b_q.dtype, F32, FP32_DOT) * tl.exp2(b_gs)[:, None]  # [C, BV] @ [BV, BK]
+        b_dk -= mma_fp32(b_dr, b_ht, b_q.dtype, F32, FP32_DOT) * (b_beta * b_egc)[:, None]  # [C, BV] @ [BV, BK]
         b_kh = mma_right_fp32(b_k, tl.trans(b_ht), F32)  # [C, BK] @ [BK, BV] -> [C, BV]: this tile's share of K h
         b_db -= tl.sum(b_dr * (b_egc[:, None] * b_kh), axis=1)  # [C]
         if i_k == 0:

@@ -61,6 +61,7 @@ def delta_forward_kernel(
     scale, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr, F32: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). Tiling: q, k rows of the full K (padded to BK), v / o columns
     [BV]; the fp32 state [BK, BV] stays in registers for the whole sequence. Loop: the
@@ -85,10 +86,10 @@ def delta_forward_kernel(
             tl.store(hs + ((c0 + i) * H + i_h) * K * V + state_tile, b_h, mask=m_s)
         b_kh = mma_right_fp32(b_k, b_h, F32)  # [C, BK] @ [BK, BV] -> [C, BV]
         b_r = b_beta[:, None] * (b_v.to(tl.float32) - tl.exp2(b_gc)[:, None] * b_kh)  # [C, BV]
-        b_u = mma_fp32(b_tinv, b_r, b_q.dtype, F32)  # [C, C] @ [C, BV] -> [C, BV]
+        b_u = mma_fp32(b_tinv, b_r, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
         if SAVE:
             tl.store(us + row_v, b_u, mask=m_tv)
-        b_o = mma_fp32(b_att, b_u, b_q.dtype, F32)  # [C, C] @ [C, BV] -> [C, BV]
+        b_o = mma_fp32(b_att, b_u, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
         b_o += mma_right_fp32(b_q, b_h, F32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BK] @ [BK, BV] -> [C, BV]
         b_w = tl.exp2(b_gs)  # [C]
         b_h = b_h * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_k), b_u * b_w[:, None], F32)  # [BK, C] @ [C, BV]
