@@ -9,7 +9,7 @@ packed documents and ``forward(x, attention_mask=...)`` padded rows, each exactl
 """
 
 from polyattn import ops
-from polyattn.layers.common import Mixer, MixerConfig, MixerState, RMSNorm
+from polyattn.layers.common import Mixer, MixerConfig, MixerState, RMSNorm, map_state, pack_rows
 from polyattn.layers.gdn import GatedDeltaNet, GDNConfig, LogLinearGatedDeltaNet, LogLinearGDNConfig
 from polyattn.layers.hla import AsymmetricHLA, HigherOrderLinearAttention, HLAConfig, ThirdOrderHLA
 from polyattn.layers.kata import DeltaKataM1, KataConfig, KataM2, KataS2, KernelizedAttention
@@ -98,4 +98,6 @@ __all__ = [
     "ThirdOrderHLA",
     "available_mixers",
     "build_mixer",
+    "map_state",
+    "pack_rows",
 ]

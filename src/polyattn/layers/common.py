@@ -202,6 +202,18 @@ def check_option(name, value, choices):
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
+def map_state(state, fn):
+    """`state` (a `MixerState`, an op state, or nested tuples of them) with ``fn`` applied to every tensor;
+    every state tensor leads with the batch (or document) dimension, so ``fn`` may select, reorder or
+    repeat rows (beam search)."""
+    if isinstance(state, torch.Tensor):
+        return fn(state)
+    if not isinstance(state, tuple):
+        return state  # positions (int) and absent parts (None)
+    parts = [map_state(s, fn) for s in state]
+    return type(state)(*parts) if hasattr(state, "_fields") else tuple(parts)
+
+
 def cast_state(state, x):
     """States are fp32 (float64 stays float64), whatever dtype autocast computed them in."""
     if state is None:
