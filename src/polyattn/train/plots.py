@@ -91,3 +91,21 @@ def plot_training_curve(results, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_loss_by_position(results, path):
+    """Validation loss at each position t (log axis), one line per run and eval slice (the log-linear
+    paper's per-position analysis); positions without a scored token are left out."""
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for r, color in zip(results, colors_for(results)):
+        for e, style in zip(r["eval"], ["-", "--", ":", "-."] * len(r["eval"])):
+            points = [(t + 1, loss) for t, loss in enumerate(e["loss_by_position"]) if loss is not None]
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, lw=1, color=color,
+                    label=f"{label_of(r)} T={e['length']}")
+    ax.set_xscale("log")
+    ax.set_xlabel("position t (tokens read)")
+    ax.set_ylabel("validation loss")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
