@@ -87,10 +87,7 @@ def plot_training_curve(results, path):
     ax.set_xlabel("step")
     ax.set_ylabel("train loss")
     ax.set_yscale("log")
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_with_legend(fig, ax, path)
 
 
 def plot_loss_by_position(results, path):
@@ -105,6 +102,11 @@ def plot_loss_by_position(results, path):
     ax.set_xscale("log")
     ax.set_xlabel("position t (tokens read)")
     ax.set_ylabel("validation loss")
+    save_with_legend(fig, ax, path)
+
+
+def save_with_legend(fig, ax, path):
+    """The legend right of the axes, then write the PNG."""
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
