@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from polyattn.models import CausalLM, LMConfig
 from polyattn.tasks import IGNORE_INDEX, TASKS, concat_data, make_task
-from polyattn.train.progress import Progress
 
 TEST_SEED_OFFSET = 1_000_003
 EARLY_STOP_WINDOW = 20
@@ -139,7 +139,8 @@ def train(config, quiet=False, label=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config.steps, config.warmup))
     gen = torch.Generator().manual_seed(config.seed)
     weights = torch.tensor([float(len(d)) for d in train_data])
-    progress = None if quiet else Progress(config.steps, label or f"{config.mixer} lr={config.lr:g}")
+    progress = tqdm(total=config.steps, desc=label or f"{config.mixer} lr={config.lr:g}", unit="step", disable=quiet,
+                    file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
     history, tokens, train_seconds, step = [], 0, 0.0, 0
     for step in range(1, config.steps + 1):
         t0 = time.perf_counter()
@@ -159,12 +160,13 @@ def train(config, quiet=False, label=None):
         tokens += inputs.numel()
         acc = int(correct) / max(n, 1)
         history.append({"step": step, "loss": loss.item(), "accuracy": acc})
-        if progress:
-            progress.update(step, loss=history[-1]["loss"], acc=acc, tok_s=f"{tokens / train_seconds:,.0f}")
+        progress.set_postfix(loss=f"{history[-1]['loss']:.4g}", acc=f"{acc:.3f}", tok_s=f"{tokens / train_seconds:,.0f}", refresh=False)
+        progress.update()
         window = history[-EARLY_STOP_WINDOW:]
         if config.early_stop is not None and len(window) == EARLY_STOP_WINDOW:
             if sum(h["accuracy"] for h in window) / EARLY_STOP_WINDOW >= config.early_stop:
                 break
+    progress.close()
     results = {
         "config": asdict(config),
         "mixer": config.mixer,

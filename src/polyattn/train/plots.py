@@ -91,16 +91,20 @@ def plot_training_curve(results, path):
 
 
 def plot_loss_by_position(results, path):
-    """Validation loss at each position t (log axis), one line per run and eval slice (the log-linear
-    paper's per-position analysis); positions without a scored token are left out."""
+    """Validation loss against position t (log axis; the log-linear paper's per-position analysis), one line
+    per run and eval slice: the mean over positions t+1 in [2^i, 2^(i+1)) that have a scored token."""
     fig, ax = plt.subplots(figsize=(7.5, 4))
     for r, color in zip(results, colors_for(results)):
         for e, style in zip(r["eval"], ["-", "--", ":", "-."] * len(r["eval"])):
-            points = [(t + 1, loss) for t, loss in enumerate(e["loss_by_position"]) if loss is not None]
-            ax.plot([p[0] for p in points], [p[1] for p in points], style, lw=1, color=color,
+            buckets = {}
+            for t, loss in enumerate(e["loss_by_position"]):
+                if loss is not None:
+                    buckets.setdefault((t + 1).bit_length(), []).append(loss)
+            xs = [2 ** (i - 1) for i in buckets]  # each bucket at its first position
+            ax.plot(xs, [sum(v) / len(v) for v in buckets.values()], style, marker=".", lw=1, color=color,
                     label=f"{label_of(r)} T={e['length']}")
     ax.set_xscale("log")
-    ax.set_xlabel("position t (tokens read)")
+    ax.set_xlabel("position t (tokens read; buckets [2^i, 2^(i+1)))")
     ax.set_ylabel("validation loss")
     save_with_legend(fig, ax, path)
 
