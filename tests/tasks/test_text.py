@@ -62,8 +62,23 @@ def test_transformers_tokenizer_by_directory(corpus, tmp_path):
         text(10, 4, source=str(corpus), tokenizer=str(directory), vocab_size=8)
 
 
+def test_datasets_source_reads_the_text_column_of_its_splits(tmp_path, monkeypatch):
+    """A local `datasets` folder (no network): train.txt and validation.txt become the two splits."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    (tmp_path / "train.txt").write_text("a" * 80 + "\n" + "b" * 80 + "\n")
+    (tmp_path / "validation.txt").write_text("c" * 80 + "\n")
+    source = f"datasets:{tmp_path}"
+    assert set(bytes(text(20, 8, source=source).inputs.flatten().tolist())) <= set(b"ab\n")
+    assert set(bytes(text(20, 8, source=source, split="validation").inputs.flatten().tolist())) <= set(b"c\n")
+    only_train = tmp_path / "only-train"
+    only_train.mkdir()
+    (only_train / "train.txt").write_text("x" * 40)
+    with pytest.raises(ValueError, match="expected a split among"):
+        text(2, 8, source=f"datasets:{only_train}", split="validation")
+
+
 def test_bad_sources_raise(tmp_path):
-    with pytest.raises(ValueError, match="expected 'stdlib', a file or a folder"):
+    with pytest.raises(ValueError, match="expected 'stdlib', a file, a folder or 'datasets:NAME'"):
         text(1, 4, source=str(tmp_path / "missing"))
     (tmp_path / "tiny.txt").write_text("abc")
     with pytest.raises(ValueError, match="expected at least 5 tokens"):

@@ -1,9 +1,11 @@
 """``text``: next-token prediction on real text (language modelling), in the `TaskData` layout.
 
 Sources (``source=``): ``"stdlib"`` (the default: the running interpreter's standard-library ``.py``
-files, a real corpus every machine has, no network), a text file, or a folder (every file below it,
-sorted). Held-out data for ``split="validation"``: every tenth file of the sorted list (files 9, 19,
-...); a single file gives its last tenth. Tokenizers (``tokenizer=``): ``"byte"`` (UTF-8 bytes, ids
+files, a real corpus every machine has, no network), a text file, a folder (every file below it,
+sorted), or ``"datasets:NAME"``, a Hugging Face `datasets` name or local dataset folder (its ``"text"``
+column; needs the ``datasets`` package, and a network for hub names). Held-out data for
+``split="validation"``: every tenth file of the sorted list (files 9, 19, ...); a single file gives its
+last tenth; a dataset its ``validation`` split (else ``test``). Tokenizers (``tokenizer=``): ``"byte"`` (UTF-8 bytes, ids
 0-255, vocabulary 256) or any `transformers` tokenizer name or directory (`AutoTokenizer`).
 
 An example is a window of ``seq_len + 1`` tokens at a seeded random offset of the split's token
@@ -26,6 +28,7 @@ from polyattn.tasks.common import TaskData, generator
 BYTE_VOCAB = 256
 VALIDATION_EVERY = 10
 SPLITS = ("train", "validation")
+DATASETS_PREFIX = "datasets:"
 
 
 def stdlib_files():
@@ -42,13 +45,30 @@ def source_files(source):
         return [path]
     if path.is_dir():
         return [f for f in sorted(path.rglob("*")) if f.is_file()]
-    raise ValueError(f"text source: expected 'stdlib', a file or a folder, got {source!r} (not found)")
+    raise ValueError(f"text source: expected 'stdlib', a file, a folder or 'datasets:NAME', got {source!r} (not found)")
+
+
+def dataset_texts(name, split):
+    """The ``text`` column of a `datasets` split (validation: ``validation``, else ``test``)."""
+    import datasets
+
+    splits = datasets.load_dataset(name)
+    wanted = ["train"] if split == "train" else ["validation", "test"]
+    found = [s for s in wanted if s in splits]
+    if not found:
+        raise ValueError(f"dataset {name!r}: expected a split among {wanted}, got {list(splits)}")
+    data = splits[found[0]]
+    if "text" not in data.column_names:
+        raise ValueError(f"dataset {name!r}: expected a 'text' column, got {data.column_names}")
+    return list(data["text"])
 
 
 def split_texts(source, split):
     """The split's documents: held-out files for validation, or a single file's last tenth."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    if source.startswith(DATASETS_PREFIX):
+        return dataset_texts(source[len(DATASETS_PREFIX) :], split)
     files = source_files(source)
     if not files:
         raise ValueError(f"text source {source!r}: expected at least one file, found none")
