@@ -100,9 +100,12 @@ def test_training_on_text_reports_loss_per_position(corpus, tmp_path):
     assert (out / "loss_by_position.png").stat().st_size > 0
 
 
-def test_cli_trains_on_text(corpus, tmp_path):
+def test_cli_trains_on_text(corpus, tmp_path, capsys):
     argv = ["train", "--task", "text", "--task-options", json.dumps({"source": str(corpus)}), "--mixer", "linear",
             "--train", "16:32:0", "--test", "16:8:0", "--d-model", "16", "--steps", "2", "--batch-size", "4",
             "--out", str(tmp_path / "cli")]
     assert main(argv) == 0
     assert len(json.loads((tmp_path / "cli" / "results.json").read_text())["eval"][0]["loss_by_position"]) == 16
+    printed = capsys.readouterr().out
+    for name in ("results.json", "loss_by_position.png", "checkpoint"):
+        assert f"wrote {tmp_path / 'cli' / name}\n" in printed

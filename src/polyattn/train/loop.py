@@ -186,22 +186,27 @@ def train(config, quiet=False, label=None):
         "max_train_len": config.max_train_len,
     }
     if config.out_dir:
-        write_results(model, results, config)
+        results["files"] = write_results(model, results, config)
     return results, model
 
 
 def write_results(model, results, config):
-    """results.json always; PNGs when matplotlib is installed (else a notice); the checkpoint if asked."""
+    """results.json always; PNGs when matplotlib is installed (else a notice); the checkpoint if asked.
+    Returns the paths written."""
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    written = [out / "results.json"]
     try:
         from polyattn.train.plots import plot_accuracy_vs_length, plot_loss_by_position, plot_training_curve
     except ImportError as err:
         print(f"polyattn: no PNG plots ({err}); install polyattn[demo]", file=sys.stderr)
     else:
-        plot_accuracy_vs_length([results], out / "accuracy_vs_length.png")
-        plot_training_curve([results], out / "training_curve.png")
-        plot_loss_by_position([results], out / "loss_by_position.png")
+        for plot, name in ((plot_accuracy_vs_length, "accuracy_vs_length.png"), (plot_training_curve, "training_curve.png"),
+                           (plot_loss_by_position, "loss_by_position.png")):
+            plot([results], out / name)
+            written.append(out / name)
     if config.checkpoint:
         model.save_pretrained(out / "checkpoint")
+        written.append(out / "checkpoint")
+    return [str(p) for p in written]
