@@ -137,6 +137,8 @@ def test_packing_and_padding_bad_input_raises():
     _, state = mixer(x[:1], use_cache=True)
     with pytest.raises(ValueError, match="expected state=None"):
         mixer(x[:1], state, cu_seqlens=torch.tensor([0, 6]))
+    with pytest.raises(ValueError, match="or cu_seqlens .packed documents., got both"):
+        mixer(x[:1], attention_mask=torch.ones(1, 6), cu_seqlens=torch.tensor([0, 6]))
     with pytest.raises(ValueError, match=r"attention_mask: expected shape \(2, 6\)"):
         mixer(x, attention_mask=torch.ones(2, 5))
     with pytest.raises(ValueError, match="at least one token"):

@@ -284,8 +284,10 @@ class Mixer(nn.Module):
         if state is not None:
             raise ValueError("cu_seqlens: expected state=None (packed documents start fresh), got a state")
 
-    def padded_forward(self, x, attention_mask, state, use_cache):
+    def padded_forward(self, x, attention_mask, state, use_cache, cu_seqlens):
         """``forward`` with ``attention_mask [B, T]``: each row's tokens run alone (module docstring)."""
+        if cu_seqlens is not None:
+            raise ValueError("expected attention_mask (padded rows) or cu_seqlens (packed documents), got both")
         if state is not None:
             if not bool((attention_mask != 0).all()):
                 raise ValueError("attention_mask: expected all ones with a state (padding belongs to the prompt), got zeros")
@@ -318,7 +320,7 @@ class QKVMixer(Mixer):
 
     def forward(self, x, state=None, use_cache=False, attention_mask=None, cu_seqlens=None):
         if attention_mask is not None:
-            return self.padded_forward(x, attention_mask, state, use_cache)
+            return self.padded_forward(x, attention_mask, state, use_cache, cu_seqlens)
         if cu_seqlens is not None:
             self.check_packed(x, state, cu_seqlens)
         H, dk = self.heads, self.dk

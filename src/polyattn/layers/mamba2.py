@@ -85,7 +85,7 @@ class Mamba2(Mixer):
 
     def forward(self, x, state=None, use_cache=False, attention_mask=None, cu_seqlens=None):
         if attention_mask is not None:
-            return self.padded_forward(x, attention_mask, state, use_cache)
+            return self.padded_forward(x, attention_mask, state, use_cache, cu_seqlens)
         if cu_seqlens is not None:
             self.check_packed(x, state, cu_seqlens)
         H, P, N = self.heads, self.P, self.N
