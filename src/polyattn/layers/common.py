@@ -88,16 +88,14 @@ class ShortConv(nn.Module):
         return F.silu(y), tail
 
 
-def document_offsets(cu_seqlens, T):
-    """Each packed token's index inside its document: ``[T]`` int64."""
-    t = torch.arange(T, device=cu_seqlens.device)
-    doc = torch.searchsorted(cu_seqlens[1:], t, right=True)  # [T] document of each token
-    return t - cu_seqlens[doc]
-
-
 def document_ids(cu_seqlens, T):
     """Each packed token's document: ``[T]`` int64."""
     return torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=cu_seqlens.device), right=True)
+
+
+def document_offsets(cu_seqlens, T):
+    """Each packed token's index inside its document: ``[T]`` int64."""
+    return torch.arange(T, device=cu_seqlens.device) - cu_seqlens[document_ids(cu_seqlens, T)]
 
 
 def pack_rows(x, attention_mask):
