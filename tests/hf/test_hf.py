@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, StoppingCriteria, Sto
 import polyattn.hf
 from polyattn.hf import PolyattnCache, PolyattnConfig, PolyattnForCausalLM
 from polyattn.layers import MIXERS
+from polyattn.models import CausalLM, LMConfig
 from polyattn.testing import assert_close_rel
 
 VOCAB, PROMPT, NEW = 37, 7, 6
@@ -167,6 +168,23 @@ def test_packed_documents_and_loss():
             assert_close_rel(piece, model(doc[None]).logits[0], 1e-9, "packed document")
         alone = [model(d[None], labels=d[None]).loss * (len(d) - 1) for d in docs if len(d) > 1]
     assert_close_rel(out.loss, sum(alone) / (14 - 3), 1e-9, "packed loss")
+
+
+def test_a_polyattn_checkpoint_converts_with_identical_logits(tmp_path):
+    torch.manual_seed(0)
+    lm = CausalLM(LMConfig(vocab_size=VOCAB, d_model=16, n_layers=3, mixer="gdn", mixer_config={"num_heads": 2},
+                           layer_mixers=["gdn", {"name": "kata-m2", "num_heads": 4}, "softmax"])).double()
+    model = PolyattnForCausalLM.from_causal_lm(lm, eos_token_id=3)
+    assert [b.mixer.heads for b in model.model.blocks] == [2, 4, 2]  # softmax: the default, as in the LM
+    ids = prompts()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, lm(ids)[0])
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert loaded.config.eos_token_id == 3
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    with torch.no_grad():  # bitwise-equal weights; loaded ones sit at other memory alignments (BLAS rounding)
+        assert_close_rel(loaded(ids).logits, lm(ids)[0], 1e-12, "reloaded")
 
 
 def test_bad_input_raises():

@@ -34,6 +34,15 @@ class PolyattnConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         self.lm_config().layer_specs()  # ValueError on an unknown mixer, a wrong list length, bad sizes
 
+    @classmethod
+    def from_lm_config(cls, lm_config, **kwargs):
+        """The config of a `polyattn.models.LMConfig` (every layer's mixer and options spelled out)."""
+        return cls(
+            vocab_size=lm_config.vocab_size, hidden_size=lm_config.d_model, num_hidden_layers=lm_config.n_layers,
+            mixer=[{"name": name, **options} for name, options in lm_config.layer_specs()],
+            mlp_ratio=lm_config.mlp_ratio, norm_eps=lm_config.norm_eps, init_std=lm_config.init_std, **kwargs,
+        )
+
     def lm_config(self):
         """The equivalent `polyattn.models.LMConfig`."""
         options = dict(self.mixer_config or {})

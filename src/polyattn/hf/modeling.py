@@ -43,6 +43,14 @@ class PolyattnForCausalLM(PolyattnPreTrainedModel, GenerationMixin):
         self.model = CausalLM(config.lm_config())
         self.post_init()
 
+    @classmethod
+    def from_causal_lm(cls, lm, **config_kwargs):
+        """This model with the weights of a `polyattn.models.CausalLM` (e.g. a ``polyattn train`` checkpoint),
+        in its dtype; ``config_kwargs`` go to `PolyattnConfig` (e.g. ``eos_token_id``)."""
+        model = cls(PolyattnConfig.from_lm_config(lm.config, **config_kwargs))
+        model.model.load_state_dict(lm.state_dict())
+        return model.to(next(lm.parameters()).dtype)
+
     def get_input_embeddings(self):
         return self.model.embed
 
