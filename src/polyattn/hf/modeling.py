@@ -4,7 +4,7 @@ The network is `polyattn.models.CausalLM` itself (held as ``self.model``; one im
 mixer and hybrid), so ``save_pretrained`` / ``from_pretrained`` write and read its weights (safetensors)
 under ``model.``. ``forward`` takes the transformers arguments: ``attention_mask`` (left-padded prompts:
 each row gets exactly its own logits, `polyattn.layers.common`), ``cache`` (a `PolyattnCache`, created
-when ``use_cache``), ``labels`` (shifted inside, -100 ignored) and ``logits_to_keep``; also
+when ``use_cache``, which defaults to ``config.use_cache`` outside training), ``labels`` (shifted inside, -100 ignored) and ``logits_to_keep``; also
 ``cu_seqlens`` for packed documents (B = 1; no loss across a document boundary). No positional
 encoding: ``position_ids`` are accepted and unused.
 """
@@ -75,7 +75,9 @@ class PolyattnForCausalLM(PolyattnPreTrainedModel, GenerationMixin):
         unsupported = sorted(key for key, value in kwargs.items() if value not in (None, False))
         if unsupported:
             raise ValueError(f"unsupported arguments {unsupported}: expected input_ids, attention_mask, cache, labels, cu_seqlens")
-        use_cache = cache is not None or (self.config.use_cache if use_cache is None else use_cache)
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        use_cache = use_cache or cache is not None
         if use_cache and cache is None:
             cache = PolyattnCache(self.config.num_hidden_layers)
         states = None if cache is None else cache.mixer_states()
@@ -88,11 +90,11 @@ class PolyattnForCausalLM(PolyattnPreTrainedModel, GenerationMixin):
         hidden, states = self.model.hidden_states(input_ids, states, use_cache, attention_mask, cu_seqlens)
         if use_cache:
             cache.store_states(states)
-        loss = None
-        if labels is not None:
-            loss = self.loss(self.model.logits(hidden), labels, cu_seqlens)
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
         logits = self.model.logits(hidden[:, keep])  # [B, T, d_model] -> [B, kept, vocab]
+        loss = None
+        if labels is not None:
+            loss = self.loss(self.model.logits(hidden) if logits_to_keep else logits, labels, cu_seqlens)
         output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
         return output if return_dict is not False else output.to_tuple()
 
@@ -109,7 +111,6 @@ class PolyattnForCausalLM(PolyattnPreTrainedModel, GenerationMixin):
             logits[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE_INDEX
         )  # [B*(T-1), vocab]
 
-    @torch.no_grad()
     def state_size(self, T):
         """Floats of decoding state per sequence after T tokens (`CausalLM.state_size`)."""
         return self.model.state_size(T)
