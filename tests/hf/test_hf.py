@@ -108,14 +108,14 @@ def test_sampling_is_reproducible_and_cache_independent(mixer):
 @pytest.mark.parametrize("mixer", list(MIXERS))
 def test_left_padded_prompts_generate_as_alone(mixer):
     """Rows of different lengths, left-padded with garbage tokens: each row continues as it does alone,
-    greedy and beam search."""
+    greedy (with and without the cache) and beam search."""
     model = model_for(mixer)
     lengths = (PROMPT, 2, 4)
     ids = prompts(len(lengths), PROMPT, seed=2)  # garbage everywhere the mask is 0
     mask = torch.zeros_like(ids)
     for i, n in enumerate(lengths):
         mask[i, PROMPT - n :] = 1
-    for options in (dict(do_sample=False), dict(num_beams=3, do_sample=False)):
+    for options in (dict(do_sample=False), dict(do_sample=False, use_cache=False), dict(num_beams=3, do_sample=False)):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, **options)
         for i, n in enumerate(lengths):
             alone = model.generate(ids[i : i + 1, PROMPT - n :], max_new_tokens=NEW, **options)
