@@ -97,7 +97,7 @@ class HigherOrderLinearAttention(QKVMixer):
         scale = q.shape[-1] ** -0.5
         variant, q, k, v, g, state, dtype = prepare(q, k, v, g, scale=scale, initial_state=core, **options)
         env, finals = {"k": k, "v": v}, []
-        for call, initial in zip(variant.calls, state):
+        for call, initial in zip(variant.calls, state):  # no state given: None (not prepare's zeros) for cu_seqlens
             env[call.out], final = ops.linear_attn(
                 q, env[call.key], env[call.value], None if call.out == "o" else g, scale=1.0,
                 initial_state=None if core is None else initial, output_final_state=use_cache, cu_seqlens=cu_seqlens,
