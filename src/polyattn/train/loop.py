@@ -100,11 +100,13 @@ def scored_loss(model, inputs, labels):
 
 
 @torch.no_grad()
-def evaluate(model, test, batch_size, device, bf16=True):
+def evaluate(model, test, batch_size, device, bf16=True, quiet=True):
     """Per slice, on scored positions: accuracy, mean loss and the mean loss at each position t (None where
     nothing is scored): ``[{"length", "pairs", "accuracy", "loss", "loss_by_position", "examples"}]``."""
     model.eval()
     rows = []
+    batches = sum(-(-len(data) // batch_size) for data in test)
+    progress = tqdm(total=batches, desc="eval", unit="batch", disable=quiet, file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
     for data in test:
         loss_sum = torch.zeros(data.length, dtype=torch.float64)
         count = torch.zeros(data.length, dtype=torch.float64)
@@ -119,12 +121,14 @@ def evaluate(model, test, batch_size, device, bf16=True):
             loss_sum.index_add_(0, position, losses)
             count += torch.bincount(position, minlength=data.length).double()
             correct += int((logits.argmax(-1) == target).sum())
+            progress.update()
         total = int(count.sum())
         by_position = [s / c if c else None for s, c in zip(loss_sum.tolist(), count.tolist())]
         rows.append({
             "length": data.length, "pairs": data.pairs, "accuracy": correct / max(total, 1),
             "loss": float(loss_sum.sum()) / max(total, 1), "loss_by_position": by_position, "examples": len(data),
         })
+    progress.close()
     model.train()
     return rows
 
@@ -181,7 +185,7 @@ def train(config, quiet=False, label=None):
             "final_loss": history[-1]["loss"],
             "history": history,
         },
-        "eval": evaluate(model, test_data, config.eval_batch_size, device, config.bf16),
+        "eval": evaluate(model, test_data, config.eval_batch_size, device, config.bf16, quiet),
         "state_floats": {str(s.seq_len): model.state_size(s.seq_len) for s in config.test_segments},
         "max_train_len": config.max_train_len,
     }
