@@ -161,3 +161,29 @@ def assert_low_precision_matches(naive, chunk, fast, inputs: dict, h0, dtype, *,
         err, err_chunk = rel_err(got[name], expected), rel_err(base[name], expected)
         bound = min(max(2 * err_chunk, LOW_PRECISION_FLOOR[dtype]), LOW_PRECISION_CEILING[dtype])
         assert err <= bound, f"{name}: rel err {err:.2e} > {bound:.2e} (chunk {err_chunk:.2e})"
+
+
+def assert_one_token_step(fast, tensors: list, h0: torch.Tensor, *, scale: float = 0.3, rtol: float = 1e-5) -> None:
+    """A one-token call of a Triton form without gradients (decoding, served by the fused step)
+    equals the same call with gradients (served by the chunk kernels) and leaves `h0` untouched."""
+    kept = h0.clone()
+    with torch.no_grad():
+        o, ht = fast(*tensors, scale=scale, initial_state=h0, output_final_state=True)
+    leaves = [None if t is None else t.clone().requires_grad_() for t in tensors]
+    o_ref, ht_ref = fast(*leaves, scale=scale, initial_state=h0, output_final_state=True)
+    assert torch.equal(h0, kept), "the one-token call modified the caller's state"
+    assert rel_err(o, o_ref) <= rtol, f"o: {rel_err(o, o_ref):.2e}"
+    assert rel_err(ht, ht_ref) <= rtol, f"final state: {rel_err(ht, ht_ref):.2e}"
+
+
+def assert_fused_steps(fused_step, reference_step, steps: list, state: torch.Tensor, *, scale: float = 0.3, rtol: float = 1e-5) -> None:
+    """A fused in-place decoding step (`fused_step(*tokens, state, scale=)`, fp32 state) against
+    the PyTorch step that returns a new state, over the per-step token tensors `steps`."""
+    fused = state.float().contiguous()
+    reference = state.clone()
+    for t, tokens in enumerate(steps):
+        o, same = fused_step(*(None if x is None else x.float() for x in tokens), fused, scale=scale)
+        o_ref, reference = reference_step(*tokens, reference, scale=scale)
+        assert same is fused, "the fused step must update the state in place"
+        assert rel_err(o, o_ref) <= rtol, f"step {t}: o rel err {rel_err(o, o_ref):.2e}"
+        assert rel_err(fused, reference) <= rtol, f"step {t}: state rel err {rel_err(fused, reference):.2e}"

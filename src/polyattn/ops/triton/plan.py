@@ -156,3 +156,18 @@ def step_state(initial_state, q: torch.Tensor, V: int) -> torch.Tensor:
         return initial_state.to(torch.float32, copy=True).contiguous()
     B, _, H, K = q.shape
     return torch.zeros(B, H, K, V, dtype=torch.float32, device=q.device)
+
+
+def empty_call(q: torch.Tensor, v: torch.Tensor, initial_state, output_final_state: bool, seq_lens: tuple):
+    """The result of a call with nothing to compute (no sequence, no head, or no token at all),
+    as the PyTorch forms give it: an empty output, and the final state equal to the initial state
+    (zeros without one). None when there is work for the kernels."""
+    if q.numel() != 0:
+        return None
+    B, T, H, K = q.shape
+    o = torch.empty(B, T, H, v.shape[-1], dtype=q.dtype, device=q.device)
+    if not output_final_state:
+        return o, None
+    if initial_state is not None:
+        return o, initial_state.to(torch.float32, copy=True)
+    return o, torch.zeros(len(seq_lens), H, K, v.shape[-1], dtype=torch.float32, device=q.device)
