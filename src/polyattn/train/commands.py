@@ -105,8 +105,8 @@ def run_train(args):
     check_mixers([config.mixer])
     result, _ = train(config)
     print(format_table([result]))
-    if config.out_dir:
-        print(f"wrote {config.out_dir}/results.json")
+    for path in result.get("files", []):
+        print(f"wrote {path}")
     return 0
 
 

@@ -60,6 +60,9 @@ def check_per_token(name: str, x: torch.Tensor, q: torch.Tensor, *, last_dim: in
 def check_log_decay(g: torch.Tensor, q: torch.Tensor) -> None:
     """Check the per-token log-decay ``g: [B, T, H]`` and ``g <= 0`` (decays are at most 1)."""
     check_per_token("g", g, q)
+    if torch.compiler.is_compiling():  # a compiled graph cannot branch on values: assert on the device instead
+        torch._assert_async(torch.isfinite(g).all() & (g <= 0).all(), "g: expected finite log-decays g <= 0")
+        return
     if not bool(torch.isfinite(g).all()):
         raise ValueError("g: expected finite log-decays, got inf or nan")
     if bool((g > 0).any()):
