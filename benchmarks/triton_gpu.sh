@@ -4,7 +4,8 @@
 # usage: benchmarks/triton_gpu.sh OUTDIR [extra args for `python -m polyattn.bench kernels`]
 # fla wheels in .whl/ (if any) are installed to /tmp/site first. Kernel compilation (CPU-bound)
 # runs in parallel with the tests before anything is timed. TESTS (pytest paths), TEST_TIMEOUT,
-# BENCH_TIMEOUT, DECODE_TIMEOUT and PROFILE_TIMEOUT (s; 0 skips the step) bound the steps.
+# BENCH_TIMEOUT, DECODE_TIMEOUT, TUNE_TIMEOUT (default 0: off), PROFILE_TIMEOUT and
+# PRECISION_TIMEOUT (s; 0 skips the step) bound the steps.
 set -uo pipefail
 out=${1:?usage: triton_gpu.sh OUTDIR [bench args...]}
 shift
@@ -30,6 +31,10 @@ fi
 if [ "${DECODE_TIMEOUT:-120}" != 0 ]; then
   timeout "${DECODE_TIMEOUT:-120}" python3 -m polyattn.bench decode --out "$out" --seqlens 4096 32768 > "$out/decode.log" 2>&1
   tail -n 16 "$out/decode.log"
+fi
+if [ "${TUNE_TIMEOUT:-0}" != 0 ]; then
+  timeout "${TUNE_TIMEOUT}" python3 benchmarks/tune_linear_triton.py --seqlens 8192 --configs 0 1 --out "$out/tune_linear.json" > "$out/tune_linear.log" 2>&1
+  tail -n 3 "$out/tune_linear.log"
 fi
 if [ "${PROFILE_TIMEOUT:-60}" != 0 ]; then
   timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/profile_delta.py --T 8192 --warps 8 --block-v 32 --fp32-dot split tf32 rounded --out "$out/profile.json" 2>&1 | grep -v -i warn | tail -n 20
