@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import compute_dtype, exp_segsum, heads_chunks, heads_unchunk
+from polyattn.ops.common import causal_matmul, causal_scores, compute_dtype, exp_segsum, heads_chunks, heads_unchunk
 from polyattn.ops.kata.feature_maps import make_feature_map
 from polyattn.ops.kata.state import join_state, normalized_read, split_state, with_ones
 
@@ -36,7 +36,7 @@ def kata_chunk_summaries(fmap, q, k, v, g):
     Returns ``(intra [B,H,NC,C,W], local_state [B,H,NC,P,W], chunk_log_decay Γ [B,H,NC])``.
     """
     D = exp_segsum(g)  # [B, H, NC, C, C]
-    intra = (fmap.kernel(q, k) * D) @ v  # [B, H, NC, C, C] @ [B, H, NC, C, W] -> [B, H, NC, C, W]   (1)
+    intra = causal_matmul(causal_scores(fmap.kernel(q, k), D), v)  # [B, H, NC, C, C] @ [B, H, NC, C, W] -> [B, H, NC, C, W]   (1)
     local_state = fmap.write(k, D[..., -1, :, None] * v)  # [B, H, NC, P, W]: Σ_s D[C, s] ψ(k_s) v_sᵀ   (3)
     return intra, local_state, g.sum(-1)
 
@@ -120,7 +120,7 @@ def deltakata_chunk(
     unit_gram = fmap.kernel(kc, kc) / (norm[..., :, None] * norm[..., None, :])  # κ̂(K, K): [B, H, NC, C, C]
     eye = torch.eye(chunk_size, dtype=dt, device=q.device)
     lower = eye + bc[..., :, None] * torch.tril(unit_gram * D, diagonal=-1)  # I + diag(β) tril(κ̂ ⊙ D, −1)
-    scores = fmap.kernel(qc, kc) * D / norm[..., None, :]  # κ(scale Q, K) ⊙ D ⊘ n: [B, H, NC, C, C]
+    scores = causal_scores(fmap.kernel(qc, kc) / norm[..., None, :], D)  # κ(scale Q, K) ⊙ D ⊘ n: [B, H, NC, C, C]
     write_weight = D[..., -1, :] / norm  # D[C, s] / n_s: [B, H, NC, C]
     P, V = fmap.dim(), v.shape[-1]
     state = torch.zeros(B, H, P, V, dtype=dt, device=q.device) if initial_state is None else initial_state.to(dt)
@@ -130,7 +130,7 @@ def deltakata_chunk(
         rhs = bc[:, :, c, :, None] * (vc[:, :, c] - decay_q[:, :, c, :, None] * prev_read)  # [B, H, C, V]
         u = torch.linalg.solve_triangular(lower[:, :, c], rhs, upper=False, unitriangular=True)  # (4): [B, H, C, V]
         inter = decay_q[:, :, c, :, None] * fmap.read(qc[:, :, c], state)  # [B, H, C, V]
-        outputs.append(inter + scores[:, :, c] @ u)  # (5): [B, H, C, C] @ [B, H, C, V] -> [B, H, C, V]
+        outputs.append(inter + causal_matmul(scores[:, :, c], u))  # (5): [B, H, C, C] @ [B, H, C, V] -> [B, H, C, V]
         written = fmap.write(kc[:, :, c], write_weight[:, :, c, :, None] * u)  # Σ_s D[C, s] ψ̂(k_s) u_sᵀ: [B, H, P, V]
         state = torch.exp(gc[:, :, c].sum(-1))[..., None, None] * state + written  # (6)
     o = heads_unchunk(torch.stack(outputs, dim=2), T).to(out_dtype)  # [B, H, NC, C, V] -> [B, T, H, V]
