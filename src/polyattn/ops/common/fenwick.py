@@ -32,7 +32,7 @@ def level_matrix(T: int, offset: int = 0, device=None) -> torch.Tensor:
     pos = torch.arange(offset, offset + T, device=device, dtype=torch.int64)  # [T]
     x = pos[:, None] ^ pos[None, :]  # [T, T]
     lev = torch.zeros_like(x)
-    while bool((x > 0).any()):  # bit_length(x) = number of right shifts to reach 0
+    for _ in range(max(offset + T - 1, 0).bit_length()):  # bit_length(x) = right shifts to reach 0; x < 2**that
         lev += (x > 0).long()
         x = x >> 1
     return lev.masked_fill(pos[None, :] > pos[:, None], -1)

@@ -139,12 +139,27 @@ def check_choice(name: str, value, choices: Sequence) -> None:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
+def check_flag(name: str, value) -> None:
+    """Check a boolean option (a Python bool: ``0``, ``"no"`` or a tensor are refused)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
+def check_positive(name: str, value) -> float:
+    """Check a positive, finite Python number (not a bool); return it as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name}: expected a positive float (finite, not a bool), got {value!r}")
+    return float(value)
+
+
 def resolve_scale(scale: float | None, K: int) -> float:
     """The query scale: ``K ** -0.5`` by default."""
     if scale is None:
         return K ** -0.5
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise ValueError(f"scale: expected a Python float or None, got {type(scale).__name__}")
+    if not abs(scale) < float("inf"):
+        raise ValueError(f"scale: expected a finite float, got {scale!r}")
     return float(scale)
 
 
@@ -159,9 +174,11 @@ class Dims(NamedTuple):
     N: int
 
 
-def check_inputs(q, k, v, g=None, cu_seqlens=None, **per_token) -> Dims:
-    """The checks every op starts with: ``q, k, v``, the log-decay ``g``, ``cu_seqlens``, and each
-    ``[B, T, H]`` tensor in ``per_token`` (e.g. ``beta=beta``; None entries are skipped)."""
+def check_inputs(q, k, v, g=None, cu_seqlens=None, output_final_state=False, **per_token) -> Dims:
+    """The checks every op starts with: ``q, k, v``, the log-decay ``g``, ``cu_seqlens``,
+    ``output_final_state`` and each ``[B, T, H]`` tensor in ``per_token`` (e.g. ``beta=beta``; None entries
+    are skipped)."""
+    check_flag("output_final_state", output_final_state)
     B, T, H, K, V = check_qkv(q, k, v)
     for name, x in per_token.items():
         if x is not None:

@@ -39,7 +39,7 @@ def delta_rule(
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)``.
     """
-    d = check_inputs(q, k, v, g, cu_seqlens, beta=beta)
+    d = check_inputs(q, k, v, g, cu_seqlens, output_final_state, beta=beta)
     if initial_state is not None:
         check_state("initial_state", initial_state, (d.N, d.H, d.K, d.V), q)
     fn = resolve_impl("delta_rule", impl, DELTA_RULE_FORMS, q)

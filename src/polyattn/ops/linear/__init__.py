@@ -46,7 +46,7 @@ def linear_attn(
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state or None)``.
     """
-    d = check_inputs(q, k, v, g, cu_seqlens)
+    d = check_inputs(q, k, v, g, cu_seqlens, output_final_state)
     if initial_state is not None:
         check_state("initial_state", initial_state, (d.N, d.H, d.K, d.V), q)
     fn = resolve_impl("linear_attn", impl, LINEAR_ATTN_FORMS, q)

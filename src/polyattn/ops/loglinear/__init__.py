@@ -61,7 +61,7 @@ def loglinear_attn(
     Returns:
         ``(o [B, T, H, V] in q's dtype, LogLinearState or None)``.
     """
-    B, T, H, K, V, N = check_inputs(q, k, v, g, cu_seqlens, beta=beta)
+    B, T, H, K, V, N = check_inputs(q, k, v, g, cu_seqlens, output_final_state, beta=beta)
     check_per_token("lam", lam, q, last_dim=-1)
     L = lam.shape[-1]
     if initial_state is not None:

@@ -45,7 +45,7 @@ from polyattn.ops.common import (
 )
 from polyattn.ops.delta.naive import delta_rule_system
 from polyattn.ops.linear.chunk import chunk_inputs
-from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, fenwick_carry, initial_levels, state_positions
+from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, empty_batch, fenwick_carry, initial_levels, state_positions
 
 
 def _front_pad(x, r):
@@ -163,6 +163,8 @@ def loglinear_attn_chunk(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
         raise ValueError(f"chunk_size: expected a power of two, got {C}")
     positions = state_positions(initial_state, B)
     check_lam_levels(L, positions, [T] * B)
+    if B == 0:
+        return empty_batch(q, v, L, output_final_state)
     levels0, position = initial_levels(initial_state, B, H, L, K, V, dt, q.device)  # [B, H, L, K, V], [B]
     tensors = [None if x is None else x.to(dt) for x in (q, k, v, lam, g, beta)]
     outputs, finals, order = [], [], []

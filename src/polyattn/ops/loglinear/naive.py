@@ -33,7 +33,7 @@ import torch
 from polyattn.ops.common import causal_matmul, causal_scores, compute_dtype, exp_segsum, level, level_matrix, suffix_sum
 from polyattn.ops.delta import delta_rule_attention_matrix
 from polyattn.ops.delta.naive import delta_rule_system
-from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, initial_levels, state_positions
+from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, empty_batch, initial_levels, state_positions
 
 
 def _level_of_previous(P: int, T: int) -> list[int]:
@@ -48,6 +48,8 @@ def loglinear_attn_naive(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
     V, L = v.shape[-1], lam.shape[-1]
     positions = state_positions(initial_state, B)
     check_lam_levels(L, positions, [T] * B)
+    if B == 0:
+        return empty_batch(q, v, L, output_final_state)
     S0, position = initial_levels(initial_state, B, H, L, K, V, dt, q.device)  # [B, H, L, K, V], [B]
     q, k, v = (x.to(dt).transpose(1, 2) for x in (q, k, v))  # [B, T, H, D] -> [B, H, T, D]
     lam = lam.to(dt).permute(0, 2, 1, 3)  # [B, T, H, L] -> [B, H, T, L]
