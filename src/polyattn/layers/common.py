@@ -135,8 +135,9 @@ def inverse_softplus(x):
 class LevelScales(nn.Module):
     """Log-linear λ (spec/loglinear.md §2.1): ``lam = softplus(Lpar ⊙ l_proj x)``, ``[B, T, H, L]``.
 
-    ``l_proj ~ N(0, 0.006)`` and ``Lpar = 1``, so λ ≈ ln 2 at init; L is fixed by the longest
-    supported sequence (15 levels = 16K tokens).
+    ``l_proj ~ N(0, 0.006)`` and ``Lpar = 1``, so λ ≈ ln 2 at init. L (``max_levels``, 15 by default)
+    levels cover ``2**(L-1)`` tokens (16K); longer sequences and decoding past that add levels that
+    share the last level's λ (``ops.loglinear.widen_levels``), so any length is served.
     """
 
     def __init__(self, d_model, heads, levels):

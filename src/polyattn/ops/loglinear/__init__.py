@@ -8,7 +8,7 @@ from polyattn.ops.common import check_inputs, check_per_token, resolve_impl, res
 from polyattn.ops.loglinear.chunk import loglinear_attn_chunk
 from polyattn.ops.loglinear.naive import loglinear_attn_naive
 from polyattn.ops.loglinear.recurrent import loglinear_attn_recurrent, loglinear_attn_step
-from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, check_loglinear_state, state_positions
+from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, check_loglinear_state, state_positions, widen_levels
 
 LOGLINEAR_ATTN_FORMS = {
     "naive": loglinear_attn_naive,
@@ -81,4 +81,5 @@ __all__ = [
     "loglinear_attn_naive",
     "loglinear_attn_recurrent",
     "loglinear_attn_step",
+    "widen_levels",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from polyattn.ops.common import check_state, check_value, num_levels
 
@@ -93,3 +94,25 @@ def empty_batch(q: torch.Tensor, v: torch.Tensor, L: int, output_final_state: bo
         return o, None
     levels = q.new_zeros(B, H, L, K, v.shape[-1], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
     return o, LogLinearState(levels, torch.zeros(B, dtype=torch.int64, device=q.device))
+
+
+def widen_levels(lam: torch.Tensor, state: LogLinearState | None, T: int):
+    """``lam [B, T, H, L]`` and ``state`` widened to the levels a call of ``T`` tokens reaches, for models
+    that learn a fixed number L of level weights and must still serve any length.
+
+    Levels past lam's last share its weight (the last column is repeated); the state gains empty levels.
+    Returns ``(lam, state)`` unchanged while ``L`` suffices (``position + T <= 2**(L - 1)``). With a state,
+    the largest position is read on the host (one sync; the PyTorch forms read positions anyway).
+    """
+    L = lam.shape[-1]
+    end = T
+    if state is not None:
+        L = max(L, state.levels.shape[2])
+        end += int(state.position.max()) if state.position.numel() else 0
+    need = max(L, num_levels(end))
+    if need > lam.shape[-1]:
+        lam = torch.cat([lam, lam[..., -1:].expand(*lam.shape[:-1], need - lam.shape[-1])], dim=-1)  # [B, T, H, need]
+    if state is not None and need > state.levels.shape[2]:
+        levels = F.pad(state.levels, [0, 0, 0, 0, 0, need - state.levels.shape[2]])  # [N, H, L, K, V] -> [N, H, need, K, V]
+        state = LogLinearState(levels, state.position)
+    return lam, state
