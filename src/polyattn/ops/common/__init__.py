@@ -22,7 +22,7 @@ from polyattn.ops.common.validate import (
     resolve_scale,
     set_value_checks,
 )
-from polyattn.ops.common.varlen import run_varlen, state_cat, state_index
+from polyattn.ops.common.varlen import run_padded_batches, run_varlen, run_with_resets, state_cat, state_index, state_take
 
 __all__ = [
     "Dims",
@@ -53,12 +53,15 @@ __all__ = [
     "pad_time",
     "resolve_impl",
     "resolve_scale",
+    "run_padded_batches",
     "run_varlen",
+    "run_with_resets",
     "scaled_log_decay",
     "segsum",
     "set_value_checks",
     "state_cat",
     "state_index",
+    "state_take",
     "suffix_sum",
     "to_chunks",
 ]

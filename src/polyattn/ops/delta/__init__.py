@@ -44,7 +44,7 @@ def delta_rule(
         check_state("initial_state", initial_state, (d.N, d.H, d.K, d.V), q)
     fn = resolve_impl("delta_rule", impl, DELTA_RULE_FORMS, q)
     scale = resolve_scale(scale, d.K)
-    return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, scale=scale)
+    return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, decay_index=4, neutral_padding=True, scale=scale)
 
 
 __all__ = [

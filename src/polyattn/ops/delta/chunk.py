@@ -24,7 +24,7 @@ from polyattn.ops.linear.chunk import chunk_inputs
 def delta_rule_chunk(q, k, v, beta, g=None, *, scale, initial_state=None, output_final_state=False, chunk_size=64):
     """Returns ``(o [B,T,H,V], final_state [B,H,K,V] | None)``."""
     T = q.shape[1]
-    C = chunk_size
+    C = min(chunk_size, T)  # no chunk wider than the sequence
     qc, kc, vc, gl = chunk_inputs(q, k, v, g, scale, C)  # [B, H, N, C, D], g: [B, H, N, C]
     bc = heads_chunks(beta.to(qc.dtype), C)  # [B, T, H] -> [B, H, N, C]
     D, M = delta_rule_system(kc, bc, gl)  # [B, H, N, C, C] each

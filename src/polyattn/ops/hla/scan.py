@@ -95,7 +95,7 @@ def hla_scan(
         q, k, v, g, order=order, asymmetric=asymmetric, normalize=normalize, scale=scale, initial_state=initial_state
     )  # compute dtype; v: [B, T, H, V']
     rule, T = SCAN_RULES[variant.name], q.shape[1]
-    qc, kc, vc, gc = chunk_inputs(q, k, v, g, 1.0, chunk_size)  # [B, H, N, C, D], gc: [B, H, N, C]
+    qc, kc, vc, gc = chunk_inputs(q, k, v, g, 1.0, min(chunk_size, T))  # [B, H, N, C, D], gc: [B, H, N, C]
     N = qc.shape[2]
 
     local = {"q": qc, "k": kc, "v": vc}  # chunk-local sequences, every chunk from a zero state

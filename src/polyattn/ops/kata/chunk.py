@@ -54,7 +54,8 @@ def prepare(q, k, v, g, *, feature, groups, combine, scale, chunk_size):
     fmap = make_feature_map(feature, K, groups, combine)
     g = torch.zeros(B, T, H, dtype=dt, device=q.device) if g is None else g.to(dt)
     v = with_ones(v.to(dt))  # [B, T, H, V + 1]; padding gives a zero ones-column, so padded tokens add nothing
-    chunks = tuple(heads_chunks(x, chunk_size) for x in (scale * q.to(dt), k.to(dt), v, g))  # [B, H, NC, C, ...]
+    C = min(chunk_size, T)  # no chunk wider than the sequence
+    chunks = tuple(heads_chunks(x, C) for x in (scale * q.to(dt), k.to(dt), v, g))  # [B, H, NC, C, ...]
     return fmap, dt, chunks
 
 
@@ -111,14 +112,15 @@ def deltakata_chunk(
     B, T, H, K = q.shape
     fmap = make_feature_map(feature, K, groups, combine)
     g = torch.zeros(B, T, H, dtype=dt, device=q.device) if g is None else g.to(dt)
-    qc, kc, vc, bc, gc = (heads_chunks(x, chunk_size) for x in (scale * q.to(dt), k.to(dt), v.to(dt), beta.to(dt), g))
+    C = min(chunk_size, T)  # no chunk wider than the sequence
+    qc, kc, vc, bc, gc = (heads_chunks(x, C) for x in (scale * q.to(dt), k.to(dt), v.to(dt), beta.to(dt), g))
     # padded tokens have beta = 0, so their pseudo-values are 0 and they write nothing
     self_kernel = fmap.kernel(kc[..., None, :], kc[..., None, :])[..., 0, 0]  # κ(k_s, k_s) = ‖ψ(k_s)‖²: [B, H, NC, C]
     norm = self_kernel.clamp_min(eps**2).sqrt()  # n_s = max(‖ψ(k_s)‖, eps), finite gradients at k_s = 0
     D = exp_segsum(gc)  # [B, H, NC, C, C]
     decay_q = torch.exp(torch.cumsum(gc, dim=-1))  # exp(γ_t): [B, H, NC, C]
     unit_gram = fmap.kernel(kc, kc) / (norm[..., :, None] * norm[..., None, :])  # κ̂(K, K): [B, H, NC, C, C]
-    eye = torch.eye(chunk_size, dtype=dt, device=q.device)
+    eye = torch.eye(C, dtype=dt, device=q.device)
     lower = eye + bc[..., :, None] * torch.tril(unit_gram * D, diagonal=-1)  # I + diag(β) tril(κ̂ ⊙ D, −1)
     scores = causal_scores(fmap.kernel(qc, kc) / norm[..., None, :], D)  # κ(scale Q, K) ⊙ D ⊘ n: [B, H, NC, C, C]
     write_weight = D[..., -1, :] / norm  # D[C, s] / n_s: [B, H, NC, C]
