@@ -13,7 +13,7 @@ import torch
 from polyattn import ops
 from polyattn.bench.kernels import H, TOKENS, inputs
 from polyattn.bench.timing import try_bench
-from polyattn.ops.linear.triton.common import KernelConfig, use_config
+from polyattn.ops.triton.plan import KernelConfig, use_config
 
 CONFIGS = [
     KernelConfig(),

@@ -82,3 +82,82 @@ def assert_varlen(op, inputs: dict, lengths: list[int], rtol: float, initial_sta
         states.append(s_i)
     assert_close_rel(o, torch.cat(outs, dim=1), rtol, "packed output")
     assert_states_close(s, state_cat(states), rtol, "packed final states")
+
+
+# Low-precision forms against the float64 spec (the Triton rung of the test ladder).
+# Error bound per tensor: rel_err(form) <= min(max(2 * rel_err(chunk), FLOOR), CEILING), where
+# `chunk` is the PyTorch chunk form run on the same low-precision inputs. The floors are
+# rounding noise: one bf16 ulp (the chunk form rounds once, at the end, so its own error can sit
+# anywhere under that), and for fp32 ~40 ulps, which varies case to case by more than 2x (exp
+# of a rounded log-decay sum), yet stays 60x under a tf32 product's error.
+LOW_PRECISION_FLOOR = {torch.float32: 5e-6, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+LOW_PRECISION_CEILING = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    """A short parametrize id for a dtype."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}[dtype]
+
+
+def forward_backward(form, inputs: dict, h0: torch.Tensor, cotangents, *, scale: float, cu_seqlens=None) -> dict:
+    """Forward + backward of one form of an op `form(*inputs.values(), scale=, initial_state=, ...)`.
+
+    `inputs` is ordered as the op's positional tensors (None entries passed as None and not
+    differentiated); gradients flow through `o` and the final state with the cotangents
+    `(do, dht)`. Returns `{"o", "final_state", "d<name>"..., "dh0"}`.
+    """
+    leaves = {n: None if x is None else x.detach().clone().requires_grad_() for n, x in inputs.items()}
+    h0 = h0.detach().clone().requires_grad_()
+    kwargs = dict(scale=scale, initial_state=h0, output_final_state=True)
+    if cu_seqlens is not None:
+        kwargs["cu_seqlens"] = cu_seqlens
+    o, ht = form(*leaves.values(), **kwargs)
+    do, dht = cotangents
+    loss = (o.double() * do).sum() + (ht.double() * dht).sum()
+    wrt = {n: x for n, x in leaves.items() if x is not None}
+    grads = torch.autograd.grad(loss, [*wrt.values(), h0])
+    out = {"o": o, "final_state": ht}
+    out.update({f"d{n}": gr for n, gr in zip([*wrt, "h0"], grads)})
+    return out
+
+
+def per_sequence(form, lengths: list[int]):
+    """A form over packed sequences run one sequence at a time (the reference for `cu_seqlens`)."""
+    def run(*tensors, scale, initial_state, output_final_state):
+        outs, states, bos = [], [], 0
+        for i, n in enumerate(lengths):
+            piece = [None if x is None else x[:, bos:bos + n] for x in tensors]
+            o, s = form(*piece, scale=scale, initial_state=initial_state[i:i + 1], output_final_state=output_final_state)
+            outs.append(o)
+            states.append(s)
+            bos += n
+        return torch.cat(outs, 1), torch.cat(states, 0)  # N x [1, T_i, H, V] -> [1, T, H, V]
+    return run
+
+
+def assert_low_precision_matches(naive, chunk, fast, inputs: dict, h0, dtype, *, lengths=None, seed: int = 1) -> None:
+    """`fast` (in `dtype`) against `naive` in float64 on the same rounded inputs, within the
+    bound above; `chunk` (the PyTorch chunk form, in `dtype`) sets the bound. With `lengths`,
+    the inputs (B = 1) are packed sequences: `fast` gets `cu_seqlens`, the others run per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    q, v = inputs["q"], inputs["v"]
+    Bx, T, Hx, Kx = q.shape
+    N = Bx if lengths is None else len(lengths)
+    do = torch.randn(Bx, T, Hx, v.shape[-1], generator=gen, dtype=torch.float64).to(q.device)
+    dht = torch.randn(N, Hx, Kx, v.shape[-1], generator=gen, dtype=torch.float64).to(q.device)
+    low = {n: None if x is None else x.to(dtype) for n, x in inputs.items()}
+    exact = {n: None if x is None else x.double() for n, x in low.items()}  # the same rounded inputs
+    cu = None
+    if lengths is not None:
+        naive, chunk = per_sequence(naive, lengths), per_sequence(chunk, lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=q.device)
+    scale = Kx**-0.5
+    ref = forward_backward(naive, exact, h0.double(), (do, dht), scale=scale)
+    base = forward_backward(chunk, low, h0, (do, dht), scale=scale)
+    got = forward_backward(fast, low, h0, (do, dht), scale=scale, cu_seqlens=cu)
+    for name, expected in ref.items():
+        assert got[name].dtype == base[name].dtype, f"{name}: dtype {got[name].dtype} != {base[name].dtype}"
+        assert bool(torch.isfinite(got[name]).all()), f"{name}: non-finite values"
+        err, err_chunk = rel_err(got[name], expected), rel_err(base[name], expected)
+        bound = min(max(2 * err_chunk, LOW_PRECISION_FLOOR[dtype]), LOW_PRECISION_CEILING[dtype])
+        assert err <= bound, f"{name}: rel err {err:.2e} > {bound:.2e} (chunk {err_chunk:.2e})"

@@ -1,4 +1,4 @@
-"""GPU benchmarks: our kernels and the anchors timed side by side in one process (DESIGN.md §7).
+"""GPU benchmarks: our kernels and the anchors timed side by side in one process (README, "GPU kernels and benchmarks").
 
 `python -m polyattn.bench kernels --out DIR` and `python -m polyattn.bench decode --out DIR`
 (also `polyattn bench ...`) write JSON rows `{op, impl, T, B, H, K, V, mode, ms, ...}`, a

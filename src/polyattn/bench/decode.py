@@ -1,8 +1,11 @@
-"""`python -m polyattn.bench decode`: one-token decoding latency.
+"""`python -m polyattn.bench decode`: one-token decoding latency, and `generate()` throughput.
 
-Our fused step (state [B, H, K, V] fp32 updated in place: reads and writes 2 * 4 * B*H*K*V bytes
-whatever the context) against SDPA over a bf16 KV cache of the given context, and fla's
-`fused_recurrent_simple_gla` one-token call when importable. B = 8, H = 16, K = V = 128.
+Our fused steps (linear attention and the delta rule; state [B, H, K, V] fp32 updated in place:
+reads and writes 2 * 4 * B*H*K*V bytes whatever the context) against SDPA over a bf16 KV cache of
+the given context, and fla's `fused_recurrent_simple_gla` one-token call when importable.
+B = 8, H = 16, K = V = 128. Then tokens/s of `CausalLM.generate` for a small model whose
+one-token calls go through the fused steps (`decode_impl="auto"`) or the PyTorch token loop
+(`decode_impl="recurrent"`).
 """
 from __future__ import annotations
 
@@ -21,8 +24,10 @@ B, H, D = 8, 16, 128
 def run(out: Path, contexts=CONTEXTS) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from polyattn.ops.delta.recurrent import delta_rule_step
+    from polyattn.ops.delta.triton import delta_rule_step_inplace
     from polyattn.ops.linear.recurrent import linear_attn_step as reference_step
-    from polyattn.ops.linear.triton import linear_attn_step
+    from polyattn.ops.linear.triton import linear_attn_step_inplace
 
     print(device_line(), flush=True)
     rows = []
@@ -34,14 +39,18 @@ def run(out: Path, contexts=CONTEXTS) -> list[dict]:
 
     def record(op, impl, T, ms):
         row = dict(op=op, impl=impl, T=T, B=B, H=H, K=D, V=D, mode="step", ms=ms)
-        if isinstance(ms, float) and op == "decode-linear":
+        if isinstance(ms, float) and op in ("decode-linear", "decode-delta"):
             row["gbps"] = state_bytes / ms * 1e-6
         rows.append(row)
         print(f"{op:14} {impl:32} ctx {T:>6} {ms if isinstance(ms, str) else f'{ms * 1e3:9.1f} us'}", flush=True)
 
-    ms_step = try_bench(lambda: linear_attn_step(q, k, v, g, state, scale=D ** -0.5), rep_ms=200)
+    ms_step = try_bench(lambda: linear_attn_step_inplace(q, k, v, g, state, scale=D ** -0.5), rep_ms=200)
     state_ref = state.clone()
     ms_ref = try_bench(lambda: reference_step(q.float(), k.float(), v.float(), g, state_ref, scale=D ** -0.5), rep_ms=200)
+    kn = F.normalize(k.float(), dim=-1).to(k.dtype)
+    beta = torch.rand(B, H, device="cuda", generator=gen)
+    ms_delta = try_bench(lambda: delta_rule_step_inplace(q, kn, v, beta, g, state, scale=D ** -0.5), rep_ms=200)
+    ms_delta_ref = try_bench(lambda: delta_rule_step(q.float(), kn.float(), v.float(), beta, g, state_ref, scale=D ** -0.5), rep_ms=200)
     fused_gla = None
     try:
         fused_gla = importlib.import_module("fla.ops").fused_recurrent_simple_gla
@@ -53,6 +62,8 @@ def run(out: Path, contexts=CONTEXTS) -> list[dict]:
     for T in contexts:
         record("decode-linear", "polyattn-triton-step", T, ms_step)
         record("decode-linear", "polyattn-pytorch-step", T, ms_ref)
+        record("decode-delta", "polyattn-triton-delta-step", T, ms_delta)
+        record("decode-delta", "polyattn-pytorch-delta-step", T, ms_delta_ref)
         if fused_gla is not None:
             record("decode-linear", "fla-fused_recurrent_simple_gla", T, ms_fla)
         kc, vc = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
@@ -64,12 +75,44 @@ def run(out: Path, contexts=CONTEXTS) -> list[dict]:
             record("decode-softmax", name, T, try_bench(attend, rep_ms=200))
         del kc, vc
         torch.cuda.empty_cache()
+    rows += generate_throughput()
     write_rows(rows, out, "decode")
     (out / "decode.md").write_text(table(rows))
     return rows
 
 
+def generate_throughput(mixers=("gdn", "mamba2"), batch=8, prompt=512, new_tokens=128) -> list[dict]:
+    """Tokens/s of greedy `generate` (bf16 autocast) for a 4-layer, width-1024 model per mixer,
+    with one-token calls on the fused steps (`auto`) and on the PyTorch token loop (`recurrent`)."""
+    import time
+
+    from polyattn.models import CausalLM, LMConfig
+
+    rows = []
+    for mixer in mixers:
+        for decode_impl in ("auto", "recurrent"):
+            config = LMConfig(vocab_size=8192, d_model=1024, n_layers=4, mixer=mixer,
+                              mixer_config=dict(num_heads=8, decode_impl=decode_impl))
+            model = CausalLM(config).cuda().eval()
+            ids = torch.randint(0, 8192, (batch, prompt), device="cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                model.generate(ids, 8)  # compile and warm up
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                model.generate(ids, new_tokens)
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            row = dict(op=f"generate-{mixer}", impl=f"decode_impl={decode_impl}", B=batch, T=prompt,
+                       mode="generate", new_tokens=new_tokens, seconds=seconds, tokens_per_s=batch * new_tokens / seconds)
+            rows.append(row)
+            print(f"generate {mixer:7} decode_impl={decode_impl:9} {row['tokens_per_s']:10.0f} tokens/s", flush=True)
+            del model
+    return rows
+
+
 def table(rows: list[dict]) -> str:
+    gen_rows = [r for r in rows if r["mode"] == "generate"]
+    rows = [r for r in rows if r["mode"] == "step"]
     contexts = sorted({r["T"] for r in rows})
     lines = [f"# decode, B={B}, H={H}, K=V={D} ({device_line()})", "",
              "| impl | " + " | ".join(f"{t // 1024}K" for t in contexts) + " |", "|---|" + "---|" * len(contexts)]
@@ -84,4 +127,6 @@ def table(rows: list[dict]) -> str:
             speed = f" ({r['ms'] / ours[t]:.1f}x ours)" if isinstance(ours.get(t), float) and impl != "polyattn-triton-step" else ""
             cells.append(f"{r['ms'] * 1e3:.1f} us{speed}")
         lines.append(f"| {impl} | " + " | ".join(cells) + " |")
+    lines += ["", "| generate | decode | tokens/s |", "|---|---|---|"]
+    lines += [f"| {r['op']} (B={r['B']}, prompt {r['T']}) | {r['impl']} | {r['tokens_per_s']:.0f} |" for r in gen_rows]
     return "\n".join(lines) + "\n"

@@ -1,10 +1,12 @@
-"""`python -m polyattn.bench kernels`: linear attention (and HLA2) against SDPA and fla.
+"""`python -m polyattn.bench kernels`: linear attention, the delta rule and HLA2 against SDPA and fla.
 
 Standard shape: bf16, H = 16, K = V in {128, 64}, B = 65,536 // T sequences (B = 1 at 128K),
 T from 2K to 128K; forward and forward + backward. FLOP and byte counts follow the formulas of
 ops/linear/README.md ("Triton kernels"): per token and head, forward FLOPs `2C(K+V) + 4KV`
 (chunk C = 64), minimum forward bytes `(2K + 2V) * 2` (read q, k, v, write o), fwd+bwd FLOPs 3x
 forward and bytes `(5K + 6V) * 2` (forward, then read q, k, v, do and write dq, dk, dv).
+The delta rule (ops/delta/README.md, "Cost") adds the `K K^T` of the solve and the `K h` read:
+forward FLOPs `2 (2C(K+V) + 3KV)`, the same minimum bytes.
 """
 from __future__ import annotations
 
@@ -25,9 +27,12 @@ CHUNK = 64
 
 @dataclass(frozen=True)
 class Case:
-    op: str  # "linear_attn", "linear_attn_decay", "hla2", "softmax"
+    op: str  # "linear_attn", "linear_attn_decay", "delta_rule", "hla2", "hla2_decay", "softmax"
     impl: str
-    make: object  # (q, k, v, g) -> callable returning the output tensor
+    make: object  # (q, k, v, g, beta) -> callable returning the output tensor
+
+
+GATED = ("linear_attn_decay", "hla2_decay", "delta_rule")  # ops whose fwd+bwd differentiates g
 
 
 def _fla(name: str):
@@ -40,7 +45,7 @@ def _fla(name: str):
 def _sdpa(backend):
     from torch.nn.attention import sdpa_kernel
 
-    def make(q, k, v, g):
+    def make(q, k, v, g, beta):
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, T, H, D] -> [B, H, T, D]
 
         def run():
@@ -58,30 +63,37 @@ def cases() -> list[Case]:
     from polyattn import ops
 
     out = [
-        Case("linear_attn", "polyattn-triton", lambda q, k, v, g: lambda: ops.linear_attn(q, k, v, impl="triton")[0]),
-        Case("linear_attn_decay", "polyattn-triton", lambda q, k, v, g: lambda: ops.linear_attn(q, k, v, g, impl="triton")[0]),
+        Case("linear_attn", "polyattn-triton", lambda q, k, v, g, b: lambda: ops.linear_attn(q, k, v, impl="triton")[0]),
+        Case("linear_attn_decay", "polyattn-triton", lambda q, k, v, g, b: lambda: ops.linear_attn(q, k, v, g, impl="triton")[0]),
+        Case("delta_rule", "polyattn-triton", lambda q, k, v, g, b: lambda: ops.delta_rule(q, k, v, b, g, impl="triton")[0]),
+        Case("hla2", "polyattn-triton", lambda q, k, v, g, b: lambda: ops.hla(q, k, v, impl="triton")[0]),
+        Case("hla2_decay", "polyattn-triton", lambda q, k, v, g, b: lambda: ops.hla(q, k, v, g, impl="triton")[0]),
     ]
-    if "triton" in getattr(importlib.import_module("polyattn.ops.hla"), "HLA_FORMS", {}):
-        out.append(Case("hla2", "polyattn-triton", lambda q, k, v, g: lambda: ops.hla(q, k, v, impl="triton")[0]))
     out += [
         Case("softmax", "sdpa-flash", _sdpa(SDPBackend.FLASH_ATTENTION)),
         Case("softmax", "sdpa-cudnn", _sdpa(SDPBackend.CUDNN_ATTENTION)),
     ]
     chunk_linear_attn, chunk_simple_gla = _fla("chunk_linear_attn"), _fla("chunk_simple_gla")
+    chunk_gated_delta_rule = _fla("chunk_gated_delta_rule")
     if chunk_linear_attn is not None:
         out.append(Case("linear_attn", "fla-chunk_linear_attn",
-                        lambda q, k, v, g: lambda: chunk_linear_attn(q, k, v, normalize=False)[0]))
+                        lambda q, k, v, g, b: lambda: chunk_linear_attn(q, k, v, normalize=False)[0]))
     if chunk_simple_gla is not None:
-        out.append(Case("linear_attn_decay", "fla-chunk_simple_gla", lambda q, k, v, g: lambda: chunk_simple_gla(q, k, v, g)[0]))
+        out.append(Case("linear_attn_decay", "fla-chunk_simple_gla", lambda q, k, v, g, b: lambda: chunk_simple_gla(q, k, v, g)[0]))
+    if chunk_gated_delta_rule is not None:
+        out.append(Case("delta_rule", "fla-chunk_gated_delta_rule",
+                        lambda q, k, v, g, b: lambda: chunk_gated_delta_rule(q, k, v, g, b)[0]))
     return out
 
 
 def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int) -> tuple[float, float]:
     """FLOPs and minimum bytes of one call (ops/linear/README.md); HLA2 counts two linear calls."""
     fwd_flops = 2 * CHUNK * (K + V) + 4 * K * V
+    if op == "delta_rule":
+        fwd_flops = 2 * (2 * CHUNK * (K + V) + 3 * K * V)
     fwd_bytes = (2 * K + 2 * V) * 2
     flops, bytes_ = (fwd_flops, fwd_bytes) if mode == "fwd" else (3 * fwd_flops, (5 * K + 6 * V) * 2)
-    if op == "hla2":
+    if op.startswith("hla2"):
         flops *= 2
     return flops * tokens * H, bytes_ * tokens * H
 
@@ -89,28 +101,30 @@ def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int) -> tuple[float,
 def inputs(B, T, D, requires_grad, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    k = F.normalize(k.float(), dim=-1).to(torch.bfloat16)  # unit keys: the delta rule's contractive regime
     g = F.logsigmoid(torch.randn(B, T, H, device="cuda", generator=gen) + 4.0)  # [B, T, H], log-decay < 0
+    beta = torch.sigmoid(torch.randn(B, T, H, device="cuda", generator=gen)).to(torch.bfloat16)  # [B, T, H]
     if requires_grad:
-        for x in (q, k, v, g):
+        for x in (q, k, v, g, beta):
             x.requires_grad_(True)
-    return q, k, v, g
+    return q, k, v, g, beta
 
 
 def measure(case: Case, B: int, T: int, D: int, mode: str, timed: bool = True) -> float | str:
-    q, k, v, g = inputs(B, T, D, requires_grad=mode == "fwdbwd")
+    q, k, v, g, beta = inputs(B, T, D, requires_grad=mode == "fwdbwd")
     bench = try_bench if timed else (lambda fn: fn())
     try:
-        fn = case.make(q, k, v, g)
+        fn = case.make(q, k, v, g, beta)
         if mode == "fwd":
             with torch.no_grad():
                 return bench(fn)
-        leaves = [q, k, v, g] if case.op.endswith("decay") else [q, k, v]
+        leaves = [q, k, v] + ([g] if case.op in GATED else []) + ([beta] if case.op == "delta_rule" else [])
         do = torch.randn_like(fn())
         return bench(lambda: torch.autograd.grad(fn(), leaves, do))
     except Exception as exc:  # noqa: BLE001 -- an anchor that cannot run is a table entry
         return error_entry(exc)
     finally:
-        del q, k, v, g
+        del q, k, v, g, beta
         torch.cuda.empty_cache()
 
 
@@ -174,7 +188,9 @@ RATIOS = (  # (our op, anchor op, anchor impl)
     ("linear_attn", "softmax", "sdpa-cudnn"),
     ("linear_attn_decay", "linear_attn_decay", "fla-chunk_simple_gla"),
     ("linear_attn_decay", "linear_attn", "polyattn-triton"),
+    ("delta_rule", "delta_rule", "fla-chunk_gated_delta_rule"),
     ("hla2", "linear_attn", "polyattn-triton"),
+    ("hla2_decay", "linear_attn_decay", "polyattn-triton"),
 )
 
 

@@ -107,7 +107,7 @@ class DecayGate(nn.Module):
     """Mamba-2 / GDN log-decay ``g = −exp(A_log) · softplus(a_proj x + dt_bias)`` per (token, head).
 
     Init as fla's Gated DeltaNet: ``A ~ U(0, a_max)`` with ``a_max = 16``, ``dt ~ logU(1e-3, 0.1)`` floored
-    at 1e-4, ``dt_bias = softplus⁻¹(dt)`` (spec/loglinear.md §2.3).
+    at 1e-4, ``dt_bias = softplus⁻¹(dt)`` (ops/loglinear/README.md, "Layers").
     """
 
     def __init__(self, d_model, heads, a_max=16.0):
@@ -133,7 +133,7 @@ def inverse_softplus(x):
 
 
 class LevelScales(nn.Module):
-    """Log-linear λ (spec/loglinear.md §2.1): ``lam = softplus(Lpar ⊙ l_proj x)``, ``[B, T, H, L]``.
+    """Log-linear λ (ops/loglinear/README.md, "Layers"): ``lam = softplus(Lpar ⊙ l_proj x)``, ``[B, T, H, L]``.
 
     ``l_proj ~ N(0, 0.006)`` and ``Lpar = 1``, so λ ≈ ln 2 at init. L (``max_levels``, 15 by default)
     levels cover ``2**(L-1)`` tokens (16K); longer sequences and decoding past that add levels that
@@ -171,7 +171,8 @@ def cast_state(state, x):
 @dataclass
 class MixerConfig:
     """Options shared by every mixer. ``head_dim=None`` means ``d_model // num_heads``; ``impl`` is the op
-    form for prompts and training, ``decode_impl`` the one for one-token calls (the token loop)."""
+    form for prompts and training, ``decode_impl`` the one for one-token calls (``"auto"``: the fused
+    Triton step on CUDA where the op has one, the token loop elsewhere)."""
 
     num_heads: int = 2
     head_dim: int | None = None
@@ -179,7 +180,7 @@ class MixerConfig:
     short_conv: bool = True
     conv_size: int = 4
     impl: str = "auto"
-    decode_impl: str = "recurrent"
+    decode_impl: str = "auto"
 
 
 class Mixer(nn.Module):
@@ -224,9 +225,9 @@ class Mixer(nn.Module):
 
 
 class QKVMixer(Mixer):
-    """The common shell (spec/kata.md §2.1): bias-free q/k/v projections, optional short conv (SiLU)
-    over [q|k|v], a per-head output RMSNorm (gated by ``silu(g_proj x)`` when the config has
-    ``output_gate=True``) and an output projection.
+    """The common shell (fla's linear-attention layer; ops/kata/README.md, "Layer shell"): bias-free q/k/v
+    projections, optional short conv (SiLU) over [q|k|v], a per-head output RMSNorm (gated by
+    ``silu(g_proj x)`` when the config has ``output_gate=True``) and an output projection.
     Subclasses implement `mix(q, k, v, x, core_state, use_cache) -> (o [B,T,H,dv], core_state)`."""
 
     output_norm = True

@@ -1,4 +1,4 @@
-"""``gdn`` (Gated DeltaNet, Yang et al.) and ``loglinear-gdn`` (spec/loglinear.md §2.3).
+"""``gdn`` (Gated DeltaNet, Yang et al.) and ``loglinear-gdn`` (ops/loglinear/README.md, "Layers").
 
 Gated DeltaNet as in fla: q/k/v projections, short conv + SiLU, L2-normalised q and k,
 ``beta = sigmoid(b_proj x)``, ``g = −exp(A_log)·softplus(a_proj x + dt_bias)``, the gated delta rule,

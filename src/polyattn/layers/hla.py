@@ -1,17 +1,17 @@
 """``hla2``, ``ahla``, ``hla3``: higher-order linear attention (Zhang, Qin, Gu) in the common shell.
 
 q/k/v projections, short conv + SiLU, q/k post-processing (L2 norm by default: unnormalized HLA outputs
-grow polynomially in t, spec/hla.md §8.1), an optional feature map, an optional learned per-token
+grow polynomially in t, ops/hla/README.md, "Output growth"), an optional feature map, an optional learned per-token
 decay ``g = −exp(A_log)·softplus(a_proj x + dt_bias)`` (on by default), the HLA composition, then a
 per-head output RMSNorm and ``o_proj``. ``normalize=True`` requires a positive feature map (``elu1`` or
-``relu``): with signed features the denominator changes sign (spec/hla.md §8.3); the config check
+``relu``): with signed features the denominator changes sign (ops/hla/README.md, "Normalized variant"); the config check
 enforces it.
 
 Where the decay acts (HLA has no published experiments, so this shell is ours). HLA is a composition
 of linear-attention calls (`polyattn.ops.hla.variants`): inner calls build moments (HLA2's
 ``Y = LA(Q, K, K)``, AHLA's and HLA3's ``Z = LA(Q, K, V)``), the last call reads them over the whole
 prefix. By default (``outer_decay=False``) the inner calls decay with ``g`` and the last call does
-not: spec/hla.md §2.4's two-rate decay with ``g_out = 1``. Without any decay the key moment
+not (ops/hla/README.md, "Two-rate decay", with an undecayed last call). Without any decay the key moment
 ``S_j = Σ_{i≤j} k_i k_iᵀ`` piles up every earlier key, a background that grows with j and swamps the
 one matching key; the canonical decay (``outer_decay=True``, `ops.hla`: last call at ``2g`` for HLA2,
 ``g`` for AHLA, ``3g`` for HLA3) removes the background only by forgetting the recalled pair as fast or
@@ -25,7 +25,7 @@ two runs at lr 3e-2), no decay 0.27 (0.65 at lr 3e-2), inner decay only 0.12 (0.
 chance with lr 3e-2, q/k RMSNorm, relu or elu+1 features, the normalized form, 8 heads, ``scale=1``,
 q = k at init, and 1500 steps. The decode state is the calls' states either way.
 
-States per head (spec/hla.md §2.4, §3.2, §4.1; ``dv' = dv + 1`` when normalized, the ones column):
+States per head (ops/hla/README.md, "State"; ``dv' = dv + 1`` when normalized, the ones column):
 HLA2 ``S (dk×dk) + F (dk×dv')``; AHLA ``P, E (dk×dv')``; HLA3 ``S (dk×dk) + P, F (dk×dv')``.
 """
 

@@ -1,6 +1,6 @@
 """``kata-m1``, ``kata-m2``, ``kata-s2``, ``deltakata-m1``: KATA (Ghriss & Chakraborty) in the common shell.
 
-Layer shell of spec/kata.md §2.1: bias-free q/k/v projections (the feature width p is the head width,
+Layer shell (ops/kata/README.md, "Layer shell"): bias-free q/k/v projections (the feature width p is the head width,
 no extra feature projection), optional short conv (kernel 4, SiLU), optional qk-norm (``"rmsnorm"`` or
 ``"l2"``), the symmetric-cone kernel ``ops.kata``, a per-head output RMSNorm and ``o_proj``; no output
 gate (the denominator plays that role). RoPE is not implemented: the short conv (on by default here,

@@ -1,4 +1,4 @@
-"""``mamba2`` (Dao & Gu, SSD) and ``loglinear-mamba2`` (spec/loglinear.md §2.2).
+"""``mamba2`` (Dao & Gu, SSD) and ``loglinear-mamba2`` (ops/loglinear/README.md, "Layers").
 
 Mamba-2 as in fla's ``Mamba2`` (n_groups = 1)::
 

@@ -136,6 +136,7 @@ class CausalLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     @torch.no_grad()
+    @torch.no_grad()
     def generate(self, input_ids, max_new_tokens, use_cache=True):
         """Greedy decoding. ``use_cache=True``: prefill once, then one-token steps from the recurrent
         state; ``False``: recompute the whole prefix for every token (the reference)."""

@@ -30,7 +30,7 @@ from polyattn.tasks.common import (
     sample_distinct,
 )
 
-# Zoology's "original MQAR" train mixture and test grid (spec/kata.md §6.1), scaled by `num_examples`.
+# Zoology's "original MQAR" train mixture and test grid (the Based paper's protocol), scaled by `num_examples`.
 ZOOLOGY_TRAIN = (
     Segment(64, 100_000, 4),
     Segment(128, 20_000, 8),

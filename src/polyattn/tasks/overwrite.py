@@ -1,6 +1,6 @@
 """Repeated-key overwrite: MQAR where some keys are re-bound and queries want the *latest* value.
 
-Close to Zoology's `forgetting_mqar` (spec/kata.md §6.2). Layout:
+Close to Zoology's `forgetting_mqar`, the likely source of the KATA paper's repeated-key overwrite task. Layout:
 
 * ``num_pairs`` distinct keys from ``[1, vocab/2)``; the write stream has ``num_pairs + num_updates``
   bindings ``k v``: every key once, plus ``num_updates`` extra writes of keys drawn (with replacement) from

@@ -1,4 +1,4 @@
-"""Structure of the Fenwick level partition (spec/loglinear.md §1.1): exact integer facts, no tolerances."""
+"""Structure of the Fenwick level partition (ops/loglinear/README.md, "Levels"): exact integer facts, no tolerances."""
 
 import pytest
 import torch
@@ -35,7 +35,7 @@ def test_each_prefix_is_partitioned_into_fenwick_buckets(t):
 @pytest.mark.parametrize("t", QUERIES[1:], ids=lambda t: f"t{t}")
 def test_groups_of_the_previous_query_are_nested(t):
     # Every level group of query t - 1 lies whole in one level of query t: states merge, never split.
-    # Key t - 1 itself goes to level(t, t - 1) = ctz(t) + 1, the carry target of spec §3.1.
+    # Key t - 1 itself goes to level(t, t - 1) = ctz(t) + 1, the carry target of the decoding step.
     groups = _groups(t - 1)
     carry_target = (t & -t).bit_length()
     for lev, keys in groups.items():

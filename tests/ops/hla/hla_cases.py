@@ -6,7 +6,7 @@ VARIANTS = {"hla2": (2, False), "ahla": (2, True), "hla3": (3, False)}
 
 
 def hla_inputs(B, T, H, K, V, *, decay, normalize, seed):
-    """float64 ``q, k, v, g`` (g None without decay); nonnegative q, k when normalized (spec §8.3)."""
+    """float64 ``q, k, v, g`` (g None without decay); q, k >= 0 when normalized (ops/hla/README.md)."""
     x = seeded_inputs(B, T, H, K, V, decay=decay, seed=seed)
     x.pop("beta")
     if normalize:

@@ -35,7 +35,8 @@ def test_output_dtype_and_fp32_state(impl, dtype):
 
 
 def test_normalized_positive_features_are_convex_combinations():
-    # With nonnegative q, k every weight is >= 0, so |o| <= max |v| (spec §8.3); signed features break this.
+    # With nonnegative q, k every weight is >= 0, so |o| <= max |v|; signed features break this
+    # (ops/hla/README.md, "Normalized variant").
     x = hla_inputs(2, 40, 2, 4, 3, decay=True, normalize=True, seed=41)
     for order, asymmetric in ((2, False), (2, True), (3, False)):
         o, _ = ops.hla(**x, order=order, asymmetric=asymmetric, normalize=True)

@@ -57,7 +57,7 @@ def test_chunk_sizes(name, chunk_size):
 
 
 def _paper_combine_hla2_g_form(rule):
-    """Spec §2.6 (S, C, G) operator with the paper's ``ρ_B G_A`` (erratum 2) or the corrected ``ρ_B² G_A``."""
+    """The paper-form (S, C, G) combine with the paper's ``ρ_B G_A`` (erratum 2) or the corrected ``ρ_B² G_A``."""
 
     def combine(left, right):
         a1, S1, C1, G1 = left
@@ -69,7 +69,7 @@ def _paper_combine_hla2_g_form(rule):
 
 
 def _paper_combine_ahla(left, right):
-    """Spec §3.4 with the paper's decayed ``R = ρ_B R_A + R_B`` (erratum 4)."""
+    """The AHLA combine with the paper's decayed ``R = ρ_B R_A + R_B`` (erratum 4)."""
     a, P, E, _ = combine_ahla(left, right)
     return a, P, E, torch.exp(right[0])[..., None, None] * left[3] + right[3]
 
@@ -93,6 +93,6 @@ def test_errata_2_and_4_paper_decayed_combines_are_not_associative():
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_scan_combine_is_associative(name):
-    # Spec §9 test 6: associativity on random segments with decay (catches errata 2 and 4).
+    # ops/hla/README.md, "Associative combine": associativity on random segments with decay (catches errata 2 and 4).
     widths = {"hla2": (3, 2, 2), "ahla": (2, 2, 3), "hla3": (3, 2, 2, 3, 2, 3)}[name]  # K = 3, V' = 2
     assert _associativity_error(SCAN_RULES[name].combine, widths, 22) <= TOL

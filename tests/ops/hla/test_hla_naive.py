@@ -1,4 +1,4 @@
-"""Pin ``hla_naive`` to the index-sum definitions of spec/hla.md (§2.1, §2.5, §3.1, §4.1) and to errata 1 and 6."""
+"""Pin ``hla_naive`` to the index-sum definitions of ops/hla/README.md ("Definitions") and to errata 1 and 6."""
 
 import itertools
 
@@ -22,24 +22,24 @@ def _dot(a, b):
 
 
 def _brute_force(name, q, k, v, g):
-    """One head as Python lists; returns (num [T][V], den [T]) by the spec's literal index sums."""
+    """One head as Python lists; returns (num [T][V], den [T]) by the README's literal index sums."""
     T = len(q)
     num = [[0.0] * len(v[0]) for _ in range(T)]
     den = [0.0] * T
     for t in range(T):
-        if name == "hla2":  # §2.1 index set i <= j <= t, §2.5 weight g^{2t-i-j}
+        if name == "hla2":  # index set i <= j <= t, weight g^{2t-i-j}
             terms = (
                 (_seg(g, i, j) + 2 * _seg(g, j, t), _dot(q[t], k[i]) * _dot(q[j], k[i]), j)
                 for j in range(t + 1)
                 for i in range(j + 1)
             )
-        elif name == "ahla":  # §3.1 index set j <= i <= t, §3.2 weight g^{t-i} g^{i-j}
+        elif name == "ahla":  # index set j <= i <= t, weight g^{t-i} g^{i-j}
             terms = (
                 (_seg(g, j, t), _dot(q[t], k[i]) * _dot(q[i], k[j]), j)
                 for j in range(t + 1)
                 for i in range(j, t + 1)
             )
-        else:  # §4.1 index set {i <= u, j <= u, u <= t}, weight g^{3t-i-u-j}
+        else:  # index set {i <= u, j <= u, u <= t}, weight g^{3t-i-u-j}
             terms = (
                 (_seg(g, i, t) + _seg(g, u, t) + _seg(g, j, t), _dot(q[t], k[i]) * _dot(q[u], k[i]) * _dot(q[u], k[j]), j)
                 for u in range(t + 1)
@@ -72,7 +72,7 @@ def test_naive_equals_index_sums(name, decay, normalize):
 
 
 def test_naive_hla2_undecayed_is_the_masked_matrix_form():
-    # §2.1 matrix form O = ((W Wᵀ) ⊙ L) V with W = L ⊙ QKᵀ.
+    # matrix form O = ((W Wᵀ) ⊙ L) V with W = L ⊙ QKᵀ.
     x = seeded_inputs(1, 9, 1, 4, 3, decay=False, seed=11)
     q, k, v = (t[0, :, 0] for t in (x["q"], x["k"], x["v"]))
     L = torch.tril(torch.ones(9, 9, dtype=torch.float64))
@@ -82,7 +82,7 @@ def test_naive_hla2_undecayed_is_the_masked_matrix_form():
 
 
 def _paper_g_form(q, k, v, g, corrected):
-    """Paper Alg. 1 state (S, C, G) with the printed decayed update or the spec's corrected one (§2.5)."""
+    """Paper Alg. 1 state (S, C, G), printed decayed update or the corrected one (README "Streaming recurrences")."""
     S = torch.zeros(q.shape[1], q.shape[1], dtype=torch.float64)
     C = torch.zeros(q.shape[1], v.shape[1], dtype=torch.float64)
     G = torch.zeros_like(C)
@@ -106,8 +106,9 @@ def test_erratum_1_decayed_g_update():
 
 
 def test_erratum_6_paper_third_order_is_a_different_operator():
-    # The paper's Thm 7.1 operator is not masked W Wᵀ W. Its closed form (spec §4.2) holds with an
-    # inclusive outer call: LA(Q,Y,Z) - LA(Q,Yx,Zx) + LA(Q,K,s⊙V), Yx = LAx(Q,K,K), Zx = LAx(Q,K,V).
+    # The paper's Thm 7.1 operator is not masked W Wᵀ W. Its closed form (ops/hla/README.md, "The paper's
+    # third-order operator") holds with an inclusive outer call:
+    # LA(Q,Y,Z) - LA(Q,Yx,Zx) + LA(Q,K,s⊙V), Yx = LAx(Q,K,K), Zx = LAx(Q,K,V).
     x = seeded_inputs(1, 10, 1, 3, 2, decay=False, seed=13)
     q, k, v = (t[0, :, 0] for t in (x["q"], x["k"], x["v"]))
     L, Lx = torch.tril(torch.ones(10, 10, dtype=torch.float64)), torch.tril(torch.ones(10, 10, dtype=torch.float64), -1)

@@ -1,4 +1,4 @@
-"""Long-sequence numerics (spec §8): bf16 inputs, fp32 states, T = 16384; and the growth script."""
+"""Long-sequence numerics (ops/hla/README.md, "Numerics"): bf16 inputs, fp32 states, T = 16384; and the growth script."""
 
 import pytest
 import torch
@@ -28,7 +28,7 @@ def test_bf16_long_sequence(name, decay):
 
 
 def test_growth_table_shape_and_order():
-    # A small run of the §8.1 script: higher order grows faster than first order.
+    # A small run of the growth script: higher order grows faster than first order.
     table = growth_table(positions=(16, 128), dim=16, batch=2, seed=0)
     for row in table.values():
         ratios = {name: values[1] / values[0] for name, values in row.items()}

@@ -36,7 +36,7 @@ def _grads(form, x, options, *, cu_seqlens=None):
 def _inputs(T, dtype, positive):
     x = seeded_inputs(B, T, H, K, V, decay=True, seed=11, device=DEVICE)
     x.pop("beta")
-    if positive:  # normalized HLA needs nonnegative features (spec §2.3)
+    if positive:  # normalized HLA needs nonnegative features (ops/hla/README.md, "Normalized variant")
         x["q"], x["k"] = x["q"].abs(), x["k"].abs()
     return {n: t.to(dtype) for n, t in x.items()}
 

@@ -20,7 +20,7 @@ MAPS = [
 
 
 def _kappa_by_definition(feature, groups, combine, q, k):
-    """κ(q, k) for one pair of vectors, straight from spec §2.2 (Python sums, no feature map code)."""
+    """κ(q, k) for one pair of vectors, straight from the README table (Python sums, no feature map code)."""
     if feature == "orthant":
         return ((torch.relu(q) + 1e-6) * (torch.relu(k) + 1e-6)).sum()
     if feature == "lorentz":
@@ -82,7 +82,7 @@ def test_packed_state_halves_and_reads_exactly(groups, combine):
 
 
 def test_state_size_table_of_spec():
-    # spec §2.5, d_k = d_v = 64: numerator P·d_v, full / packed
+    # ops/kata/README.md, "State sizes", d_k = d_v = 64: numerator P·d_v, full / packed
     table = {(1, "concat"): (262_144, 133_120), (2, "concat"): (131_072, 67_584), (4, "concat"): (65_536, 34_816),
              (2, "sum"): (65_536, 33_792), (4, "sum"): (16_384, 8_704)}
     for (groups, combine), (full, packed) in table.items():

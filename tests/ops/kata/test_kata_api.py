@@ -1,4 +1,4 @@
-"""ops.kata's public surface: bad input, dispatch, dtypes, the convex gate of spec §4.1."""
+"""ops.kata's public surface: bad input, dispatch, dtypes, the convex gate (ops/kata/README.md)."""
 
 import pytest
 import torch
@@ -99,7 +99,8 @@ def test_convex_gate_identity(feature, groups, combine, decay):
 
 
 def test_long_sequence_fp32_stays_exact_and_finite():
-    # DESIGN §5: long sequences (64K tokens) in fp32 match the float64 run of the same form and stay finite
+    # ops/README.md, "Numerics policy": long sequences (64K tokens) in fp32 match the float64 run of the
+    # same form and stay finite
     x = seeded_inputs(1, 65_536, 1, 4, 2, beta=True, seed=3)
     beta = x.pop("beta")
     o64, s64 = kata(**x, groups=2, output_final_state=True)

@@ -85,7 +85,7 @@ def test_chunk_sizes(form, T, chunk_size):
 
 
 def test_naive_matches_scalar_definition():
-    # spec "Scores" + "normalize=True" with Python loops over (t, s): checks naive's decay and eps conventions
+    # ops/kata/README.md, "Normalized KATA", with Python loops over (t, s): checks naive's decay and eps conventions
     x = _inputs(1, 6, 1, 4, 2, seed=3)
     q, k, v, g = x["q"][0, :, 0], x["k"][0, :, 0], x["v"][0, :, 0], x["g"][0, :, 0]
     o, _ = kata(**x, groups=2, combine="sum", scale=0.5, impl="naive")

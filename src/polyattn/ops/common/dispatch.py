@@ -1,4 +1,4 @@
-"""Implementation dispatch: one vocabulary of forms for every mechanism (DESIGN.md §2)."""
+"""Implementation dispatch: one vocabulary of forms for every mechanism (ops/README.md, "Forms")."""
 
 from __future__ import annotations
 
@@ -12,14 +12,22 @@ FORMS = ("naive", "recurrent", "chunk", "scan", "parallel", "triton")
 def resolve_impl(mechanism: str, impl: str, available: Mapping[str, Callable], q: torch.Tensor) -> Callable:
     """Return the form function named by ``impl`` for inputs like ``q``.
 
-    ``"auto"`` picks ``"triton"`` for fp16/bf16/fp32 CUDA tensors when the mechanism has it, else
-    ``"chunk"`` (float64 always takes the PyTorch forms: the kernels compute in fp32). A name outside
+    ``"auto"`` picks ``"triton"`` for fp16/bf16/fp32 CUDA tensors when the mechanism has it (a
+    one-token call without gradients runs its fused decoding step there), else ``"recurrent"`` for
+    one token (``q: [B, 1, H, K]``) and ``"chunk"`` for more (float64 always takes the PyTorch
+    forms: the kernels compute in fp32). A name outside
     :data:`FORMS` raises ``ValueError``; a known form that this mechanism lacks raises
     ``NotImplementedError`` naming the forms it has.
     """
     if impl == "auto":
         gpu = q.device.type == "cuda" and q.dtype != torch.float64
-        impl = "triton" if gpu and "triton" in available else "chunk"
+        one_token = q.dim() == 4 and q.shape[1] == 1
+        if gpu and "triton" in available:
+            impl = "triton"  # one token: the Triton forms run their fused decoding step
+        elif one_token and "recurrent" in available:
+            impl = "recurrent"
+        else:
+            impl = "chunk"
     if impl not in FORMS:
         raise ValueError(f"impl must be 'auto' or one of {list(FORMS)}, got {impl!r}")
     if impl not in available:

@@ -1,4 +1,4 @@
-"""Fenwick levels of log-linear attention (spec/loglinear.md §1), from integer bits only.
+"""Fenwick levels of log-linear attention (ops/loglinear/README.md, "Levels"), from integer bits only.
 
 For absolute 0-based positions ``s <= t``, key ``s`` sits in level ``level(t, s)`` of query ``t``:
 level 0 is the token itself and level ``l >= 1`` holds ``2**(l-1)`` consecutive keys, non-empty iff
@@ -42,7 +42,7 @@ def level_table(C: int, device=None) -> torch.Tensor:
     """Intra-chunk level table ``[C, C]`` for a chunk size ``C`` that is a power of two.
 
     Within a chunk that starts at a multiple of ``C``, levels depend only on the in-chunk offsets
-    (spec §1.1, chunk factorisation), so this table serves every chunk.
+    (ops/loglinear/README.md, "Chunk factorisation"), so this table serves every chunk.
     """
     if C < 1 or C & (C - 1):
         raise ValueError(f"level_table: expected a power-of-two chunk size, got {C}")

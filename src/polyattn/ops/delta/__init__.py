@@ -8,11 +8,13 @@ from polyattn.ops.common import check_inputs, check_state, resolve_impl, resolve
 from polyattn.ops.delta.chunk import delta_rule_chunk
 from polyattn.ops.delta.naive import delta_rule_attention_matrix, delta_rule_naive
 from polyattn.ops.delta.recurrent import delta_rule_recurrent, delta_rule_step
+from polyattn.ops.delta.triton import delta_rule_triton  # lazy: triton loads on first call
 
 DELTA_RULE_FORMS = {
     "naive": delta_rule_naive,
     "recurrent": delta_rule_recurrent,
     "chunk": delta_rule_chunk,
+    "triton": delta_rule_triton,
 }
 
 
@@ -34,7 +36,7 @@ def delta_rule(
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]`` write strengths;
         g: ``[B, T, H]`` log-decay ``<= 0`` or None. Other keywords as :func:`polyattn.ops.linear_attn`;
-        impl: ``"naive" | "recurrent" | "chunk" | "auto"``.
+        impl: ``"naive" | "recurrent" | "chunk" | "triton" | "auto"``.
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)``.

@@ -37,13 +37,13 @@ def hla(
     cu_seqlens: torch.Tensor | None = None,
     impl: str = "auto",
 ):
-    """Higher-order linear attention as compositions of causal linear attention ``LA`` (spec/hla.md).
+    """Higher-order linear attention as compositions of causal linear attention ``LA`` (ops/hla/README.md).
 
     - ``order=2``: masked HLA2, ``O = LA(Q, LA(Q, K, K; g), V; 2g)``.
     - ``order=2, asymmetric=True``: AHLA, ``O = LA(Q, K, LA(Q, K, V; g); g)``.
     - ``order=3``: masked ``W Wᵀ W``, ``O = LA(Q, LA(Q, K, K; g), LA(Q, K, V; g); 3g)``.
 
-    Outputs are polynomial in q (``scale²`` or ``scale³``) and grow with t (spec §8); with
+    Outputs are polynomial in q (``scale²`` or ``scale³``) and grow with t (ops/hla/README.md, "Output growth"); with
     ``normalize=True`` the output is ``num / (den + eps)`` with ``den`` the same composition on a ones
     column. That needs **nonnegative q and k** (a positive feature map applied by the caller): with
     signed features ``den`` changes sign and the ratio blows up. Nothing checks this for you.

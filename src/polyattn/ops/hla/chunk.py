@@ -1,4 +1,4 @@
-"""HLA as 2 or 3 chunked linear-attention calls (spec/hla.md §0, §2.7, §3.5, §4.1 "Chunkwise").
+"""HLA as 2 or 3 chunked linear-attention calls (ops/hla/README.md, "Chunkwise algorithm").
 
     hla2   Y = LA(Q, K, K; g);                       O = LA(Q, Y, V; 2g)
     ahla   Z = LA(Q, K, V; g);                       O = LA(Q, K, Z; g)
@@ -6,10 +6,11 @@
 
 Why this is exact: ``LA(Q, K, V; g)_t = Σ_{j<=t} exp(g_{j+1..t}) (q_t·k_j) v_j``, so ``y_j = Σ_{i<=j}
 exp(g_{i+1..j}) (q_j·k_i) k_i`` and ``LA(Q, Y, V; 2g)_t = Σ_{j<=t} Σ_{i<=j} exp(2 g_{j+1..t} + g_{i+1..j})
-(q_t·k_i)(q_j·k_i) v_j`` — the masked index set ``i <= j <= t`` of §2.1 with the decay ``g^{2t-i-j}`` of
-§2.5, term for term. The same expansion gives §3.1 and §4.1. Each call's state is one field of the HLA
-state and each call's chunk algorithm is the one of ``linear_attn``, so the per-chunk work of §2.7 is
-exactly two (three) chunked linear attentions with Y (and Z) materialised in fp32.
+(q_t·k_i)(q_j·k_i) v_j`` — the masked index set ``i <= j <= t`` with the decay ``γ^{2t-i-j}``, term for term
+(README, "Why the composition is exact"). The same expansion gives AHLA and HLA3. Each call's state is one
+field of the HLA state and each call's chunk algorithm is the one of ``linear_attn``, so the per-chunk work
+of the chunkwise algorithm is exactly two (three) chunked linear attentions with Y (and Z) materialised in
+fp32.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def hla_from_linear_attn(
     """HLA from any linear-attention form with the ``linear_attn`` form signature (chunk, scan, Triton).
 
     The inputs are cast to the compute dtype (fp32, or float64) before the first call, so the
-    intermediates Y and Z — the next call's keys and values — stay fp32 (spec §8.2).
+    intermediates Y and Z — the next call's keys and values — stay fp32 (ops/hla/README.md, "Precision").
     """
     variant, q, k, v, g, h0, out_dtype = prepare(
         q, k, v, g, order=order, asymmetric=asymmetric, normalize=normalize, scale=scale, initial_state=initial_state

@@ -1,4 +1,4 @@
-"""Output growth of first-order LA, HLA2, AHLA and HLA3 with sequence position (spec/hla.md §8.1).
+"""Output growth of first-order LA, HLA2, AHLA and HLA3 with sequence position (ops/hla/README.md, "Output growth").
 
     python -m polyattn.ops.hla.growth [--dim 64] [--batch 8] [--positions 64 512 4096] [--seed 0]
 

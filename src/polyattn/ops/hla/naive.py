@@ -1,17 +1,17 @@
-"""HLA, the executable spec: dense masked matrices (spec/hla.md §9), float64-able.
+"""HLA, the executable spec: dense masked matrices (ops/hla/README.md, "Reference definitions"), float64-able.
 
-One head, scaled queries, ``D_p[t, s] = exp(p·(g[s+1] + ... + g[t]))`` for ``s <= t`` and 0 above (spec §1,
-"Decay convention": ``g^p`` is ``p·g`` in log space), ``A = D_1 ⊙ Q Kᵀ`` the decayed causal affinity::
+One head, scaled queries, ``D_p[t, s] = exp(p·(g[s+1] + ... + g[t]))`` for ``s <= t`` and 0 above (a constant
+decay factor γ would give ``γ^{p(t-s)}``), ``A = D_1 ⊙ Q Kᵀ`` the decayed causal affinity::
 
-    hla2   Y = A K                   O = (D_2 ⊙ Q Yᵀ) V          (§2.1 composition form, §2.5 decay)
-    ahla   Z = A V                   O = A Z                     (§3.1, §3.2: O = (D_g ⊙ QKᵀ)(D_g ⊙ QKᵀ) V)
-    hla3   Y = A K,  Z = A V         O = (D_3 ⊙ Q Yᵀ) Z          (§4.1: masked W Wᵀ W, weight g^{3t-i-u-j})
+    hla2   Y = A K                   O = (D_2 ⊙ Q Yᵀ) V          (masked HLA2, decay γ^{2t-i-j})
+    ahla   Z = A V                   O = A Z                     (O = (D_g ⊙ QKᵀ)(D_g ⊙ QKᵀ) V)
+    hla3   Y = A K,  Z = A V         O = (D_3 ⊙ Q Yᵀ) Z          (masked W Wᵀ W, decay γ^{3t-i-u-j})
 
-``normalize=True`` runs the same with a ones column appended to V; that column is the denominator
-``den`` and ``o = num / (den + eps)`` (§2.3, §3.3, §4.1). With an initial state, each line above gains the
-state's contribution ``diag(exp(p·G)) Q h0`` (``G`` the inclusive cumulative log-decay), and the final
-state of each line is ``exp(p·G_T) h0 + keysᵀ diag(D_p[T-1, :]) values``; these are the states of
-:mod:`polyattn.ops.hla.variants` (F-form, §2.4; §3.2; §4.1).
+``normalize=True`` runs the same with a ones column appended to V; that column is the denominator ``den``
+and ``o = num / (den + eps)`` (ops/hla/README.md, "Normalized variant"). With an initial state, each line
+above gains the state's contribution ``diag(exp(p·G)) Q h0`` (``G`` the inclusive cumulative log-decay), and
+the final state of each line is ``exp(p·G_T) h0 + keysᵀ diag(D_p[T-1, :]) values``; these are the states of
+:mod:`polyattn.ops.hla.variants` (ops/hla/README.md, "Streaming recurrences").
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ def _decay(g: torch.Tensor, p: int) -> Decay:
 
 
 def _hla2(q, k, v, d, h0):
-    """Spec §2.5: ``o_t = Σ_{j<=t} Σ_{i<=j} exp(2t-i-j decay) (q_t·k_i)(q_j·k_i) v_j``."""
+    """Masked, decayed HLA2: ``o_t = Σ_{j<=t} Σ_{i<=j} exp(2t-i-j decay) (q_t·k_i)(q_j·k_i) v_j``."""
     S0, F0 = h0
     A = causal_scores(q @ k.mT, d[1].mask)  # [B, H, T, K] @ [B, H, K, T] -> [B, H, T, T]
     Y = causal_matmul(A, k) + d[1].start * (q @ S0)  # [B, H, T, K]: y_t = S_tᵀ q_t
-    M = causal_scores(q @ Y.mT, d[2].mask)  # [B, H, T, T]: ((D_g ⊙ QKᵀ)(L ⊙ QKᵀ)ᵀ) ⊙ D_g, spec §2.5
+    M = causal_scores(q @ Y.mT, d[2].mask)  # [B, H, T, T]: ((D_g ⊙ QKᵀ)(L ⊙ QKᵀ)ᵀ) ⊙ D_g
     o = causal_matmul(M, v) + d[2].start * (q @ F0)  # [B, H, T, V']
     S = d[1].total * S0 + k.mT @ (d[1].end * k)  # [B, H, K, T] @ [B, H, T, K] -> [B, H, K, K]
     F = d[2].total * F0 + Y.mT @ (d[2].end * v)  # [B, H, K, T] @ [B, H, T, V'] -> [B, H, K, V']
@@ -51,7 +51,7 @@ def _hla2(q, k, v, d, h0):
 
 
 def _ahla(q, k, v, d, h0):
-    """Spec §3.1 with decay (§3.2): ``o_t = Σ_{j<=t} Σ_{i=j..t} exp(g_{j+1..t}) (q_t·k_i)(q_i·k_j) v_j``."""
+    """AHLA with decay: ``o_t = Σ_{j<=t} Σ_{i=j..t} exp(g_{j+1..t}) (q_t·k_i)(q_i·k_j) v_j``."""
     P0, E0 = h0
     A = causal_scores(q @ k.mT, d[1].mask)  # [B, H, T, T]
     Z = causal_matmul(A, v) + d[1].start * (q @ P0)  # [B, H, T, V']: z_i = P_iᵀ q_i (first-order linear attention)
@@ -62,7 +62,7 @@ def _ahla(q, k, v, d, h0):
 
 
 def _hla3(q, k, v, d, h0):
-    """Spec §4.1: ``o_t = Σ_{u<=t} Σ_{i<=u} Σ_{j<=u} exp(3t-i-u-j decay) (q_t·k_i)(q_u·k_i)(q_u·k_j) v_j``."""
+    """HLA3, masked W Wᵀ W: ``o_t = Σ_{u<=t} Σ_{i<=u} Σ_{j<=u} exp(3t-i-u-j decay) (q_t·k_i)(q_u·k_i)(q_u·k_j) v_j``."""
     S0, P0, F0 = h0
     A = causal_scores(q @ k.mT, d[1].mask)  # [B, H, T, T]
     Y = causal_matmul(A, k) + d[1].start * (q @ S0)  # [B, H, T, K]

@@ -2,11 +2,11 @@
 
 Each token runs the variant's linear-attention calls in order (:mod:`polyattn.ops.hla.variants`), every
 call one :func:`~polyattn.ops.linear.recurrent.linear_attn_step`. Spelled out (q already scaled,
-a_t = exp(g_t); the NEW state is read right after its update — spec §8.4 "update-order traps"):
+a_t = exp(g_t); the NEW state is read right after its update — ops/hla/README.md, "Update order"):
 
-    hla2 (§2.4 F-form, §2.5)   S = a S + k kᵀ;  y = Sᵀ q;  F = a² F + y vᵀ;  o = Fᵀ q
-    ahla (§3.2)                P = a P + k vᵀ;  z = Pᵀ q;  E = a E + k zᵀ;   o = Eᵀ q
-    hla3 (§4.1 streaming)      S = a S + k kᵀ;  y = Sᵀ q;  P = a P + k vᵀ;  z = Pᵀ q;  F = a³ F + y zᵀ;  o = Fᵀ q
+    hla2 (F-form)              S = a S + k kᵀ;  y = Sᵀ q;  F = a² F + y vᵀ;  o = Fᵀ q
+    ahla                       P = a P + k vᵀ;  z = Pᵀ q;  E = a E + k zᵀ;   o = Eᵀ q
+    hla3                       S = a S + k kᵀ;  y = Sᵀ q;  P = a P + k vᵀ;  z = Pᵀ q;  F = a³ F + y zᵀ;  o = Fᵀ q
 
 With ``normalize=True`` v carries a ones column, so F's last column is f (hla2) and P's, E's are m, n (ahla).
 Cost per token O(K² + K·V) (ahla: O(K·V)); no product of two state matrices, no subtraction.

@@ -1,4 +1,4 @@
-"""HLA with chunk states from a log-depth associative scan (spec/hla.md §2.6, §3.4, §4.1 "Associative operator").
+"""HLA with chunk states from a log-depth associative scan (ops/hla/README.md, "Associative combine").
 
 This form demonstrates the paper's central claim — chunk-parallel evaluation equals the serial
 recurrence — with the *corrected* decayed operators. Three steps:
@@ -8,10 +8,10 @@ recurrence — with the *corrected* decayed operators. Three steps:
    ``Σ_u exp(p·g_{u+1..b}) x_u w_uᵀ`` over the chunk (b = its last token), i.e. a linear-attention
    chunk summary of chunk-local sequences (y, z are the chunk-local Y, Z):
 
-       hla2  (a, S, F, C)              C  = Σ g^{b-u} q_u v_uᵀ                                      (§2.6 F-form)
-       ahla  (a, P, E, R)              R  = Σ k_u q_uᵀ, undecayed                                   (§3.4, erratum 4)
+       hla2  (a, S, F, C)              C  = Σ g^{b-u} q_u v_uᵀ                                      (F-form)
+       ahla  (a, P, E, R)              R  = Σ k_u q_uᵀ, undecayed                                   (erratum 4)
        hla3  (a, S, P, F, SQ, R, U)    SQ = Σ g^{b-u} q_u q_uᵀ,  R = Σ g^{2(b-u)} q_u z_uᵀ,
-                                       U  = Σ g^{2(b-u)} y_u q_uᵀ                                   (§4.1)
+                                       U  = Σ g^{2(b-u)} y_u q_uᵀ
 
 2. an inclusive :func:`~polyattn.ops.common.associative_scan` over ``[initial state, chunk 0, ..., chunk N-1]``
    with the combines below gives the state entering every chunk and the final state;
@@ -39,7 +39,7 @@ def _rate(a: torch.Tensor, p: int) -> torch.Tensor:
 
 
 def combine_hla2(left, right):
-    """Spec §2.6 F-form summary: ``F = ρ² F_A + F_B + ρ S_Aᵀ C_B`` (ρ = ρ_B)."""
+    """HLA2 F-form summary: ``F = ρ² F_A + F_B + ρ S_Aᵀ C_B`` (ρ = ρ_B)."""
     a1, S1, F1, C1 = left
     a2, S2, F2, C2 = right
     r, r2 = _rate(a2, 1), _rate(a2, 2)
@@ -47,7 +47,7 @@ def combine_hla2(left, right):
 
 
 def combine_ahla(left, right):
-    """Spec §3.4 corrected (erratum 4): R undecayed, ``E = ρ E_A + E_B + ρ R_B P_A``."""
+    """AHLA, corrected (erratum 4): R undecayed, ``E = ρ E_A + E_B + ρ R_B P_A``."""
     a1, P1, E1, R1 = left
     a2, P2, E2, R2 = right
     r = _rate(a2, 1)
@@ -55,7 +55,7 @@ def combine_ahla(left, right):
 
 
 def combine_hla3(left, right):
-    """Spec §4.1: ``F = ρ³ F_A + F_B + ρ S_Aᵀ R_B + ρ U_B P_A + ρ² S_Aᵀ SQ_B P_A`` and the R, U, SQ rules."""
+    """HLA3: ``F = ρ³ F_A + F_B + ρ S_Aᵀ R_B + ρ U_B P_A + ρ² S_Aᵀ SQ_B P_A`` and the R, U, SQ rules."""
     a1, S1, P1, F1, SQ1, R1, U1 = left
     a2, S2, P2, F2, SQ2, R2, U2 = right
     r, r2, r3 = _rate(a2, 1), _rate(a2, 2), _rate(a2, 3)

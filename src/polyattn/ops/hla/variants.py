@@ -1,12 +1,12 @@
 """HLA variants as compositions of causal linear attention, and the one state format every form shares.
 
-Writing ``LA(Q, K, V; p·g)`` for causal linear attention with log-decay ``p·g`` (spec/hla.md §0, §1):
+Writing ``LA(Q, K, V; p·g)`` for causal linear attention with log-decay ``p·g`` (ops/hla/README.md, "Definitions"):
 
-    hla2  (order=2)                  Y = LA(Q, K, K; g)                        O = LA(Q, Y, V; 2g)   (§2.1, §2.5)
-    ahla  (order=2, asymmetric)      Z = LA(Q, K, V; g)                        O = LA(Q, K, Z; g)    (§3.1, §3.2)
-    hla3  (order=3)                  Y = LA(Q, K, K; g),  Z = LA(Q, K, V; g),  O = LA(Q, Y, Z; 3g)   (§4.1)
+    hla2  (order=2)                  Y = LA(Q, K, K; g)                        O = LA(Q, Y, V; 2g)
+    ahla  (order=2, asymmetric)      Z = LA(Q, K, V; g)                        O = LA(Q, K, Z; g)
+    hla3  (order=3)                  Y = LA(Q, K, K; g),  Z = LA(Q, K, V; g),  O = LA(Q, Y, Z; 3g)
 
-``normalize=True`` appends a ones column to V (§2.3, §3.3, §4.1): the last output column is the
+``normalize=True`` appends a ones column to V ("Normalized variant"): the last output column is the
 denominator. The HLA state is the tuple of the composed calls' K×(width) states, in call order, so
 that every form (recurrent, chunk, scan) reads and writes the same thing; with ``normalize=True`` each
 state that carries V has one extra column holding the ones-column vector (f for hla2, m and n for ahla).
@@ -23,21 +23,21 @@ from polyattn.ops.common import check_choice, check_flag, check_state, compute_d
 
 
 class HLA2State(NamedTuple):
-    """Second-order HLA (spec §2.4 F-form). V' = V + 1 when normalized (last column: f)."""
+    """Second-order HLA (the F-form of "Streaming recurrences"). V' = V + 1 when normalized (last column: f)."""
 
     S: torch.Tensor  # [N, H, K, K]   Σ_i exp(g_{i+1..t}) k_i k_iᵀ: state of Y = LA(Q, K, K; g)
     F: torch.Tensor  # [N, H, K, V']  Σ_j exp(2 g_{j+1..t}) y_j v_jᵀ, y_j = S_jᵀ q_j: state of LA(Q, Y, V; 2g)
 
 
 class AHLAState(NamedTuple):
-    """Asymmetric second-order HLA (spec §3.2). V' = V + 1 when normalized (last columns: m in P, n in E)."""
+    """Asymmetric second-order HLA. V' = V + 1 when normalized (last columns: m in P, n in E)."""
 
     P: torch.Tensor  # [N, H, K, V']  Σ_j exp(g_{j+1..t}) k_j v_jᵀ: state of Z = LA(Q, K, V; g)
     E: torch.Tensor  # [N, H, K, V']  Σ_i exp(g_{i+1..t}) k_i z_iᵀ, z_i = P_iᵀ q_i: state of LA(Q, K, Z; g)
 
 
 class HLA3State(NamedTuple):
-    """Third-order HLA, masked W Wᵀ W (spec §4.1). V' = V + 1 when normalized."""
+    """Third-order HLA, masked W Wᵀ W. V' = V + 1 when normalized."""
 
     S: torch.Tensor  # [N, H, K, K]   state of Y = LA(Q, K, K; g)
     P: torch.Tensor  # [N, H, K, V']  state of Z = LA(Q, K, V; g)
@@ -113,7 +113,7 @@ def prepare(q, k, v, g, *, order, asymmetric, normalize, scale, initial_state):
 
 
 def finish_output(o: torch.Tensor, normalize: bool, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """``o = num / (den + eps)`` when normalized (den = the ones column, spec §2.3); cast to the output dtype."""
+    """``o = num / (den + eps)`` when normalized (den = the ones column); cast to the output dtype."""
     if normalize:
         o = o[..., :-1] / (o[..., -1:] + eps)  # [B, T, H, V + 1] -> [B, T, H, V]
     return o.to(dtype)

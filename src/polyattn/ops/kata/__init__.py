@@ -1,4 +1,4 @@
-"""``ops.kata``: kernelized linear attention with symmetric-cone feature maps, and DeltaKATA (spec/kata.md)."""
+"""``ops.kata``: kernelized linear attention with symmetric-cone feature maps, and DeltaKATA (ops/kata/README.md)."""
 
 from __future__ import annotations
 

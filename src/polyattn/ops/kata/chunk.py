@@ -1,4 +1,4 @@
-"""KATA and DeltaKATA in chunks (spec/kata.md §3 item 2, §2.4): linear state, ψ(q) never built.
+"""KATA and DeltaKATA in chunks: linear state, ψ(q) never built (ops/kata/README.md, "Operating points and cost").
 
 KATA, chunk c of size C, in-chunk inclusive log-decay cumsum γ_t, tile D = exp(segsum(g_c)), augmented
 values ``[v | 1]`` and augmented state ``[S | z]`` (state.py), so one pass gives numerator and normaliser:
@@ -11,8 +11,8 @@ values ``[v | 1]`` and augmented state ``[S | z]`` (state.py), so one pass gives
 then carries the state sequentially and ``kata_scan`` (scan.py) combines the summaries by a log-depth
 associative scan. Per token: O(C·K) score FLOPs + O(C·V) for (1), O(P·V) for (2) and (3).
 
-DeltaKATA, kernel-trick UT form (spec §2.4): with unit lifted keys ψ̂_s = ψ(k_s)/n_s,
-n_s = max(√κ(k_s, k_s), eps), the pseudo-values U of chunk c solve
+DeltaKATA, kernel-trick UT form (ops/kata/README.md, "Chunk form (kernel-trick UT)"): with unit lifted
+keys ψ̂_s = ψ(k_s)/n_s, n_s = max(√κ(k_s, k_s), eps), the pseudo-values U of chunk c solve
 
     (I + diag(β) tril(κ̂(K, K) ⊙ D, −1)) U = diag(β) (V − diag(exp(γ)) ψ̂(K) S_{c−1})              (4)
     O_c = exp(γ) ⊙ ψ(scale Q) S_{c−1} + (κ(scale Q, K) ⊙ D ⊘ n) U                                   (5)

@@ -1,6 +1,6 @@
 """KATA feature maps ψ, one per symmetric cone, each declaring the kernel κ(q, k) = ⟨ψ(q), ψ(k)⟩ it realises.
 
-spec/kata.md §2.2. ``u: [..., K]`` is a (scaled) query or key head vector; ``groups`` splits K into
+ops/kata/README.md, "Feature maps". ``u: [..., K]`` is a (scaled) query or key head vector; ``groups`` splits K into
 ``groups`` blocks ``u_i`` of width ``E = K / groups``.
 
 | feature | combine | ψ(u) | P (feature dim) | κ(q, k) |
@@ -30,7 +30,7 @@ import torch
 
 from polyattn.ops.common import check_choice
 
-ORTHANT_EPS = 1e-6  # spec §2.2: the orthant map adds a constant so that every weight is strictly positive
+ORTHANT_EPS = 1e-6  # the orthant map adds a constant so that every weight is strictly positive
 
 
 def _svec_index(E: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +98,7 @@ PSD_COMBINES = {
 
 @dataclass(frozen=True)
 class PSDFeatureMap:
-    """Rank-one PSD lift per group (spec §2.2): κ is a sum of squared group dot products."""
+    """Rank-one PSD lift per group: κ is a sum of squared group dot products."""
 
     K: int
     groups: int = 1
@@ -257,5 +257,5 @@ def make_feature_map(feature: str, K: int, groups: int = 1, combine: str = "conc
 
 
 def kata_state_size(K: int, V: int, groups: int = 1, combine: str = "concat", packed: bool = False, *, feature: str = "psd") -> int:
-    """Entries of the numerator state S (P·V) per head, as in spec §2.5; the normaliser z adds P more."""
+    """Entries of the numerator state S (P·V) per head (ops/kata/README.md, "State sizes"); z adds P more."""
     return make_feature_map(feature, K, groups, combine).dim(packed) * V

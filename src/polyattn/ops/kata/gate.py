@@ -1,4 +1,4 @@
-"""KATA's parameter-free convex output gate (spec/kata.md §4.1).
+"""KATA's parameter-free convex output gate (ops/kata/README.md, "The convex gate").
 
 With ``read_{t−1}(q) = S_{t−1}ᵀψ(q) / (z_{t−1}·ψ(q))`` the memory read of the *current* query against
 the state before token t (decayed by exp(g_t), which cancels in the ratio), normalized KATA is exactly

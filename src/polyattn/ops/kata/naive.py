@@ -1,4 +1,4 @@
-"""KATA and DeltaKATA: the executable spec (spec/kata.md §2.3, §2.4), with ψ built explicitly.
+"""KATA and DeltaKATA, the executable spec, with ψ built explicitly (ops/kata/README.md).
 
 KATA, for one head, with ``D[t, s] = exp(g[s+1] + ... + g[t])`` for ``s <= t`` (0 above the diagonal):
 

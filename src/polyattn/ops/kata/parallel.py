@@ -1,4 +1,4 @@
-"""KATA's quadratic tiled form (spec/kata.md §3 item 1): the flash-style operating point.
+"""KATA's quadratic tiled form: the flash-style operating point (ops/kata/README.md, "Operating points and cost").
 
 FlashAttention-2's tiling with exp and the running max removed: for each query tile i, loop over the
 key tiles j <= i and accumulate ``Σ_s A[t, s] [v_s | 1]`` (numerator | normaliser) with scores

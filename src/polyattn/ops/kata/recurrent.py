@@ -1,4 +1,4 @@
-"""KATA and DeltaKATA token by token: the decoding form (spec/kata.md §2.3, §2.4).
+"""KATA and DeltaKATA token by token: the decoding form (ops/kata/README.md, "Normalized KATA", "DeltaKATA").
 
 KATA is linear attention on lifted features with an all-ones value column for the normaliser:
 

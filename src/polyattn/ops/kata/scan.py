@@ -1,4 +1,4 @@
-"""KATA with chunk summaries combined by a log-depth associative scan (spec/kata.md §3 item 3).
+"""KATA with chunk summaries combined by a log-depth associative scan (ops/kata/README.md, "Operating points and cost").
 
 The three stages of the scan operating point: (a) per-chunk summaries ``(Γ_c, [S | z]_c)`` and
 intra-chunk outputs, parallel over chunks (``kata_chunk_summaries``); (b) an inclusive

@@ -41,7 +41,7 @@ def with_ones(v: torch.Tensor) -> torch.Tensor:
 def normalized_read(out: torch.Tensor, normalize: bool, eps: float) -> torch.Tensor:
     """Turn an augmented read ``[..., V + 1]`` (numerator | denominator) into ``o: [..., V]``.
 
-    ``normalize``: ``o = num / max(den, eps)`` (spec §2.3); otherwise ``o = num``.
+    ``normalize``: ``o = num / max(den, eps)`` (ops/kata/README.md, "Normalized KATA"); otherwise ``o = num``.
     """
     num, den = out[..., :-1], out[..., -1:]  # [..., V], [..., 1]
     return num / den.clamp_min(eps) if normalize else num

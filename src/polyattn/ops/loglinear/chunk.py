@@ -3,8 +3,8 @@
 Chunks of ``C = 2^c`` tokens are aligned to absolute positions, so inside a chunk the level of a pair
 depends only on the in-chunk offsets (a ``C×C`` table, levels ``0..c``), and across chunks it is
 ``c + 1 + ell`` with the chunk-level ``ell = bit_length(n XOR m) - 1`` of the absolute chunk indices
-(spec/loglinear.md §1.1). No ``T×T`` table is built. Per chunk (local inclusive cumulative log-decay ``gc``,
-``D = exp(segsum g) ⊙ causal``, ``A = scale Q K^T ⊙ D``)::
+(ops/loglinear/README.md, "Chunk factorisation"). No ``T×T`` table is built. Per chunk (local inclusive
+cumulative log-decay ``gc``, ``D = exp(segsum g) ⊙ causal``, ``A = scale Q K^T ⊙ D``)::
 
     Mamba-2 (beta=None):  W = A,                q̃ = exp(gc) ⊙ scale Q,     U = V,  w = 0
     GDN (beta given):     W = A M^{-1} diag(β), q̃ = exp(gc) ⊙ scale Q - A w,
@@ -13,7 +13,8 @@ depends only on the in-chunk offsets (a ``C×C`` table, levels ``0..c``), and ac
 
 ``W`` is the complete attention matrix restricted to the chunk, so the mask is applied after the inverse.
 Between chunks one K×V state per chunk-level, ``H[ell]``, holds the keys of earlier chunks that sit in
-chunk-level ``ell`` of the current chunk, carried to the chunk's start (the single-pass scheme, spec §3.2)::
+chunk-level ``ell`` of the current chunk, carried to the chunk's start (the single-pass scheme,
+ops/loglinear/README.md, "Chunk algorithm")::
 
     O_n  += Σ_ell lam[t, c + 1 + ell] q̃_t^T H[ell]                                       (read)
     H[ell] <- exp(gc_last) H[ell] - K̃^T (w H[ell])  for every ell,   K̃_s = exp(g_{s+1} + … + g_last) k_s   (carry through chunk n)

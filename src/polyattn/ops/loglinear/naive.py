@@ -1,4 +1,6 @@
-"""Log-linear attention: the executable spec, as a dense masked matrix (spec/loglinear.md §1.2, §2.3).
+"""Log-linear attention, the executable spec: a dense masked matrix.
+
+The math is in ops/loglinear/README.md, "The mask and the two bases".
 
 For one head and absolute positions ``P + t`` (``P`` = the initial state's position), with the Fenwick mask
 ``M^H[t, s] = lam[t, level(P + t, P + s)]`` for ``s <= t`` (0 above the diagonal)::
@@ -11,10 +13,10 @@ For one head and absolute positions ``P + t`` (``P`` = the initial state's posit
   multiplies W, never ``Q K^T`` before the inverse.
 
 Every key is carried to a query by the same transition ``A_t = exp(g_t)(I - β_t k_t k_t^T)`` (``I`` scaled
-by ``exp(g_t)`` without beta), ``W[t, s] = scale q_t^T A_t ⋯ A_{s+1} k_s β_s``. An initial state at
-position ``P`` holds level groups ``S0[l]`` of keys before ``P``; for query ``P + t`` group ``l`` lies in
-level ``max(l, level(P + t, P - 1))`` (the groups are nested, spec §1.1) and is read through the query
-carried back to the start, ``q̃_t = (A_t ⋯ A_0)^T scale q_t``::
+by ``exp(g_t)`` without beta), ``W[t, s] = scale q_t^T A_t ⋯ A_{s+1} k_s β_s``. An initial state at position
+``P`` holds level groups ``S0[l]`` of keys before ``P``; for query ``P + t`` group ``l`` lies in level
+``max(l, level(P + t, P - 1))`` (the groups are nested, ops/loglinear/README.md, "Levels") and is read
+through the query carried back to the start, ``q̃_t = (A_t ⋯ A_0)^T scale q_t``::
 
     q̃_t = exp(G_t) scale q_t - Σ_s W[t, s] exp(G_s) k_s      (G = cumsum g; no sum without beta)   (2)
     o_t += Σ_l lam[t, max(l, level(P + t, P - 1))] S0[l]^T q̃_t                                    (3)

@@ -1,4 +1,4 @@
-"""Log-linear attention token by token: the decoding form (spec/loglinear.md §3.1).
+"""Log-linear attention token by token: the decoding form (ops/loglinear/README.md, "State and cost per token").
 
 One K×V state per level plus the absolute position ``t`` of each sequence. Per token::
 

@@ -11,7 +11,7 @@
   position 0 holds no keys: its levels are ignored.
 
 When the query at ``position`` arrives, its levels follow from the previous query's by the carry
-``j = ctz(position)``: levels ``0..j`` merge into level ``j + 1`` (spec/loglinear.md §3.1).
+``j = ctz(position)``: levels ``0..j`` merge into level ``j + 1`` (ops/loglinear/README.md, "State and cost per token").
 """
 
 from __future__ import annotations

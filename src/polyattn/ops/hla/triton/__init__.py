@@ -1,10 +1,10 @@
 """`ops.hla(..., impl="triton")`: HLA composed from the Triton `linear_attn` (2 or 3 calls).
 
-Numerics (DESIGN.md §5, spec/hla.md §8.2): inside each call states and accumulators are fp32;
-the intermediates Y = LA(Q, K, K) and Z = LA(Q, K, V) are written in the input dtype (bf16
-inputs: bf16 Y/Z, one rounding per element, ~2^-9 relative) so the next call runs on the
-bf16 tensor cores. Use `impl="chunk"` for fp32 intermediates; fp32 inputs keep everything fp32
-here. `cu_seqlens` is handled natively by every call; gradients flow through all calls by the
+Numerics (ops/README.md, "Numerics policy"; ops/hla/README.md, "Precision"): inside each call states
+and accumulators are fp32; the intermediates Y = LA(Q, K, K) and Z = LA(Q, K, V) are written in the
+input dtype (bf16 inputs: bf16 Y/Z, one rounding per element, ~2^-9 relative) so the next call runs
+on the bf16 tensor cores. Use `impl="chunk"` for fp32 intermediates; fp32 inputs keep everything
+fp32 here. `cu_seqlens` is handled natively by every call; gradients flow through all calls by the
 Triton autograd Function. This module does not import triton itself.
 """
 from __future__ import annotations

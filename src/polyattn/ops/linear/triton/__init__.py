@@ -1,8 +1,8 @@
 """Triton kernels of `linear_attn`: the only package of ops/linear that imports triton.
 
-Files by stage: common.py (pass vocabulary, dot helper, segment table, config),
+Files by stage (on the shared core ops/triton: precision helpers, segment plan, chunk decay):
 chunk_states.py (segment end states + combine), chunk_outputs.py (outputs, state on chip),
-launch.py (one pass on the host), function.py (autograd Function: forward and backward
+launch.py (one pass on the host, the pass vocabulary), function.py (autograd Function: forward and backward
 passes, dg), step.py (fused decoding step). Importing this package does not import triton:
 the two entry points below load the kernels on first call, so CPU-only installs never need it.
 """
@@ -22,11 +22,11 @@ def linear_attn_triton(q, k, v, g=None, *, scale, initial_state=None, output_fin
 linear_attn_triton.native_varlen = True
 
 
-def linear_attn_step(q, k, v, g, state, *, scale):
+def linear_attn_step_inplace(q, k, v, g, state, *, scale):
     """Fused decoding step, `state` updated in place; see step.py."""
-    from .step import fused_linear_attn_step
+    from .step import linear_attn_step_inplace as step
 
-    return fused_linear_attn_step(q, k, v, g, state, scale=scale)
+    return step(q, k, v, g, state, scale=scale)
 
 
-__all__ = ["linear_attn_triton", "linear_attn_step"]
+__all__ = ["linear_attn_step_inplace", "linear_attn_triton"]

@@ -8,7 +8,7 @@ per chunk of C tokens, with `Gc` the chunk-local inclusive cumsum of the log2-de
     anticausal  out = scale * [((a b^T) * exp2(Gc_j - Gc_i) * [j >= i]) @ c + exp2(Gc_last - Gc_i) * (a @ R)]
                 R   = exp2(Gc_last) R + (b * exp2(Gc_j))^T @ c
 
-(see common.py for the pass vocabulary). Per-row factors (scale, decays of the query side) are
+(launch.py states the pass vocabulary). Per-row factors (scale, decays of the query side) are
 applied after the products, in fp32; fp32 operands (the score tile, the state, decayed keys)
 enter the tensor cores split in two input-dtype halves (`mma_left_fp32`, `mma_right_fp32`).
 Optionally it also writes `rowdot = sum(x * out, -1)` per DC tile, the per-token term of the
@@ -17,8 +17,10 @@ log-decay gradient.
 import triton
 import triton.language as tl
 
-from .chunk_states import chunk_decay, chunk_segsum, keys_times_values
-from .common import mma, mma_left_fp32, mma_right_fp32, to_output
+from polyattn.ops.triton.decay import chunk_decay, chunk_segsum
+from polyattn.ops.triton.precision import mma, mma_left_fp32, mma_right_fp32, to_output
+
+from .chunk_states import keys_times_values
 
 
 @triton.jit(do_not_specialize=["N_tok", "s_h0n", "s_h0h", "s_h0a", "s_h0c"])

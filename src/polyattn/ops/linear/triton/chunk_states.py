@@ -12,43 +12,8 @@ segment's incoming state by the sequential form of `ops.common.scan.combine_deca
 import triton
 import triton.language as tl
 
-from .common import mma, mma_right_fp32
-
-
-@triton.jit
-def chunk_decay(g, t, m_t, H, i_h, USE_G: tl.constexpr):
-    """The chunk's `g` over rows `t` (0 past the end), its inclusive cumsum `Gc` prescaled by
-    log2(e) (after the sum: one rounding) and the last entry of `Gc`, the chunk's log2-decay."""
-    if USE_G:
-        b_g = tl.load(g + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
-        b_gc = tl.cumsum(b_g, axis=0) * 1.4426950408889634  # [C]
-        return b_g, b_gc, tl.sum(b_g, axis=0) * 1.4426950408889634
-    b_zero = tl.zeros([t.shape[0]], dtype=tl.float32)
-    return b_zero, b_zero, tl.sum(b_zero, axis=0)
-
-
-@triton.jit
-def chunk_segsum(b_g, b_gc, REVERSE: tl.constexpr, EXACT: tl.constexpr):
-    """[C, C] log2-decay between rows: causal `Gc_i - Gc_j` (j <= i), anticausal `Gc_j - Gc_i`
-    (j >= i); -inf outside the triangle. EXACT (fp32 inputs) sums the g's in between by a
-    masked cumsum, as `ops.common.segsum` does, instead of subtracting two long cumsums, whose
-    rounding (~|Gc| ulp) would dominate fp32 outputs; for bf16/fp16 the difference is ample."""
-    o_t = tl.arange(0, b_g.shape[0])
-    if REVERSE:
-        m_tri = o_t[:, None] <= o_t[None, :]  # [C, C]: j >= i
-        if EXACT:
-            b_m = tl.where(o_t[:, None] < o_t[None, :], b_g[None, :], 0.0)  # [C, C]: g_s for s > i
-            b_d = tl.cumsum(b_m, axis=1) * 1.4426950408889634  # [C, C]
-        else:
-            b_d = b_gc[None, :] - b_gc[:, None]  # [C, C]
-    else:
-        m_tri = o_t[:, None] >= o_t[None, :]  # [C, C]: j <= i
-        if EXACT:
-            b_m = tl.where(o_t[:, None] > o_t[None, :], b_g[:, None], 0.0)  # [C, C]: g_s for s > j
-            b_d = tl.cumsum(b_m, axis=0) * 1.4426950408889634  # [C, C]
-        else:
-            b_d = b_gc[:, None] - b_gc[None, :]  # [C, C]
-    return tl.where(m_tri, b_d, float("-inf"))
+from polyattn.ops.triton.decay import chunk_decay
+from polyattn.ops.triton.precision import mma, mma_right_fp32
 
 
 @triton.jit

@@ -17,19 +17,11 @@ every G_s with s >= t.
 """
 import torch
 
-from .common import interpreting
+from polyattn.ops.triton.plan import one_token_step, reverse_cumsum, sequence_lengths, step_state
+from polyattn.ops.triton.precision import check_kernel_inputs
+
 from .launch import chunk_pass
-
-
-def _reverse_cumsum(x: torch.Tensor, seq_lens: tuple) -> torch.Tensor:
-    """Per-sequence reverse cumsum over tokens; x: [N_tok, H] fp32, summed in fp64 along the
-    last (contiguous) dimension, where torch's scan is parallel."""
-    x64 = x.t().double()  # [N_tok, H] -> [H, N_tok]
-    total = x64.cumsum(-1)  # [H, N_tok]
-    lengths = torch.tensor(seq_lens, device=x.device)
-    ends = lengths.cumsum(0) - 1  # [N] last token of each sequence
-    end_of = total[:, torch.repeat_interleave(ends, lengths)]  # [H, N_tok]
-    return (end_of - total + x64).t().float()  # [H, N_tok] -> [N_tok, H]
+from .step import linear_attn_step_inplace
 
 
 class LinearAttnFunction(torch.autograd.Function):
@@ -78,7 +70,7 @@ class LinearAttnFunction(torch.autograd.Function):
             if dht is not None and ht is not None:
                 ends = torch.tensor(seq_lens, device=db.device).cumsum(0) - 1  # [N]
                 db[ends] += (dht * ht).sum((-1, -2))  # [N, H, K, V] -> [N, H]
-            dg = _reverse_cumsum(db, seq_lens).view(B, T, H).to(gf.dtype)  # [B*T, H] -> [B, T, H]
+            dg = reverse_cumsum(db, seq_lens).view(B, T, H).to(gf.dtype)  # [B*T, H] -> [B, T, H]
         return (
             dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, H, V),
             dg, dh0, None, None, None,
@@ -99,17 +91,16 @@ def linear_attn_fused(
     """Triton form of `linear_attn` (inputs already validated, scale resolved).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] or None; initial_state: [N, H, K, V];
-    cu_seqlens: int [N + 1] with B == 1, handled natively (no per-sequence loop). Returns
+    cu_seqlens: int [N + 1] with B == 1, handled natively (no per-sequence loop). One token per
+    sequence without gradients (decoding) runs the fused step on a copy of the state. Returns
     `(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)`.
     """
-    B, T = q.shape[:2]
-    if cu_seqlens is not None:
-        bounds = cu_seqlens.tolist()
-        seq_lens = tuple(e - s for s, e in zip(bounds[:-1], bounds[1:]))
-    else:
-        seq_lens = (T,) * B
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not q.is_cuda and not interpreting():
-        raise ValueError(f"expected bf16/fp16/fp32 CUDA tensors (or TRITON_INTERPRET=1), got {q.dtype} on {q.device}")
+    check_kernel_inputs(q)
+    if one_token_step(q, cu_seqlens, (q, k, v, g, initial_state)):
+        state = step_state(initial_state, q, v.shape[-1])
+        o, state = linear_attn_step_inplace(q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0], state, scale=scale)
+        return o[:, None], (state if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
+    seq_lens = sequence_lengths(cu_seqlens, *q.shape[:2])
     o, ht = LinearAttnFunction.apply(q, k, v, g, initial_state, float(scale), seq_lens, output_final_state)
     return o, (ht if output_final_state else None)
 

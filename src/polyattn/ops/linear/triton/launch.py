@@ -1,14 +1,28 @@
-"""Host side of one pass (see common.py): segment planning and the three kernel launches."""
+"""One *pass* of chunked linear attention on the host: segment planning and three kernel launches.
+
+Every kernel of this package computes one pass over three per-token operands `a, b: [N_tok, H, DA]`,
+`c: [N_tok, H, DC]` and an optional log-decay `g: [N_tok, H]` (tokens of all sequences flattened,
+as with `cu_seqlens`):
+
+    causal      out_i = scale * [sum_{j <= i} exp(G_i - G_j) (a_i . b_j) c_j + exp(G_i) a_i^T S_0]
+    anticausal  out_i = scale * [sum_{j >= i} exp(G_j - G_i) (a_i . b_j) c_j + exp(G_end - G_i) a_i^T R_end]
+
+with `G` the inclusive cumulative sum of `g` inside the sequence and `S_0, R_end: [DA, DC]`. The
+forward of `linear_attn` is the causal pass `(a, b, c) = (q, k, v)`; its backward is one causal
+pass `(do, v, k) -> dq` and two anticausal passes `(k, q, do) -> dv` and `(v, do, q) -> dk`
+(function.py). A sequence is cut into segments of whole chunks (ops/triton/plan.py) when `N * H`
+is small: `chunk_states.py` computes each segment's local end state and combines them
+sequentially per sequence (`(G1, S1), (G2, S2) -> (G1 + G2, exp(G2) S1 + S2)`, the combine of
+`ops.common.scan.combine_decayed`), and `chunk_outputs.py` runs each segment with its true
+incoming state kept on chip.
+"""
 import torch
 import triton
 
 from .chunk_outputs import chunk_outputs_kernel
 from .chunk_states import segment_scan_kernel, segment_states_kernel
-from .common import KernelConfig, dot_f32, get_config, plan_segments, segment_table
-
-
-def _block(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+from polyattn.ops.triton.plan import KernelConfig, block, get_config, plan_segments, segment_table
+from polyattn.ops.triton.precision import dot_f32
 
 
 def chunk_pass(
@@ -36,7 +50,7 @@ def chunk_pass(
     N_tok, H, DA = a.shape
     DC = c.shape[-1]
     N = len(seq_lens)
-    BA, BC, C = _block(DA), min(_block(DC), config.block_c), config.chunk_size
+    BA, BC, C = block(DA), min(block(DC), config.block_c), config.chunk_size
     n_c = triton.cdiv(DC, BC)
     F32 = dot_f32(a.dtype)
     hint = plan_segments(seq_lens, H, DC, config, a.device)

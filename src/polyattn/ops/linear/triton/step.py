@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from polyattn.ops.triton.precision import LOG2E
+
 
 @triton.jit
 def linear_attn_step_kernel(
@@ -29,16 +31,16 @@ def linear_attn_step_kernel(
     b_k = tl.load(k + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
     b_v = tl.load(v + i_bh * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
     if USE_G:
-        b_s *= tl.exp2(tl.load(g + i_bh).to(tl.float32) * 1.4426950408889634)
+        b_s *= tl.exp2(tl.load(g + i_bh).to(tl.float32) * LOG2E)
     b_s += b_k[:, None] * b_v[None, :]  # [BK, 1] * [1, BV] -> [BK, BV]
     b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BK, BV] -> [BV]
     tl.store(p_s, b_s, mask=m_k[:, None] & m_v[None, :])
     tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)  # downcast: output dtype
 
 
-def fused_linear_attn_step(q, k, v, g, state, *, scale):
-    """One decoding step of `linear_attn` with `state` updated in place (same arguments as
-    `ops.linear.recurrent.linear_attn_step`).
+def linear_attn_step_inplace(q, k, v, g, state, *, scale):
+    """One decoding step of `linear_attn` with `state` updated in place (the arguments of
+    `ops.linear.recurrent.linear_attn_step`, which returns a new state instead).
 
     q, k: [B, H, K]; v: [B, H, V]; g: [B, H] log-decay or None; state: [B, H, K, V] fp32
     contiguous. Returns `(o [B, H, V] in q's dtype, state)`.

@@ -1,0 +1,205 @@
+"""The delta rule backward: a reverse recurrence for the state gradient, then every chunk in parallel.
+
+With the forward of forward.py (R = diag(beta)(V - diag(exp(gc)) K h), U = Tinv R,
+A_qk = scale Q K^T ⊙ Γ ⊙ L) and dh' the gradient of the state leaving the chunk:
+
+    dU = A_qk^T dO + diag(exp(gc_last - gc)) K dh'                          [C, V]
+    dR = Tinv^T dU                                                          [C, V]
+    dh = exp(gc_last) dh' + (scale Q)^T diag(exp(gc)) dO - K^T diag(beta exp(gc)) dR
+
+`delta_state_grad_kernel` runs this recurrence backward over the chunks of one sequence, head
+and value tile, storing dh' of every chunk (`dhs: [NC, H, K, V]`), dR (`drs: [N_tok, H, V]`), both
+fp32, `dv = diag(beta) dR` and the per-tile `v . dv`.
+`delta_grads_kernel` then, for one chunk and head, sums over value tiles
+
+    P  = dO U^T,   E = -dR U^T           (dA = strict_lower(E): U = (I + A)^{-1} R)
+    dq = scale (P ⊙ Γ ⊙ L) K + scale diag(exp(gc)) dO h^T
+    dk = scale (P ⊙ Γ ⊙ L)^T Q + diag(exp(gc_last - gc)) U dh'^T - diag(beta exp(gc)) dR h^T
+         + M K + M^T K,  M = diag(beta) (dA ⊙ Γ)
+    dbeta = rowsum(dR ⊙ (V - diag(exp(gc)) K h)) + rowsum(dA ⊙ Γ ⊙ K K^T)
+
+and the per-token `q . dq` of the log-decay term `q . dq - v . dv` (function.py turns it into dg).
+`delta_backward_ref` is the PyTorch twin of both kernels.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from polyattn.ops.triton.decay import chunk_decay, chunk_segsum
+from polyattn.ops.triton.precision import mma, mma_fp32, mma_left_fp32, mma_right_fp32, to_output
+
+
+@triton.jit
+def delta_state_grad_kernel(
+    q, k, v, do, beta, g, t_inv, seqs, cu_chunks, dht, dh0, dhs, drs, dv, vdv,
+    scale, N_tok, H, K, V,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, F32: tl.constexpr,
+):
+    """grid: (cdiv(V, BV), N, H). The fp32 [BK, BV] state gradient stays in registers; the
+    loop walks the sequence's chunks last to first."""
+    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(seqs + i_n * 4).to(tl.int64)
+    eos = tl.load(seqs + i_n * 4 + 1).to(tl.int64)
+    c0 = tl.load(cu_chunks + i_n).to(tl.int64)
+    o_t = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    state_tile = o_k[:, None] * V + o_v[None, :]  # [BK, BV]
+    if USE_DHT:
+        b_dh = tl.load(dht + (i_n * H + i_h) * K * V + state_tile, mask=m_s, other=0.0)  # [BK, BV]
+    else:
+        b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    n_chunks = tl.cdiv(eos - bos, C)
+    for j in range(0, n_chunks):
+        i = n_chunks - 1 - j
+        t = bos + i * C + o_t
+        m_t = t < eos
+        row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+        row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
+        b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
+        b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV]
+        b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+        b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
+        b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+        b_d = chunk_segsum(b_g, b_gc, False, F32)  # [C, C]
+        tl.store(dhs + ((c0 + i) * H + i_h) * K * V + state_tile, b_dh, mask=m_s)
+        b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(b_d) * scale)  # [C, C]
+        b_du = mma_left_fp32(tl.trans(b_att), b_do, F32)  # [C, C] @ [C, BV] -> [C, BV]
+        b_du += mma_right_fp32(b_k, b_dh, F32) * tl.exp2(b_last - b_gc)[:, None]  # [C, BK] @ [BK, BV]
+        b_dr = mma_fp32(tl.trans(b_tinv), b_du, b_q.dtype, F32)  # [C, C] @ [C, BV] -> [C, BV]
+        tl.store(drs + row_v, b_dr, mask=m_tv)
+        b_dv = b_dr * b_beta[:, None]  # [C, BV]
+        tl.store(dv + row_v, to_output(b_dv, dv.dtype.element_ty, F32), mask=m_tv)  # downcast: input dtype
+        b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
+        tl.store(vdv + (i_v * N_tok + t) * H + i_h, tl.sum(b_v * b_dv, axis=1), mask=m_t)
+        b_dow = b_do.to(tl.float32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BV]
+        b_drw = b_dr * (b_beta * tl.exp2(b_gc))[:, None]  # [C, BV]
+        b_dh = b_dh * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_q), b_dow, F32) - mma_right_fp32(tl.trans(b_k), b_drw, F32)
+    if STORE_DH0:
+        tl.store(dh0 + (i_n * H + i_h) * K * V + state_tile, b_dh, mask=m_s)
+
+
+@triton.jit
+def delta_grads_kernel(
+    q, k, v, beta, g, do, chunks, hs, dhs, us, drs, dq, dk, dbeta, dgterm,
+    scale, N_tok, H, K, V,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
+):
+    """grid: (num_chunks, H, cdiv(K, BK)). One program per chunk, head and key tile: it loads
+    the chunk's q, k columns of its tile ([C, BK]) and loops over value tiles, accumulating
+    P, E ([C, C], over the whole V: recomputed by each key tile) and the h-side parts of dq, dk
+    ([C, BK]) in fp32; writes its dq, dk columns and its share of dbeta and `q . dq` (the
+    per-key-tile shares `dbeta[i_k]`, `dgterm[i_k]` are summed on the host)."""
+    i_ch, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(chunks + i_ch * 4).to(tl.int64)
+    eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
+    o_t = tl.arange(0, C)
+    o_k = i_k * BK + tl.arange(0, BK)
+    t = bos + o_t
+    m_t = t < eos
+    m_k = o_k < K
+    row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+    b_d = chunk_segsum(b_g, b_gc, False, F32)  # [C, C]
+    b_egc = tl.exp2(b_gc)  # [C]
+    b_p = tl.zeros([C, C], dtype=tl.float32)
+    b_e = tl.zeros([C, C], dtype=tl.float32)
+    b_dq = tl.zeros([C, BK], dtype=tl.float32)
+    b_dk = tl.zeros([C, BK], dtype=tl.float32)
+    b_db = tl.zeros([C], dtype=tl.float32)
+    p_state = ((i_ch * H + i_h) * K + o_k[None, :]).to(tl.int64) * V  # [1, BK]: row starts of h^T
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_vk = m_v[:, None] & m_k[None, :]
+        b_u = tl.load(us + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
+        b_dr = tl.load(drs + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
+        b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV]
+        b_ht = tl.load(hs + p_state + o_v[:, None], mask=m_vk, other=0.0)  # [BV, BK] = h^T tile
+        b_dht = tl.load(dhs + p_state + o_v[:, None], mask=m_vk, other=0.0)  # [BV, BK] = dh'^T tile
+        b_p += mma_right_fp32(b_do, tl.trans(b_u), F32)  # [C, BV] @ [BV, C] -> [C, C]
+        b_e -= mma_fp32(b_dr, tl.trans(b_u), b_q.dtype, F32)  # [C, BV] @ [BV, C] -> [C, C]
+        b_dq += mma_right_fp32(b_do, b_ht, F32)  # [C, BV] @ [BV, BK] -> [C, BK]
+        b_dk += mma_fp32(b_u, b_dht, b_q.dtype, F32) * tl.exp2(b_last - b_gc)[:, None]  # [C, BV] @ [BV, BK]
+        b_dk -= mma_fp32(b_dr, b_ht, b_q.dtype, F32) * (b_beta * b_egc)[:, None]  # [C, BV] @ [BV, BK]
+        b_kh = mma_right_fp32(b_k, tl.trans(b_ht), F32)  # [C, BK] @ [BK, BV] -> [C, BV]: this tile's share of K h
+        b_db -= tl.sum(b_dr * (b_egc[:, None] * b_kh), axis=1)  # [C]
+        if i_k == 0:
+            b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
+            b_db += tl.sum(b_dr * b_v, axis=1)  # [C]
+    b_gamma = tl.exp2(b_d)  # [C, C], 0 above the diagonal
+    b_ds = b_p * b_gamma * scale  # [C, C]
+    b_dq = mma_left_fp32(b_ds, b_k, F32) + b_dq * (b_egc * scale)[:, None]  # [C, C] @ [C, BK]
+    b_dk += mma_left_fp32(tl.trans(b_ds), b_q, F32)  # [C, C] @ [C, BK] -> [C, BK]
+    strict = o_t[:, None] > o_t[None, :]
+    b_da = tl.where(strict, b_e * b_gamma, 0.0)  # [C, C]: dA ⊙ Γ
+    b_db += tl.sum(b_da * mma(b_k, tl.trans(b_k), F32), axis=1)  # [C]: this key tile's share of K K^T
+    b_m = b_da * b_beta[:, None]  # [C, C]
+    b_dk += mma_left_fp32(b_m, b_k, F32) + mma_left_fp32(tl.trans(b_m), b_k, F32)  # [C, C] @ [C, BK]
+    tl.store(dq + row_k, to_output(b_dq, dq.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
+    tl.store(dk + row_k, to_output(b_dk, dk.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
+    tl.store(dbeta + (i_k * N_tok + t) * H + i_h, b_db, mask=m_t)
+    tl.store(dgterm + (i_k * N_tok + t) * H + i_h, tl.sum(b_q.to(tl.float32) * b_dq, axis=1), mask=m_t)  # q . dq
+
+
+def delta_backward_ref(q, k, v, beta, g, t_inv, do, dht, hs, us, seq_lens: tuple, *, scale, chunk_size):
+    """PyTorch twin of both kernels (float64): `(dq, dk, dv, dbeta, dgterm, dh0, dhs, drs)` from
+    the forward's saved `t_inv, hs, us`, the output gradient `do` and `dht` (or None)."""
+    N_tok, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, beta, t_inv, do, us = (x.double() for x in (q, k, v, beta, t_inv, do, us))
+    hs = hs.double()
+    g = torch.zeros_like(beta) if g is None else g.double()
+    dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+    dv, drs = torch.zeros_like(v), torch.zeros_like(v)
+    dbeta, dgterm = torch.zeros_like(beta), torch.zeros_like(beta)
+    dhs = torch.zeros_like(hs)
+    dh0s, bos, c = [], 0, 0
+    for n, length in enumerate(seq_lens):
+        starts = list(range(bos, bos + length, chunk_size))
+        dh = torch.zeros(H, K, V, dtype=torch.float64, device=q.device) if dht is None else dht[n].double()
+        for i in reversed(range(len(starts))):
+            s = starts[i]
+            e = min(s + chunk_size, bos + length)
+            qc, kc, vc, doc, uc = (x[s:e].transpose(0, 1) for x in (q, k, v, do, us))  # [n, H, D] -> [H, n, D]
+            bc = beta[s:e].t()  # [H, n]
+            gc = torch.cumsum(g[s:e].t(), -1)  # [H, n]
+            last = gc[:, -1:]  # [H, 1]
+            tinv = t_inv[s:e, :, : e - s].transpose(0, 1)  # [H, n, n]
+            gamma = torch.exp(gc[:, :, None] - gc[:, None, :]).tril()  # [H, n, n]
+            h = hs[c + i]
+            dhs[c + i] = dh
+            att = scale * (qc @ kc.transpose(-1, -2)) * gamma  # [H, n, n]
+            du = att.transpose(-1, -2) @ doc + torch.exp(last - gc)[..., None] * (kc @ dh)  # [H, n, V]
+            dr = tinv.transpose(-1, -2) @ du  # [H, n, V]
+            p = doc @ uc.transpose(-1, -2)  # [H, n, n]
+            da = torch.tril(-(dr @ uc.transpose(-1, -2)) * gamma, diagonal=-1)  # [H, n, n]
+            m = bc[..., None] * da  # [H, n, n]
+            ds = scale * p * gamma  # [H, n, n]
+            dq_c = ds @ kc + scale * torch.exp(gc)[..., None] * (doc @ h.transpose(-1, -2))
+            dk_c = (ds.transpose(-1, -2) @ qc + torch.exp(last - gc)[..., None] * (uc @ dh.transpose(-1, -2))
+                    - (bc * torch.exp(gc))[..., None] * (dr @ h.transpose(-1, -2)) + m @ kc + m.transpose(-1, -2) @ kc)
+            dv_c = bc[..., None] * dr  # [H, n, V]
+            db_c = (dr * (vc - torch.exp(gc)[..., None] * (kc @ h))).sum(-1) + (da * (kc @ kc.transpose(-1, -2))).sum(-1)
+            dq[s:e], dk[s:e], dv[s:e], drs[s:e] = (x.transpose(0, 1) for x in (dq_c, dk_c, dv_c, dr))
+            dbeta[s:e] = db_c.t()
+            dgterm[s:e] = ((qc * dq_c).sum(-1) - (vc * dv_c).sum(-1)).t()
+            dh = (torch.exp(last)[..., None] * dh + scale * (qc * torch.exp(gc)[..., None]).transpose(-1, -2) @ doc
+                  - kc.transpose(-1, -2) @ ((bc * torch.exp(gc))[..., None] * dr))
+        dh0s.append(dh)
+        bos += length
+        c += len(starts)
+    return dq, dk, dv, dbeta, dgterm, torch.stack(dh0s), dhs, drs

@@ -1,0 +1,110 @@
+"""Stage 2 of the delta rule forward: the chunk-to-chunk recurrence with the state on chip.
+
+`delta_forward_kernel` implements `delta_rule_chunk` (ops/delta/chunk.py) for one sequence, head
+and value tile. Per chunk, with `gc` the chunk-local cumulative log-decay, `Tinv` from wy.py and
+h the [K, BV] fp32 state entering the chunk (ops/delta/README.md, "Chunk form"):
+
+    U  = Tinv diag(beta) (V - diag(exp(gc)) K h)                         pseudo-values [C, BV]
+    O  = (scale Q K^T ⊙ Γ ⊙ L) U + diag(exp(gc)) (scale Q) h
+    h' = exp(gc_last) h + K^T diag(exp(gc_last - gc)) U
+
+With SAVE (a backward will run) it stores the state entering every chunk (`hs: [NC, H, K, V]`,
+fp32) and U (`us: [N_tok, H, V]`, fp32). Every fp32 operand (state, Tinv, R, U, the score tile)
+enters the tensor cores split in input-dtype halves, exact to ~2^-16: rounding R or U to bf16
+instead doubles the output error against the float64 spec (measured under the test bounds). `delta_forward_ref` is the PyTorch twin.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from polyattn.ops.triton.decay import chunk_decay, chunk_segsum
+from polyattn.ops.triton.precision import mma, mma_fp32, mma_right_fp32, to_output
+
+
+@triton.jit
+def delta_forward_kernel(
+    q, k, v, beta, g, t_inv, out, seqs, cu_chunks, h0, ht, hs, us,
+    scale, H, K, V,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr, F32: tl.constexpr,
+):
+    """grid: (cdiv(V, BV), N, H). Tiling: q, k rows of the full K (padded to BK), v / o columns
+    [BV]; the fp32 state [BK, BV] stays in registers for the whole sequence. Loop: the
+    sequence's chunks in order; per chunk the products `K h`, `Tinv R`, `Q K^T`, `A U`, `Q h`
+    and `K^T U` (fp32 operands split in two input-dtype halves on bf16/fp16 tensor cores)."""
+    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(seqs + i_n * 4).to(tl.int64)
+    eos = tl.load(seqs + i_n * 4 + 1).to(tl.int64)
+    c0 = tl.load(cu_chunks + i_n).to(tl.int64)
+    o_t = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    state_tile = o_k[:, None] * V + o_v[None, :]  # [BK, BV] offsets inside one [K, V] state
+    if USE_H0:
+        b_h = tl.load(h0 + (i_n * H + i_h) * K * V + state_tile, mask=m_s, other=0.0)  # [BK, BV]
+    else:
+        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    for i in range(0, tl.cdiv(eos - bos, C)):
+        t = bos + i * C + o_t
+        m_t = t < eos
+        row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+        row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
+        b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
+        b_v = tl.load(v + row_v, mask=m_tv, other=0.0)  # [C, BV]
+        b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+        b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
+        b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+        b_d = chunk_segsum(b_g, b_gc, False, F32)  # [C, C]
+        if SAVE:
+            tl.store(hs + ((c0 + i) * H + i_h) * K * V + state_tile, b_h, mask=m_s)
+        b_kh = mma_right_fp32(b_k, b_h, F32)  # [C, BK] @ [BK, BV] -> [C, BV]
+        b_r = b_beta[:, None] * (b_v.to(tl.float32) - tl.exp2(b_gc)[:, None] * b_kh)  # [C, BV]
+        b_u = mma_fp32(b_tinv, b_r, b_q.dtype, F32)  # [C, C] @ [C, BV] -> [C, BV]
+        if SAVE:
+            tl.store(us + row_v, b_u, mask=m_tv)
+        b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(b_d) * scale)  # [C, BK] @ [BK, C] -> [C, C]
+        b_o = mma_fp32(b_att, b_u, b_q.dtype, F32)  # [C, C] @ [C, BV] -> [C, BV]
+        b_o += mma_right_fp32(b_q, b_h, F32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BK] @ [BK, BV] -> [C, BV]
+        b_w = tl.exp2(b_last - b_gc)  # [C]
+        b_h = b_h * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_k), b_u * b_w[:, None], F32)  # [BK, C] @ [C, BV]
+        tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
+    if STORE_HT:
+        tl.store(ht + (i_n * H + i_h) * K * V + state_tile, b_h, mask=m_s)
+
+
+def delta_forward_ref(q, k, v, beta, g, t_inv, seq_lens: tuple, *, scale, chunk_size, initial_state=None):
+    """PyTorch twin of `delta_forward_kernel` (float64): `(o [N_tok, H, V], ht [N, H, K, V],
+    hs [NC, H, K, V], us [N_tok, H, V])` from the kernel's inputs, `t_inv` included."""
+    N_tok, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, beta, t_inv = (x.double() for x in (q, k, v, beta, t_inv))
+    g = torch.zeros_like(beta) if g is None else g.double()
+    o = torch.zeros(N_tok, H, V, dtype=torch.float64, device=q.device)
+    us = torch.zeros_like(o)
+    hs, finals, bos = [], [], 0
+    for n, length in enumerate(seq_lens):
+        h = torch.zeros(H, K, V, dtype=torch.float64, device=q.device) if initial_state is None else initial_state[n].double()
+        for s in range(bos, bos + length, chunk_size):
+            e = min(s + chunk_size, bos + length)
+            qc, kc, vc = (x[s:e].transpose(0, 1) for x in (q, k, v))  # [n, H, D] -> [H, n, D]
+            bc = beta[s:e].t()  # [H, n]
+            gc = torch.cumsum(g[s:e].t(), -1)  # [H, n]
+            tinv = t_inv[s:e, :, : e - s].transpose(0, 1)  # [H, n, n]
+            hs.append(h)
+            r = bc[..., None] * (vc - torch.exp(gc)[..., None] * (kc @ h))  # [H, n, V]
+            u = tinv @ r  # [H, n, V]
+            mask = torch.tril(torch.exp(gc[:, :, None] - gc[:, None, :]).tril())  # [H, n, n]
+            att = scale * (qc @ kc.transpose(-1, -2)) * mask  # [H, n, n]
+            o[s:e] = (att @ u + scale * torch.exp(gc)[..., None] * (qc @ h)).transpose(0, 1)
+            us[s:e] = u.transpose(0, 1)
+            last = gc[:, -1:]  # [H, 1]
+            h = torch.exp(last)[..., None] * h + kc.transpose(-1, -2) @ (torch.exp(last - gc)[..., None] * u)
+        finals.append(h)
+        bos += length
+    return o, torch.stack(finals), torch.stack(hs), us

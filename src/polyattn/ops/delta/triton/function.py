@@ -1,0 +1,125 @@
+"""Autograd Function and form function of the Triton `delta_rule`.
+
+Forward: wy.py (per-chunk solve, parallel), then forward.py (the recurrence, state on chip).
+Backward: backward.py's reverse recurrence for the state gradient, then its per-chunk kernel
+for dq, dk, dv, dbeta. The log-decay gradient needs no kernel of its own: writing
+`S~_t = exp(-G_t) S_t` turns the gated rule into the ungated one on `q~_t = exp(G_t) q_t` and
+`v~_t = exp(-G_t) v_t` (ops/delta/README.md, "Gradients"), so
+
+    dL/dG_t = q_t . dq_t - v_t . dv_t  (+ <dht, ht> at a sequence's last token)
+
+and dg is its per-sequence reverse cumsum (`G` is the inclusive cumsum of g).
+"""
+import torch
+import triton
+
+from polyattn.ops.triton.plan import (
+    block, chunk_table, get_config, one_token_step, reverse_cumsum, segment_table, sequence_lengths, step_state,
+)
+from polyattn.ops.triton.precision import check_kernel_inputs, dot_f32
+
+from .backward import delta_grads_kernel, delta_state_grad_kernel
+from .forward import delta_forward_kernel
+from .step import delta_rule_step_inplace
+from .wy import wy_solve
+
+
+class DeltaRuleFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, beta, g, initial_state, scale, seq_lens, output_final_state):
+        config = get_config()
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        C = config.chunk_size
+        qf, kf, vf = (x.reshape(B * T, H, x.shape[-1]).contiguous() for x in (q, k, v))  # [B, T, H, D] -> [B*T, H, D]
+        bf = beta.reshape(B * T, H).contiguous()  # [B, T, H] -> [B*T, H]
+        gf = g.reshape(B * T, H).contiguous() if g is not None else None
+        h0 = initial_state.float().contiguous() if initial_state is not None else None
+        N = len(seq_lens)
+        chunks = chunk_table(seq_lens, C, q.device)
+        seqs, _, _ = segment_table(seq_lens, 1, C, q.device)
+        t_inv = wy_solve(kf, bf, gf, seq_lens, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
+        save = any(ctx.needs_input_grad[:6])
+        store_ht = output_final_state or save
+        o = torch.empty_like(vf)
+        ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if store_ht else None
+        hs = torch.empty(chunks[2], H, K, V, dtype=torch.float32, device=q.device) if save else None
+        us = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device) if save else None
+        BK, BV = block(K), min(block(V), config.delta_block_v)
+        delta_forward_kernel[(triton.cdiv(V, BV), N, H)](
+            qf, kf, vf, bf, gf, t_inv, o, seqs, chunks[1], h0, ht, hs, us,
+            scale, H, K, V,
+            C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_H0=h0 is not None, STORE_HT=store_ht, SAVE=save,
+            F32=dot_f32(q.dtype), num_warps=config.delta_num_warps, num_stages=config.num_stages,
+        )
+        ctx.save_for_backward(qf, kf, vf, bf, gf, t_inv, hs, us, ht)
+        ctx.scale, ctx.seq_lens, ctx.shape, ctx.has_h0 = scale, seq_lens, (B, T, H, K, V), h0 is not None
+        return o.view(B, T, H, V), ht  # [B*T, H, V] -> [B, T, H, V]
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        qf, kf, vf, bf, gf, t_inv, hs, us, ht = ctx.saved_tensors
+        scale, seq_lens = ctx.scale, ctx.seq_lens
+        B, T, H, K, V = ctx.shape
+        config = get_config()
+        C = config.chunk_size
+        N = len(seq_lens)
+        chunks = chunk_table(seq_lens, C, qf.device)
+        seqs, _, _ = segment_table(seq_lens, 1, C, qf.device)
+        dof = do.reshape(B * T, H, V).contiguous()  # [B, T, H, V] -> [B*T, H, V]
+        dht = dht.float().contiguous() if dht is not None else None
+        dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=qf.device) if ctx.has_h0 else None
+        dhs = torch.empty_like(hs)
+        drs = torch.empty_like(us)
+        BK, BV = block(K), min(block(V), config.delta_block_v)
+        n_v = triton.cdiv(V, BV)
+        F32 = dot_f32(qf.dtype)
+        dv = torch.empty_like(vf)
+        vdv = torch.empty(n_v, B * T, H, dtype=torch.float32, device=qf.device)
+        delta_state_grad_kernel[(n_v, N, H)](
+            qf, kf, vf, dof, bf, gf, t_inv, seqs, chunks[1], dht, dh0, dhs, drs, dv, vdv,
+            scale, B * T, H, K, V,
+            C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
+            F32=F32, num_warps=config.delta_num_warps, num_stages=config.num_stages,
+        )
+        dq, dk = torch.empty_like(qf), torch.empty_like(kf)
+        BKT = min(BK, 64)
+        n_k = triton.cdiv(K, BKT)
+        dbeta = torch.empty(n_k, B * T, H, dtype=torch.float32, device=qf.device)
+        qdq = torch.empty_like(dbeta)
+        delta_grads_kernel[(chunks[2], H, n_k)](
+            qf, kf, vf, bf, gf, dof, chunks[0], hs, dhs, us, drs, dq, dk, dbeta, qdq,
+            scale, B * T, H, K, V,
+            C=C, BK=BKT, BV=BV, USE_G=gf is not None, F32=F32, num_warps=config.delta_num_warps, num_stages=config.num_stages,
+        )
+        dbeta = dbeta.sum(0)  # [n_k, B*T, H] -> [B*T, H]
+        dg = None
+        if gf is not None and ctx.needs_input_grad[4]:
+            dgterm = qdq.sum(0) - vdv.sum(0)  # q . dq - v . dv, [n, B*T, H] -> [B*T, H]
+            if dht is not None:
+                ends = torch.tensor(seq_lens, device=qf.device).cumsum(0) - 1  # [N]
+                dgterm[ends] += (dht * ht).sum((-1, -2))  # [N, H, K, V] -> [N, H]
+            dg = reverse_cumsum(dgterm, seq_lens).view(B, T, H).to(gf.dtype)  # [B*T, H] -> [B, T, H]
+        return (
+            dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, H, V),
+            dbeta.view(B, T, H).to(bf.dtype), dg, dh0, None, None, None,
+        )
+
+
+def delta_rule_fused(q, k, v, beta, g=None, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """Triton form of `delta_rule` (inputs already validated, scale resolved).
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; beta, g: [B, T, H] (g may be None); initial_state:
+    [N, H, K, V]; cu_seqlens: int [N + 1] with B == 1, handled natively. One token per sequence
+    without gradients (decoding) runs the fused step on a copy of the state. Returns
+    `(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)`.
+    """
+    check_kernel_inputs(q)
+    if one_token_step(q, cu_seqlens, (q, k, v, beta, g, initial_state)):
+        state = step_state(initial_state, q, v.shape[-1])
+        step = (x[:, 0] for x in (q, k, v, beta))
+        o, state = delta_rule_step_inplace(*step, None if g is None else g[:, 0], state, scale=scale)
+        return o[:, None], (state if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
+    seq_lens = sequence_lengths(cu_seqlens, *q.shape[:2])
+    o, ht = DeltaRuleFunction.apply(q, k, v, beta, g, initial_state, float(scale), seq_lens, output_final_state)
+    return o, (ht if output_final_state else None)

@@ -1,0 +1,158 @@
+"""Host-side planning shared by every kernel: launch configuration, segment and chunk tables.
+
+Packed sequences (`cu_seqlens`) are laid end to end as `N_tok` tokens. A *segment* is a run of
+whole chunks of one sequence owned by one program; a sequence is cut into several segments when
+`N * H` programs would leave the GPU idle, and the segments' boundary states are combined by
+the family's associative combine. A *chunk table* is the segment table with one chunk per row:
+the grid of the per-chunk parallel kernels.
+"""
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import triton
+
+# Segment flags stored in column 3 of the segment table.
+FIRST = 1  # the segment starts its sequence
+LAST = 2  # the segment ends its sequence
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters shared by every pass (no autotuning: the interpreter cannot run it).
+
+    chunk_size: tokens per chunk C; block_c: tile of the DC (value) dimension per program of a
+    linear-attention pass; programs_per_sm: the segment split aims at this many programs per
+    multiprocessor. The delta rule's kernels hold more fp32 tiles per program (the solve matrix,
+    the pseudo-values, their split halves): delta_block_v is their value tile and
+    delta_num_warps the warps of their recurrence and per-chunk gradient kernels (at 4 warps and
+    a 64-wide tile they spill 1.6-5 KB per thread; at 8 warps and 32, 0.7-0.9 KB).
+    """
+
+    chunk_size: int = 64
+    block_c: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 4
+    min_segment_chunks: int = 4
+    delta_block_v: int = 32
+    delta_num_warps: int = 8
+
+
+_CONFIG = [KernelConfig()]
+
+
+def get_config() -> KernelConfig:
+    """The launch parameters in force."""
+    return _CONFIG[0]
+
+
+@contextmanager
+def use_config(config: KernelConfig):
+    """Run the enclosed launches with `config` (tests force segment splits, benchmarks sweep)."""
+    previous = _CONFIG[0]
+    _CONFIG[0] = config
+    try:
+        yield config
+    finally:
+        _CONFIG[0] = previous
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def block(d: int) -> int:
+    """A power-of-two tile of at least 16 covering `d`."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def sequence_lengths(cu_seqlens: torch.Tensor | None, B: int, T: int) -> tuple:
+    """Host lengths of the sequences laid end to end (one host read of `cu_seqlens`)."""
+    if cu_seqlens is None:
+        return (T,) * B
+    bounds = cu_seqlens.tolist()
+    return tuple(e - s for s, e in zip(bounds[:-1], bounds[1:]))
+
+
+_TABLES: dict = {}
+
+
+def segment_table(seq_lens: tuple, num_segments_hint: int, chunk_size: int, device):
+    """Cut each sequence into segments of whole chunks.
+
+    seq_lens: per-sequence lengths (host ints); num_segments_hint: wanted segments per sequence
+    (1 = no split). Returns `(table [S, 4] int32 (bos, eos, sequence, flags), cu_segments
+    [N + 1] int32, S)`; tables are cached per (lengths, hint, chunk, device).
+    """
+    key = (seq_lens, num_segments_hint, chunk_size, str(device))
+    if key in _TABLES:
+        return _TABLES[key]
+    rows, cu = [], [0]
+    bos = 0
+    for n, length in enumerate(seq_lens):
+        chunks = triton.cdiv(length, chunk_size)
+        per_segment = triton.cdiv(chunks, max(1, min(num_segments_hint, chunks)))
+        seg_len = per_segment * chunk_size
+        starts = list(range(0, length, seg_len)) or [0]
+        for i, s in enumerate(starts):
+            flags = (FIRST if i == 0 else 0) | (LAST if i == len(starts) - 1 else 0)
+            rows.append((bos + s, bos + min(s + seg_len, length), n, flags))
+        cu.append(cu[-1] + len(starts))
+        bos += length
+    table = torch.tensor(rows, dtype=torch.int32).to(device)  # [S, 4]
+    cu_segments = torch.tensor(cu, dtype=torch.int32).to(device)  # [N + 1]
+    if len(_TABLES) > 256:
+        _TABLES.clear()
+    _TABLES[key] = (table, cu_segments, len(rows))
+    return _TABLES[key]
+
+
+def chunk_table(seq_lens: tuple, chunk_size: int, device):
+    """One row per chunk: `(table [NC, 4], cu_chunks [N + 1], NC)`; `cu_chunks[n]` is the index
+    of sequence n's first chunk, so per-chunk buffers are indexed `cu_chunks[n] + i`."""
+    longest = max(seq_lens, default=1)
+    return segment_table(seq_lens, triton.cdiv(longest, chunk_size), chunk_size, device)
+
+
+def plan_segments(seq_lens: tuple, H: int, DC: int, config: KernelConfig, device) -> int:
+    """Segments per sequence so that `programs = segments * H * cdiv(DC, block_c)` fills the GPU."""
+    base = len(seq_lens) * H * triton.cdiv(DC, config.block_c)
+    target = config.programs_per_sm * num_sms(device)
+    if base >= target:
+        return 1
+    longest = max(seq_lens)
+    max_segments = max(1, triton.cdiv(longest, config.chunk_size * config.min_segment_chunks))
+    return min(triton.cdiv(target, base), max_segments)
+
+
+def reverse_cumsum(x: torch.Tensor, seq_lens: tuple) -> torch.Tensor:
+    """Per-sequence reverse cumsum over tokens; x: [N_tok, H] fp32, summed in fp64 along the
+    last (contiguous) dimension, where torch's scan is parallel. The log-decay gradient of every
+    family is this sum of a per-token term."""
+    x64 = x.t().double()  # [N_tok, H] -> [H, N_tok]
+    total = x64.cumsum(-1)  # [H, N_tok]
+    lengths = torch.tensor(seq_lens, device=x.device)
+    ends = lengths.cumsum(0) - 1  # [N] last token of each sequence
+    end_of = total[:, torch.repeat_interleave(ends, lengths)]  # [H, N_tok]
+    return (end_of - total + x64).t().float()  # [H, N_tok] -> [N_tok, H]
+
+
+def one_token_step(q: torch.Tensor, cu_seqlens, tensors) -> bool:
+    """A call that the fused decoding step serves: one token per sequence (`T == 1`, no
+    `cu_seqlens`) and no gradient wanted. The step kernel then replaces the chunk kernels: one
+    read and one write of the state instead of a chunk's worth of work on a padded chunk."""
+    if q.shape[1] != 1 or cu_seqlens is not None:
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+def step_state(initial_state, q: torch.Tensor, V: int) -> torch.Tensor:
+    """The fp32 state a one-token call steps in place: a copy of `initial_state` (the caller's
+    tensor is not modified) or zeros, `[B, H, K, V]` contiguous."""
+    if initial_state is not None:
+        return initial_state.to(torch.float32, copy=True).contiguous()
+    B, _, H, K = q.shape
+    return torch.zeros(B, H, K, V, dtype=torch.float32, device=q.device)

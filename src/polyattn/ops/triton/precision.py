@@ -1,0 +1,87 @@
+"""Precision helpers of every kernel: the log2(e) constant, fp32-faithful dots, the output downcast.
+
+Policy (ops/README.md, "Numerics"): states and accumulators are fp32; tensor-core operands are
+the input dtype. An fp32 operand (a state, a decayed tile, a solved matrix) enters a bf16/fp16
+product split in two input-dtype halves, `x = hi + lo`, which keeps ~16 mantissa bits for the
+price of a second product.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): kernels take exp2 of log2(e)-prescaled log-decays
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_f32(dtype: torch.dtype) -> bool:
+    """Run `tl.dot` on fp32 operands: for fp32 inputs (IEEE precision) and under the
+    interpreter, whose bf16 `tl.dot` is wrong; operands are rounded to the input dtype first,
+    so the interpreter reproduces the GPU's bf16/fp16 rounding."""
+    return dtype == torch.float32 or interpreting()
+
+
+def check_kernel_inputs(q: torch.Tensor) -> None:
+    """The dtypes and devices the kernels run on."""
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not q.is_cuda and not interpreting():
+        raise ValueError(f"expected bf16/fp16/fp32 CUDA tensors (or TRITON_INTERPRET=1), got {q.dtype} on {q.device}")
+
+
+@triton.jit
+def mma(x, y, F32: tl.constexpr):
+    """`x @ y` accumulated in fp32; x, y already hold input-dtype values."""
+    if F32:
+        return tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision="ieee")
+    return tl.dot(x, y)
+
+
+@triton.jit
+def mma_left_fp32(x, y, F32: tl.constexpr):
+    """`x @ y` for an fp32 `x` and an input-dtype `y`: x is split as `hi + lo`, two input-dtype
+    values (hi = x rounded, lo = the rounding error rounded), so the product keeps ~16 mantissa
+    bits of x instead of 8 (bf16) for the price of a second tensor-core product."""
+    if y.dtype == tl.float32:
+        return tl.dot(x, y, input_precision="ieee")
+    x_hi = x.to(y.dtype)  # downcast: high part
+    x_lo = (x - x_hi.to(tl.float32)).to(y.dtype)  # downcast: rounding error of the high part
+    return mma(x_hi, y, F32) + mma(x_lo, y, F32)
+
+
+@triton.jit
+def mma_right_fp32(x, y, F32: tl.constexpr):
+    """`x @ y` for an input-dtype `x` and an fp32 `y` (the state), split like `mma_left_fp32`."""
+    if x.dtype == tl.float32:
+        return tl.dot(x, y, input_precision="ieee")
+    y_hi = y.to(x.dtype)  # downcast: high part
+    y_lo = (y - y_hi.to(tl.float32)).to(x.dtype)  # downcast: rounding error of the high part
+    return mma(x, y_hi, F32) + mma(x, y_lo, F32)
+
+
+@triton.jit
+def mma_fp32(x, y, dtype: tl.constexpr, F32: tl.constexpr):
+    """`x @ y` for two fp32 operands on `dtype` tensor cores: both split, the `lo @ lo` term
+    (~2^-16 relative) dropped: three products. With F32 (fp32 inputs, the interpreter) one IEEE product."""
+    if F32:
+        return tl.dot(x, y, input_precision="ieee")
+    x_hi = x.to(dtype)  # downcast: high part
+    x_lo = (x - x_hi.to(tl.float32)).to(dtype)  # downcast: rounding error of the high part
+    y_hi = y.to(dtype)  # downcast: high part
+    y_lo = (y - y_hi.to(tl.float32)).to(dtype)  # downcast: rounding error of the high part
+    return tl.dot(x_hi, y_hi) + tl.dot(x_lo, y_hi) + tl.dot(x_hi, y_lo)
+
+
+@triton.jit
+def to_output(x, dtype: tl.constexpr, F32: tl.constexpr):
+    """Downcast fp32 `x` to the output dtype, rounding to nearest even. The interpreter
+    truncates fp32 -> bf16 (F32 and bf16 only meet there), so there the rounding is done on
+    the bits first and the cast is exact."""
+    if F32 and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)

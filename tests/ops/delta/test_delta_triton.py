@@ -1,0 +1,132 @@
+"""Triton `delta_rule` against the float64 naive spec (ops/README.md, "Tests: a ladder of equivalences", rung 3).
+
+The bound per tensor is `polyattn.testing.assert_low_precision_matches`'s: at most twice the
+error of the PyTorch chunk form on the same low-precision inputs (or one rounding floor), and
+always under a hard ceiling, for o, the final state and every gradient (dq, dk, dv, dbeta, dg,
+dh0; cotangents on o and final_state). On a CPU-only machine the kernels run under
+TRITON_INTERPRET=1 (tests/conftest.py) at tiny shapes; with CUDA at real shapes. Each kernel
+stage is also compared with its PyTorch twin.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polyattn.ops.delta import delta_rule_chunk, delta_rule_naive
+from polyattn.ops.delta.recurrent import delta_rule_step
+from polyattn.ops.delta.triton import delta_rule_step_inplace, delta_rule_triton
+from polyattn.testing import assert_low_precision_matches, dtype_id, rel_err, seeded_inputs
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+if CUDA:
+    B, H, K, V = 2, 16, 128, 96
+    LONG_T = 1000
+else:
+    B, H, K, V = 2, 2, 8, 12
+    LONG_T = 300
+T_GRID = [1, 63, 64, 65, LONG_T]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _inputs(Bx, T, decay, seed=0, K=K):
+    x = seeded_inputs(Bx, T, H, K, V, decay=decay, beta=True, seed=seed, device=DEVICE)
+    x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)  # the contractive rule: |k| = 1, 0 < beta < 1
+    return {n: x[n] for n in ("q", "k", "v", "beta", "g")}
+
+
+def _h0(N, seed, K=K):
+    return 0.5 * torch.randn(N, H, K, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(DEVICE)
+
+
+@pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("T", T_GRID, ids=lambda t: f"T{t}")
+def test_triton_matches_naive(T, dtype, decay):
+    Bx = 1 if T == LONG_T else B
+    assert_low_precision_matches(delta_rule_naive, delta_rule_chunk, delta_rule_triton, _inputs(Bx, T, decay), _h0(Bx, 2), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_triton_key_tiles(dtype):
+    """K over one 64-wide key tile: the gradient kernel splits keys across programs."""
+    Kx = 72 if not CUDA else 96
+    assert_low_precision_matches(
+        delta_rule_naive, delta_rule_chunk, delta_rule_triton, _inputs(1, 130, True, seed=11, K=Kx), _h0(1, 12, K=Kx), dtype,
+    )
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=dtype_id)
+def test_triton_varlen(dtype):
+    lengths = [1, 64, 37, 130] if not CUDA else [1, 64, 1000, 2047, 130]
+    assert_low_precision_matches(
+        delta_rule_naive, delta_rule_chunk, delta_rule_triton, _inputs(1, sum(lengths), True, seed=4),
+        _h0(len(lengths), 3), dtype, lengths=lengths,
+    )
+
+
+def _flat(x):
+    return None if x is None else x.reshape(-1, *x.shape[2:]).contiguous()  # [B, T, H, ...] -> [B*T, H, ...]
+
+
+@pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
+def test_stages_match_twins(decay):
+    """wy, forward and backward kernels against their PyTorch twins on the same fp32 inputs."""
+    from polyattn.ops.delta.triton.backward import delta_backward_ref
+    from polyattn.ops.delta.triton.forward import delta_forward_ref
+    from polyattn.ops.delta.triton.function import DeltaRuleFunction
+    from polyattn.ops.delta.triton.wy import wy_ref, wy_solve
+    from polyattn.ops.triton.plan import chunk_table, get_config
+
+    lengths = [70, 5, 64] if not CUDA else [700, 5, 640]
+    x = {n: None if t is None else t.float() for n, t in _inputs(1, sum(lengths), decay, seed=9).items()}
+    q, k, v, beta, g = (_flat(x[n]) for n in ("q", "k", "v", "beta", "g"))
+    C = get_config().chunk_size
+    t_inv = wy_solve(k, beta, g, tuple(lengths), chunk_size=C, chunks=chunk_table(tuple(lengths), C, k.device))
+    t_ref = wy_ref(k, beta, g, tuple(lengths), chunk_size=C)
+    assert rel_err(t_inv, t_ref) <= 1e-5, f"t_inv: {rel_err(t_inv, t_ref):.2e}"
+
+    h0 = _h0(len(lengths), 5).float()
+    do = torch.randn_like(v)
+    dht = torch.randn_like(h0)
+    leaves = [t.clone().requires_grad_() for t in (x["q"], x["k"], x["v"], x["beta"])]
+    gl = None if x["g"] is None else x["g"].clone().requires_grad_()
+    h0l = h0.clone().requires_grad_()
+    o, ht = DeltaRuleFunction.apply(*leaves, gl, h0l, K**-0.5, tuple(lengths), True)
+    o_ref, ht_ref, hs_ref, us_ref = delta_forward_ref(q, k, v, beta, g, t_ref, tuple(lengths), scale=K**-0.5, chunk_size=C, initial_state=h0)
+    assert rel_err(o.reshape(o_ref.shape), o_ref) <= 1e-5
+    assert rel_err(ht, ht_ref) <= 1e-5
+    grads = torch.autograd.grad((o * do.view_as(o)).sum() + (ht * dht).sum(), [*leaves, h0l])
+    ref = delta_backward_ref(q, k, v, beta, g, t_ref, do, dht, hs_ref, us_ref, tuple(lengths), scale=K**-0.5, chunk_size=C)
+    for name, got, want in zip(("dq", "dk", "dv", "dbeta", "dh0"), grads, (ref[0], ref[1], ref[2], ref[3], ref[5])):
+        assert rel_err(got.reshape(want.shape), want) <= 1e-5, f"{name}: {rel_err(got.reshape(want.shape), want):.2e}"
+
+
+@pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
+def test_triton_step_matches_reference(decay):
+    x = _inputs(B, 3, decay, seed=7)
+    state = _h0(B, 8)
+    fused = state.float().contiguous()
+    reference = state.clone()
+    for t in range(3):
+        step = [None if x[n] is None else x[n][:, t] for n in ("q", "k", "v", "beta", "g")]
+        o, same = delta_rule_step_inplace(*(None if s is None else s.float() for s in step), fused, scale=0.3)
+        o_ref, reference = delta_rule_step(*step, reference, scale=0.3)
+        assert same is fused
+        assert rel_err(o, o_ref) <= 1e-5, f"step {t}: o rel err {rel_err(o, o_ref):.2e}"
+        assert rel_err(fused, reference) <= 1e-5, f"step {t}: state rel err {rel_err(fused, reference):.2e}"
+
+
+@pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
+def test_one_token_call_runs_the_step(decay):
+    """T = 1 without gradients (decoding through `ops.delta_rule`) equals the chunk kernels' result
+    and leaves the caller's state untouched."""
+    x = {n: None if t is None else t.float() for n, t in _inputs(B, 1, decay, seed=13).items()}
+    h0 = _h0(B, 14).float()
+    kept = h0.clone()
+    with torch.no_grad():
+        o, ht = delta_rule_triton(*x.values(), scale=0.3, initial_state=h0, output_final_state=True)
+    leaves = [None if t is None else t.clone().requires_grad_() for t in x.values()]
+    o_ref, ht_ref = delta_rule_triton(*leaves, scale=0.3, initial_state=h0, output_final_state=True)
+    assert torch.equal(h0, kept)
+    assert rel_err(o, o_ref) <= 1e-5 and rel_err(ht, ht_ref) <= 1e-5
