@@ -24,7 +24,7 @@ BAD_TRAIN_ARGS = {
     "early-stop-above-1": (["--early-stop", "2.0"], "early_stop: expected a number in (0, 1]"),
     "mixer-config-not-json": (["--mixer-config", "{bad"], "--mixer-config: expected a JSON object"),
     "mixer-config-list": (["--mixer-config", "[1]"], "--mixer-config: expected a JSON object"),
-    "mixer-config-type": (["--mixer-config", '{"num_heads": "4"}'], "mixer_config: invalid options"),
+    "mixer-config-type": (["--mixer-config", '{"num_heads": "4"}'], "num_heads (mixer 'kata-m2'): expected an integer >= 1"),
     "mixer-config-unknown": (["--mixer-config", '{"bogus": 1}'], "unknown options ['bogus']"),
     "train-pair": (["--train", "16:40"], "--train: expected seq_len:examples:pairs triples"),
     "test-zero": (["--test", "64:0:4"], "segment: expected num_examples a positive integer"),

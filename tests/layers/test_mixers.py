@@ -181,3 +181,28 @@ def test_loglinear_mixer_decodes_past_16384_tokens():
         steps.append(y_t)
     assert state.core.levels.shape[2] == 16 and state.position == 2**14 + 2
     assert_close_rel(torch.cat([y] + steps, dim=1), full, 1e-9)
+
+
+def _bad_values(field):
+    """Values of the wrong type or range for a config option, by its declared type."""
+    if field.type is bool:
+        return [1, "no", None]
+    if field.type in (int, int | None):
+        return [0, -1, "4", 1.5, True]
+    if field.type is float:
+        return [0.0, -1.0, float("nan"), "x"]
+    if field.name in ("impl", "decode_impl"):
+        return ["bogus", 3]
+    return [3]
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_every_bad_option_raises_value_error(name):
+    from dataclasses import fields
+
+    for field in fields(MIXERS[name].config_class):
+        for bad in _bad_values(field):
+            with pytest.raises(ValueError, match=field.name):
+                build_mixer(name, D_MODEL, **{"num_heads": 2, field.name: bad})
+    with pytest.raises(ValueError, match="d_model: expected a positive integer"):
+        build_mixer(name, 0)

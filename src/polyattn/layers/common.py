@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from polyattn.ops.common import compute_dtype
+from polyattn.ops.common import FORMS, check_flag, check_positive, compute_dtype
 
 
 class MixerState(NamedTuple):
@@ -158,6 +158,29 @@ def check_option(name, value, choices):
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
+MIN_INT_OPTION = {"conv_size": 2}  # every other integer option is a count >= 1
+
+
+def check_config(config, mixer):
+    """Every option of a mixer config against its declared type: bools are bools, integers positive
+    integers (``int | None``: or None), floats positive and finite, ``impl``/``decode_impl`` known forms;
+    the values of the other strings are checked where they are used."""
+    for f in fields(config):
+        value, where = getattr(config, f.name), f"{f.name} (mixer {mixer!r})"
+        if f.type is bool:
+            check_flag(where, value)
+        elif f.type in (int, int | None):
+            low = MIN_INT_OPTION.get(f.name, 1)
+            if not (value is None and f.type != int) and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{where}: expected an integer >= {low}{' or None' if f.type != int else ''}, got {value!r}")
+        elif f.type is float:
+            check_positive(where, value)
+        elif f.type is str and not isinstance(value, str):
+            raise ValueError(f"{where}: expected a string, got {value!r}")
+    for name in ("impl", "decode_impl"):
+        check_option(f"{name} (mixer {mixer!r})", getattr(config, name), ("auto", *FORMS))
+
+
 def cast_state(state, x):
     """States are fp32 (float64 stays float64), whatever dtype autocast computed them in."""
     if state is None:
@@ -196,6 +219,9 @@ class Mixer(nn.Module):
         if unknown:
             raise ValueError(f"unknown options {unknown} for mixer {self.name!r}: expected some of {sorted(names)}")
         self.config = self.config_class(**{**self.defaults, **config})
+        check_config(self.config, self.name)
+        if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 1:
+            raise ValueError(f"d_model: expected a positive integer, got {d_model!r}")
         self.d_model = d_model
         cfg = self.config
         if cfg.head_dim is None and d_model % cfg.num_heads:
