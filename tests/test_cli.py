@@ -48,9 +48,8 @@ def test_train_rejects_bad_arguments_before_any_work(case, capsys, tmp_path):
     assert "Traceback" not in err and not (out / "results.json").exists()
 
 
-def test_device_cuda_refused_without_cuda(capsys):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: nothing to refuse")
+def test_device_cuda_refused_without_cuda(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU build, wherever the test runs
     assert main(["train", "--device", "cuda"]) == 2
     assert "device: 'cuda' needs CUDA" in capsys.readouterr().err
 
@@ -78,3 +77,20 @@ def test_sweep_and_demo_reject_bad_arguments(args, message, capsys, tmp_path):
     assert main([*args, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("polyattn: error: ") and message in err, err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--skip", "sdpa-flash"], "--skip: expected IMPL:D pairs"),
+        (["--dims", "0"], "--dims: expected positive integers"),
+        ([], "bench: needs a CUDA GPU"),
+    ],
+    ids=["skip", "dims", "gpu"],
+)
+def test_bench_rejects_bad_arguments_first(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU build, wherever the test runs
+    assert main(["bench", "kernels", "--out", str(tmp_path / "b"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("polyattn: error: ") and message in err, err
+    assert not (tmp_path / "b").exists()
