@@ -1,6 +1,6 @@
 """Packed sequences == separate runs in every op and PyTorch form, on each of the three varlen paths:
 one sequence with exact resets (no states), right-padded batches by length class (with states), and
-sequence by sequence (log-linear; KATA orthant with states, since ψ(0) != 0)."""
+sequence by sequence (log-linear; KATA with states)."""
 
 import pytest
 import torch

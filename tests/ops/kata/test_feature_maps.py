@@ -97,8 +97,3 @@ def test_registry_names_and_kernel_docs():
     assert "Σ_i (q_i·k_i)²" in make_feature_map("psd", 4, 2, "concat").kernel_doc
     assert "Σ_{i,j} (q_i·k_j)²" in make_feature_map("psd", 4, 2, "sum").kernel_doc
 
-
-@pytest.mark.parametrize("feature, groups, combine", [("psd", 2, "concat"), ("psd", 2, "sum"), ("orthant", 1, "concat"), ("lorentz", 1, "concat")])
-def test_zero_at_zero_declares_psi_of_zero(feature, groups, combine):
-    fmap = make_feature_map(feature, 4, groups, combine)
-    assert fmap.zero_at_zero == (not bool(fmap.lift(torch.zeros(4, dtype=torch.float64)).any()))

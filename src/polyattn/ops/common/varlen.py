@@ -4,10 +4,11 @@
   an initial or a final state, the packed sequences run as ONE sequence with ``g = -inf`` on every
   sequence's first token — the weight across it is exactly 0 — at the cost of the unpacked tokens.
 - Neutral padding (a token with zero q, k, v, β and g = 0 changes neither earlier outputs nor the
-  state: the same families, KATA only where ψ(0) = 0): with states, the sequences run as one
-  right-padded batch per length class ``(2^(b-1), 2^b]`` — padding at most doubles the tokens and the
-  number of calls is log2 of the longest length, however many sequences there are.
-- Otherwise (log-linear: levels follow absolute positions), sequence by sequence.
+  state: linear attention, the delta rule, HLA): with states, the sequences run as one right-padded
+  batch per length class ``(2^(b-1), 2^b]`` — padding at most doubles the tokens and the number of
+  calls is log2 of the longest length, however many sequences there are.
+- Otherwise sequence by sequence: log-linear (levels follow absolute positions) and KATA with states
+  (a batch of P×V states, P up to K², runs slower than the loop).
 
 States are a tensor or a ``NamedTuple`` of tensors, each with a leading sequence dimension N.
 Triton forms handle ``cu_seqlens`` natively and use none of these.

@@ -106,7 +106,6 @@ class PSDFeatureMap:
 
     name = "psd"
     grouped = True  # groups and combine change the kernel
-    zero_at_zero = True  # ψ(0) = 0: a zero key writes nothing (packed sequences may be zero-padded)
 
     def __post_init__(self):
         check_choice("combine", self.combine, tuple(PSD_COMBINES))
@@ -215,7 +214,6 @@ class OrthantFeatureMap(FirstOrderFeatureMap):
     """Positive orthant R^K_+: ψ(u) = relu(u) + ε."""
 
     name = "orthant"
-    zero_at_zero = False  # ψ(0) = ε: a zero key still writes into the normaliser
     kernel_doc = "orthant: κ(q, k) = ⟨relu(q) + ε, relu(k) + ε⟩, ε = 1e-6"
 
     def lift(self, u: torch.Tensor, packed: bool = False) -> torch.Tensor:
@@ -227,7 +225,6 @@ class LorentzFeatureMap(FirstOrderFeatureMap):
     """Lorentz cone L^K: ψ(u) = [u', ‖u'‖ (1 + u_K²)] with u' = u_{1:K-1}; ⟨x, y⟩ ≥ 0 on L^K."""
 
     name = "lorentz"
-    zero_at_zero = True
     kernel_doc = "lorentz: κ(q, k) = q'·k' + ‖q'‖‖k'‖(1 + q_K²)(1 + k_K²)"
 
     def __post_init__(self):
