@@ -1,6 +1,6 @@
 """`torch.compile(fullgraph=True)` of every mixer on CPU: one graph (no breaks), equal to eager forward and
 backward; an inductor-compiled mixer, forward and backward, equals eager to rounding; compiled decay
-checks still fire."""
+checks still fire; a decoding step compiles without breaks too."""
 
 import pytest
 import torch
@@ -8,6 +8,8 @@ import torch
 from polyattn import ops
 from polyattn.layers import MIXERS, build_mixer
 from polyattn.testing import assert_close_rel
+
+POSITIONAL = ("loglinear-mamba2", "loglinear-gdn")  # decoding reads Fenwick positions on the host
 
 
 def make(name):
@@ -57,5 +59,16 @@ def test_compiled_decay_check_still_fires():
     g = -torch.rand(1, 5, 2)
     compiled = torch.compile(lambda q, g: ops.linear_attn(q, q, q, g)[0], fullgraph=True, backend="aot_eager")
     assert_close_rel(compiled(q, g), ops.linear_attn(q, q, q, g)[0], 1e-6, "compiled linear_attn")
-    with pytest.raises(RuntimeError, match="log-decays g <= 0"):
+    with pytest.raises(RuntimeError, match="log-decay g <= 0"):
         compiled(q, g.abs() + 0.1)
+
+
+@pytest.mark.parametrize("name", [n for n in MIXERS if n not in POSITIONAL])
+def test_decode_step_compiles_without_graph_breaks(name):
+    mixer = make(name)
+    x = torch.randn(2, 11, 16, generator=torch.Generator().manual_seed(1))
+    _, state = mixer(x[:, :10], use_cache=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(mixer, fullgraph=True, backend="eager")
+    y, _ = compiled(x[:, 10:], state, use_cache=True)
+    assert torch.equal(y, mixer(x[:, 10:], state, use_cache=True)[0])

@@ -150,3 +150,59 @@ def test_hla2_inner_decay_matches_its_index_form():
                 w = torch.exp(g[:, i + 1 : j + 1].sum(1)) * (q[:, t] * k[:, i]).sum(-1) * (q[:, j] * k[:, i]).sum(-1)
                 expected[:, t] += s * s * w[..., None] * v[:, j]
     assert_close_rel(o, expected, 1e-12)
+
+
+@pytest.mark.parametrize("name", ["loglinear-mamba2", "loglinear-gdn"])
+def test_loglinear_levels_grow_past_max_levels(name):
+    """max_levels = 3 covers 4 tokens; prefill + steps to 23 tokens still equals one forward, levels growing."""
+    mixer = make(name, max_levels=3)
+    x = torch.randn(2, T, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    full, _ = mixer(x)
+    y, state = mixer(x[:, :3], use_cache=True)
+    outs = [y]
+    for t in range(3, T):
+        y, state = mixer(x[:, t : t + 1], state, use_cache=True)
+        outs.append(y)
+    assert state.core.levels.shape[2] == num_levels(T) > 3
+    assert_close_rel(torch.cat(outs, dim=1), full, 1e-9, name)
+
+
+def test_loglinear_mixer_decodes_past_16384_tokens():
+    """The default (15 levels, 2**14 tokens) keeps decoding: tokens 16,384 and 16,385 need a 16th level."""
+    torch.manual_seed(0)
+    mixer = build_mixer("loglinear-mamba2", 8, num_heads=1, d_state=4, expand=1).double()
+    x = torch.randn(1, 2**14 + 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    full, _ = mixer(x)
+    y, state = mixer(x[:, : 2**14], use_cache=True)
+    assert state.core.levels.shape[2] == 15
+    steps = []
+    for t in (2**14, 2**14 + 1):
+        y_t, state = mixer(x[:, t : t + 1], state, use_cache=True)
+        steps.append(y_t)
+    assert state.core.levels.shape[2] == 16 and state.position == 2**14 + 2
+    assert_close_rel(torch.cat([y] + steps, dim=1), full, 1e-9)
+
+
+def _bad_values(field):
+    """Values of the wrong type or range for a config option, by its declared type."""
+    if field.type is bool:
+        return [1, "no", None]
+    if field.type in (int, int | None):
+        return [0, -1, "4", 1.5, True]
+    if field.type is float:
+        return [0.0, -1.0, float("nan"), "x"]
+    if field.name in ("impl", "decode_impl"):
+        return ["bogus", 3]
+    return [3]
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_every_bad_option_raises_value_error(name):
+    from dataclasses import fields
+
+    for field in fields(MIXERS[name].config_class):
+        for bad in _bad_values(field):
+            with pytest.raises(ValueError, match=field.name):
+                build_mixer(name, D_MODEL, **{"num_heads": 2, field.name: bad})
+    with pytest.raises(ValueError, match="d_model: expected a positive integer"):
+        build_mixer(name, 0)

@@ -117,3 +117,37 @@ def test_padded_and_packed_batches_give_each_sequence_its_own_logits(layout):
         assert_close_rel(piece, out, 1e-9, f"{layout} sequence {i}")
     for p, g in zip(model.parameters(), grads):
         assert_close_rel(p.grad, g, 1e-9, f"{layout} parameter gradient")
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        (torch.tensor([[1, 2, 64]]), r"input_ids: expected token ids in \[0, 64\)"),
+        (torch.tensor([[1, -1]]), r"input_ids: expected token ids in \[0, 64\)"),
+        (torch.tensor([[1.0, 2.0]]), r"input_ids: expected an int64 tensor \[B, T\], got dtype torch.float32"),
+        (torch.tensor([1, 2]), r"input_ids: expected an int64 tensor \[B, T\], got dtype torch.int64, shape \(2,\)"),
+    ],
+    ids=["too-large", "negative", "float", "1-D"],
+)
+def test_bad_token_ids(ids, message):
+    model = CausalLM(LMConfig(vocab_size=64, d_model=16, n_layers=1, mixer="linear"))
+    with pytest.raises(ValueError, match=message):
+        model(ids)
+
+
+def test_from_pretrained_missing_or_corrupt(tmp_path):
+    with pytest.raises(ValueError, match=r"from_pretrained: expected config.json in .* found none"):
+        CausalLM.from_pretrained(tmp_path / "absent")
+    with pytest.raises(ValueError, match=r"from_pretrained: expected config.json"):
+        CausalLM.from_pretrained(tmp_path)  # an empty folder
+    model = CausalLM(LMConfig(vocab_size=64, d_model=16, n_layers=1, mixer="linear"))
+    model.save_pretrained(tmp_path / "ok")
+    (tmp_path / "ok" / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"from_pretrained: model.safetensors in .* does not hold this model's weights"):
+        CausalLM.from_pretrained(tmp_path / "ok")
+    (tmp_path / "ok" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"from_pretrained: config.json in .* is not a valid LMConfig"):
+        CausalLM.from_pretrained(tmp_path / "ok")
+    (tmp_path / "ok" / "config.json").write_text('{"vocab_size": 64, "bogus": 1}')
+    with pytest.raises(ValueError, match=r"is not a valid LMConfig"):
+        CausalLM.from_pretrained(tmp_path / "ok")

@@ -57,7 +57,7 @@ def test_sweep_reports_the_best_lr_per_cell(tmp_path):
     [
         (["train", "--mixer", "nope"], "unknown mixers ['nope']"),
         (["train", "--task", "nope"], "unknown task 'nope'"),
-        (["train", "--steps", "0"], "steps >= 1"),
+        (["train", "--steps", "0"], "steps: expected an integer in [1, inf], got 0"),
         (["train", "--train", "64-100-4"], "expected segments like"),
         (["demo", "--mixers", "softmax,nope"], "unknown mixers ['nope']"),
     ],

@@ -16,11 +16,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-only", action="store_true", help="kernels: run our kernels once to compile them, no timing")
 
 
+def parse_skip(items: list[str]) -> set[tuple[str, int]]:
+    """``["sdpa-flash:128", ...]`` -> ``{("sdpa-flash", 128), ...}``."""
+    pairs = set()
+    for item in items:
+        impl, _, dim = item.rpartition(":")
+        if not impl or not dim.isdigit():
+            raise ValueError(f"--skip: expected IMPL:D pairs like sdpa-flash:128, got {item!r}")
+        pairs.add((impl, int(dim)))
+    return pairs
+
+
 def run(args: argparse.Namespace) -> int:
+    """Every argument, the GPU and the output folder checked before any work; ``polyattn: error: ...``, exit 2."""
     import torch
 
-    if not torch.cuda.is_available():
-        print("polyattn bench needs a CUDA GPU", file=sys.stderr)
+    from polyattn.train.loop import prepare_out_dir
+
+    try:
+        skip = parse_skip(args.skip)
+        for flag, values in (("--dims", args.dims), ("--seqlens", args.seqlens or [])):
+            if any(n < 1 for n in values):
+                raise ValueError(f"{flag}: expected positive integers, got {values}")
+        if not torch.cuda.is_available():
+            raise ValueError("bench: needs a CUDA GPU, found none")
+        prepare_out_dir(args.out)
+    except ValueError as err:
+        print(f"polyattn: error: {err}", file=sys.stderr)
         return 2
     if args.suite == "kernels":
         from polyattn.bench import kernels
@@ -29,7 +51,6 @@ def run(args: argparse.Namespace) -> int:
         if args.compile_only:
             kernels.compile_only(dims=tuple(args.dims), t_grid=t_grid)
         else:
-            skip = {(item.split(":")[0], int(item.split(":")[1])) for item in args.skip}
             kernels.run(args.out, dims=tuple(args.dims), t_grid=t_grid, impls=args.impls, skip=skip)
     else:
         from polyattn.bench import decode

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from polyattn.ops.common import check_cu_seqlens, compute_dtype
+from polyattn.ops.common import FORMS, check_cu_seqlens, check_flag, check_positive, compute_dtype
 
 
 class MixerState(NamedTuple):
@@ -178,8 +178,9 @@ def inverse_softplus(x):
 class LevelScales(nn.Module):
     """Log-linear λ (ops/loglinear/README.md, "Layers"): ``lam = softplus(Lpar ⊙ l_proj x)``, ``[B, T, H, L]``.
 
-    ``l_proj ~ N(0, 0.006)`` and ``Lpar = 1``, so λ ≈ ln 2 at init; L is fixed by the longest
-    supported sequence (15 levels = 16K tokens).
+    ``l_proj ~ N(0, 0.006)`` and ``Lpar = 1``, so λ ≈ ln 2 at init. L (``max_levels``, 15 by default)
+    levels cover ``2**(L-1)`` tokens (16K); longer sequences and decoding past that add levels that
+    share the last level's λ (``ops.loglinear.widen_levels``), so any length is served.
     """
 
     def __init__(self, d_model, heads, levels):
@@ -210,6 +211,29 @@ def map_state(state, fn):
         return state  # positions (int) and absent parts (None)
     parts = [map_state(s, fn) for s in state]
     return type(state)(*parts) if hasattr(state, "_fields") else tuple(parts)
+
+
+MIN_INT_OPTION = {"conv_size": 2}  # every other integer option is a count >= 1
+
+
+def check_config(config, mixer):
+    """Every option of a mixer config against its declared type: bools are bools, integers positive
+    integers (``int | None``: or None), floats positive and finite, ``impl``/``decode_impl`` known forms;
+    the values of the other strings are checked where they are used."""
+    for f in fields(config):
+        value, where = getattr(config, f.name), f"{f.name} (mixer {mixer!r})"
+        if f.type is bool:
+            check_flag(where, value)
+        elif f.type in (int, int | None):
+            low = MIN_INT_OPTION.get(f.name, 1)
+            if not (value is None and f.type != int) and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{where}: expected an integer >= {low}{' or None' if f.type != int else ''}, got {value!r}")
+        elif f.type is float:
+            check_positive(where, value)
+        elif f.type is str and not isinstance(value, str):
+            raise ValueError(f"{where}: expected a string, got {value!r}")
+    for name in ("impl", "decode_impl"):
+        check_option(f"{name} (mixer {mixer!r})", getattr(config, name), ("auto", *FORMS))
 
 
 def cast_state(state, x):
@@ -250,6 +274,9 @@ class Mixer(nn.Module):
         if unknown:
             raise ValueError(f"unknown options {unknown} for mixer {self.name!r}: expected some of {sorted(names)}")
         self.config = self.config_class(**{**self.defaults, **config})
+        check_config(self.config, self.name)
+        if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 1:
+            raise ValueError(f"d_model: expected a positive integer, got {d_model!r}")
         self.d_model = d_model
         cfg = self.config
         if cfg.head_dim is None and d_model % cfg.num_heads:

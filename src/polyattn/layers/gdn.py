@@ -18,6 +18,7 @@ from torch import nn
 from polyattn import ops
 from polyattn.layers.common import DecayGate, LevelScales, MixerConfig, QKVMixer, l2_normalize
 from polyattn.ops.common import compute_dtype, num_levels
+from polyattn.ops.loglinear import widen_levels
 
 
 @dataclass
@@ -67,7 +68,7 @@ class LogLinearGatedDeltaNet(GatedDeltaNet):
     def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None):
         beta, g = self.gates(x)
         q, k = l2_normalize(q), l2_normalize(k)
-        lam = self.lam(x)  # [B, T, H, L] fp32
+        lam, core = widen_levels(self.lam(x), core, q.shape[1])  # [B, T, H, L] fp32; more levels past 2**(L-1) tokens
         return ops.loglinear_attn(
             q, k, v, lam, g, beta=beta, scale=1.0,
             initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens, impl=self.impl_for(q.shape[1]),

@@ -38,6 +38,7 @@ from polyattn.layers.common import (
     split_heads,
 )
 from polyattn.ops.common import compute_dtype, num_levels
+from polyattn.ops.loglinear import widen_levels
 
 
 @dataclass
@@ -130,8 +131,9 @@ class LogLinearMamba2(Mamba2):
         self.lam = LevelScales(d_model, self.heads, self.config.max_levels)
 
     def ssd(self, q, k, v, g, x, core, use_cache, cu_seqlens=None):
+        lam, core = widen_levels(self.lam(x), core, q.shape[1])  # past 2**(max_levels - 1) tokens: more levels
         return ops.loglinear_attn(
-            q, k, v, self.lam(x), g, scale=1.0, initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens,
+            q, k, v, lam, g, scale=1.0, initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens,
             impl=self.impl_for(q.shape[1]),
         )
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyattn.layers import MIXERS, RMSNorm, build_mixer
+from polyattn.ops.common import check_value
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -113,6 +114,7 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids, state=None, use_cache=False, attention_mask=None, cu_seqlens=None):
         """``input_ids [B, T]`` -> ``(final-normed hidden [B, T, d_model], per-layer states or None)``."""
+        check_token_ids(input_ids, self.config.vocab_size)
         x = self.embed(input_ids)  # [B, T] -> [B, T, d_model]
         states = []
         for i, block in enumerate(self.blocks):
@@ -162,10 +164,30 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory, map_location="cpu"):
+        """Load a folder written by :meth:`save_pretrained`; ValueError naming what is missing or unreadable."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_model
 
         directory = Path(directory)
-        config = LMConfig(**json.loads((directory / CONFIG_NAME).read_text()))
+        for name in (CONFIG_NAME, WEIGHTS_NAME):
+            if not (directory / name).is_file():
+                raise ValueError(f"from_pretrained: expected {name} in {str(directory)!r} (a save_pretrained folder), found none")
+        try:
+            options = json.loads((directory / CONFIG_NAME).read_text())
+            config = LMConfig(**options)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"from_pretrained: {CONFIG_NAME} in {str(directory)!r} is not a valid LMConfig ({err})") from err
         model = cls(config)
-        load_model(model, str(directory / WEIGHTS_NAME), device=str(map_location))
+        try:
+            load_model(model, str(directory / WEIGHTS_NAME), device=str(map_location))
+        except (SafetensorError, RuntimeError, OSError) as err:
+            raise ValueError(f"from_pretrained: {WEIGHTS_NAME} in {str(directory)!r} does not hold this model's weights ({err})") from err
         return model
+
+
+def check_token_ids(input_ids, vocab_size):
+    """``input_ids``: an integer tensor ``[B, T]`` with ids in ``[0, vocab_size)`` (value check without a host sync)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32) or input_ids.dim() != 2:
+        got = f"dtype {input_ids.dtype}, shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids: expected an int64 tensor [B, T], got {got}")
+    check_value((input_ids >= 0) & (input_ids < vocab_size), f"input_ids: expected token ids in [0, {vocab_size}) (vocab_size)")

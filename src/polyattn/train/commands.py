@@ -24,16 +24,36 @@ def reports_errors(fn):
     return run
 
 
-def parse_segments(text):
+def parse_segments(text, flag="--train"):
     """``"64:20000:4,128:20000:8"`` -> ``[(64, 20000, 4), (128, 20000, 8)]`` (seq_len:examples:pairs)."""
     try:
-        return [tuple(int(x) for x in part.split(":")) for part in text.split(",") if part]
+        segments = [tuple(int(x) for x in part.split(":")) for part in text.split(",") if part]
     except ValueError as err:
-        raise ValueError(f"expected segments like '64:20000:4,128:20000:8', got {text!r}") from err
+        raise ValueError(f"{flag}: expected segments like '64:20000:4,128:20000:8', got {text!r}") from err
+    if not segments or any(len(s) != 3 for s in segments):
+        raise ValueError(f"{flag}: expected seq_len:examples:pairs triples like '64:20000:4,128:20000:8', got {text!r}")
+    return segments
 
 
-def parse_list(text, kind):
-    return [kind(x) for x in text.split(",") if x]
+def parse_list(text, kind, flag):
+    """``"a,b,c"`` -> ``[kind(a), kind(b), kind(c)]``; at least one item."""
+    try:
+        items = [kind(x) for x in text.split(",") if x]
+    except ValueError as err:
+        raise ValueError(f"{flag}: expected a comma-separated list of {kind.__name__}, got {text!r}") from err
+    if not items:
+        raise ValueError(f"{flag}: expected at least one value, got {text!r}")
+    return items
+
+
+def parse_json_object(text, flag):
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"{flag}: expected a JSON object like '{{\"num_heads\": 4}}', got {text!r} ({err})") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: expected a JSON object like '{{\"num_heads\": 4}}', got {text!r}")
+    return value
 
 
 def add_train_arguments(parser):
@@ -66,11 +86,11 @@ def add_train_arguments(parser):
 def config_from_args(args):
     return TrainConfig(
         task=args.task,
-        task_options=json.loads(args.task_options),
-        train_segments=parse_segments(args.train),
-        test_segments=parse_segments(args.test),
+        task_options=parse_json_object(args.task_options, "--task-options"),
+        train_segments=parse_segments(args.train, "--train"),
+        test_segments=parse_segments(args.test, "--test"),
         mixer=args.mixer,
-        mixer_config=json.loads(args.mixer_config),
+        mixer_config=parse_json_object(args.mixer_config, "--mixer-config"),
         d_model=args.d_model,
         n_layers=args.n_layers,
         mlp_ratio=args.mlp_ratio,
@@ -98,11 +118,12 @@ def check_mixers(names):
 
 @reports_errors
 def run_train(args):
-    from polyattn.train.loop import train
+    from polyattn.train.loop import check_runnable, train
     from polyattn.train.sweep import format_table
 
     config = config_from_args(args)
     check_mixers([config.mixer])
+    check_runnable(config)  # every argument, and the output folder created, before any work
     result, _ = train(config)
     print(format_table([result]))
     for path in result.get("files", []):
@@ -119,12 +140,20 @@ def add_sweep_arguments(parser):
 
 @reports_errors
 def run_sweep(args):
+    from polyattn.train.loop import check_runnable, prepare_out_dir
     from polyattn.train.sweep import format_table, sweep
 
-    mixers = parse_list(args.mixers, str)
+    mixers = parse_list(args.mixers, str, "--mixers")
     check_mixers(mixers)
-    base = replace(config_from_args(args), checkpoint=False)
-    summary, best = sweep(base, mixers, parse_list(args.widths, int), parse_list(args.lrs, float), args.out)
+    widths, lrs = parse_list(args.widths, int, "--widths"), parse_list(args.lrs, float, "--lrs")
+    base = replace(config_from_args(args), checkpoint=False, out_dir=None)
+    for mixer in mixers:  # every cell, before any work
+        for width in widths:
+            for lr in lrs:
+                check_runnable(replace(base, mixer=mixer, d_model=width, lr=lr))
+    if args.out:
+        prepare_out_dir(args.out)
+    summary, best = sweep(base, mixers, widths, lrs, args.out)
     print(format_table(best, extra_columns=[("best lr", lambda r: f"{r['config']['lr']:g}")]))
     return 0
 
@@ -141,9 +170,14 @@ def add_demo_arguments(parser):
 @reports_errors
 def run_demo(args):
     from polyattn.train.demo import run_demo as demo
+    from polyattn.train.loop import prepare_out_dir
 
-    mixers = None if args.mixers is None else parse_list(args.mixers, str)
+    mixers = None if args.mixers is None else parse_list(args.mixers, str, "--mixers")
     if mixers:
         check_mixers(mixers)
+    for flag, value in (("--steps", args.steps), ("--workers", args.workers)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}: expected a positive integer, got {value}")
+    prepare_out_dir(args.out)
     demo(args.out, mixers, args.steps, args.workers)
     return 0

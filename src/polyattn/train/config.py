@@ -7,9 +7,27 @@ from polyattn.tasks import TASKS, Segment
 
 def as_segment(s):
     """A `Segment` from a Segment, a ``(seq_len, num_examples, num_pairs)`` triple or its JSON dict."""
-    if isinstance(s, Segment):
-        return s
-    return Segment(**s) if isinstance(s, dict) else Segment(*s)
+    if not isinstance(s, Segment):
+        try:
+            s = Segment(**s) if isinstance(s, dict) else Segment(*s)
+        except TypeError as err:
+            raise ValueError(f"segment: expected (seq_len, num_examples, num_pairs), got {s!r}") from err
+    for name, low in (("seq_len", 1), ("num_examples", 1), ("num_pairs", 0)):  # 0 pairs: tasks without pairs (text)
+        value = getattr(s, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"segment: expected {name} an integer >= {low}, got {value!r} in {s}")
+    return s
+
+
+def _check_number(name, value, low, high=float("inf"), *, integer=False, low_open=False, high_open=False):
+    """``low <= value <= high`` (or open ends), a real number (an int when ``integer``), never a bool."""
+    kinds = (int,) if integer else (int, float)
+    below = value <= low if low_open else value < low
+    above = value >= high if high_open else value > high
+    if isinstance(value, bool) or not isinstance(value, kinds) or value != value or below or above:
+        lo, hi = ("(" if low_open else "[") + f"{low:g}", f"{high:g}" + (")" if high_open else "]")
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{name}: expected {kind} in {lo}, {hi}, got {value!r}")
 
 
 @dataclass
@@ -49,17 +67,31 @@ class TrainConfig:
     checkpoint: bool = True
 
     def __post_init__(self):
+        """Every field checked on its own (ValueError naming it); :func:`check_runnable` checks how they combine."""
         if self.task not in TASKS:
             raise ValueError(f"unknown task {self.task!r}: expected one of {sorted(TASKS)}")
+        for name in ("task_options", "mixer_config"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name}: expected a JSON object (dict), got {getattr(self, name)!r}")
         self.train_segments = [as_segment(s) for s in self.train_segments]
         self.test_segments = [as_segment(s) for s in self.test_segments]
         if not self.train_segments or not self.test_segments:
             raise ValueError("expected at least one train and one test segment")
-        if self.steps < 1 or self.batch_size < 1 or self.lr <= 0 or not 0 <= self.warmup < 1:
-            raise ValueError(
-                f"expected steps >= 1, batch_size >= 1, lr > 0, 0 <= warmup < 1, got "
-                f"{self.steps}, {self.batch_size}, {self.lr}, {self.warmup}"
-            )
+        for name in ("steps", "batch_size", "eval_batch_size", "d_model", "n_layers"):
+            _check_number(name, getattr(self, name), 1, integer=True)
+        _check_number("seed", self.seed, 0, integer=True)
+        _check_number("lr", self.lr, 0, low_open=True, high_open=True)
+        _check_number("weight_decay", self.weight_decay, 0, high_open=True)
+        _check_number("warmup", self.warmup, 0, 1, high_open=True)
+        _check_number("mlp_ratio", self.mlp_ratio, 0, high_open=True)
+        _check_number("grad_clip", self.grad_clip, 0, low_open=True)  # inf: no clipping
+        if self.early_stop is not None:
+            _check_number("early_stop", self.early_stop, 0, 1, low_open=True)  # an accuracy: above 1 never fires
+        for name in ("bf16", "checkpoint"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.out_dir is not None and not isinstance(self.out_dir, str):
+            raise ValueError(f"out_dir: expected a path string or None, got {self.out_dir!r}")
 
     @property
     def max_train_len(self):

@@ -4,6 +4,7 @@ sliced by (length, pairs) with the loss at every position, JSON results, PNG plo
 import inspect
 import json
 import math
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -22,9 +23,57 @@ EARLY_STOP_WINDOW = 20
 
 
 def resolve_device(name):
+    """``"auto"`` (cuda if available), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; ValueError for anything this build cannot run."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {name!r}") from err
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {name!r} needs CUDA, but this torch build or machine has none (use cpu or auto)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device: expected cuda:0 ... cuda:{torch.cuda.device_count() - 1}, got {name!r}")
+    return device
+
+
+def prepare_out_dir(path):
+    """Create the output folder (parents included) before any work; ValueError if it cannot be created or written."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"out: cannot create the output folder {str(out)!r} ({err.strerror or err})") from err
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"out: the output folder {str(out)!r} is not writable")
+    return out
+
+
+def check_runnable(config):
+    """What can fail before training, checked first: the device, the op form, every model and mixer option
+    (the model is built on the meta device, no memory), the task options (one example per segment) and the
+    output folder (created). Returns the device."""
+    from polyattn.ops.common import FORMS
+
+    device = resolve_device(config.device)
+    if config.impl not in ("auto", *FORMS):
+        raise ValueError(f"impl: expected 'auto' or one of {list(FORMS)}, got {config.impl!r}")
+    try:
+        with torch.device("meta"):
+            build_model(config)
+    except TypeError as err:
+        raise ValueError(f"mixer_config: invalid options {config.mixer_config} for mixer {config.mixer!r} ({err})") from err
+    for seg in (*config.train_segments, *config.test_segments):
+        try:
+            make_task(config.task, 1, seg.seq_len, seg.num_pairs, seed=0, **config.task_options)
+        except TypeError as err:
+            raise ValueError(f"task_options: {err}") from err
+    if config.out_dir:
+        prepare_out_dir(config.out_dir)
+    return device
 
 
 def task_vocab_size(config):
@@ -135,7 +184,7 @@ def evaluate(model, test, batch_size, device, bf16=True, quiet=True):
 
 def train(config, quiet=False, label=None):
     """Train one model; returns the results dict (and writes JSON/PNG/checkpoint under `out_dir`)."""
-    device = resolve_device(config.device)
+    device = check_runnable(config)
     torch.manual_seed(config.seed)
     train_data, test_data = build_data(config)
     model = build_model(config).to(device)

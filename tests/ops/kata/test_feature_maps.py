@@ -96,3 +96,4 @@ def test_registry_names_and_kernel_docs():
     assert set(FEATURE_MAPS) == {"psd", "orthant", "lorentz"}
     assert "Σ_i (q_i·k_i)²" in make_feature_map("psd", 4, 2, "concat").kernel_doc
     assert "Σ_{i,j} (q_i·k_j)²" in make_feature_map("psd", 4, 2, "sum").kernel_doc
+

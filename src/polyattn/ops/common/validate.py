@@ -1,6 +1,11 @@
 """Input validation shared by every op: one place that says what was expected and what came.
 
 Every check raises ``ValueError`` with a message of the form ``"<name>: expected ..., got ..."``.
+
+Structural checks (types, shapes, dtypes, devices, options) run on the host and cost nothing. Checks of
+tensor *values* (``g <= 0``, ``cu_seqlens`` offsets, state positions) go through :func:`check_value`,
+which never synchronises with a GPU and never breaks a ``torch.compile`` graph; see
+:func:`set_value_checks` for the modes.
 """
 
 from __future__ import annotations
@@ -11,6 +16,38 @@ from typing import NamedTuple
 import torch
 
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+VALUE_CHECK_MODES = ("auto", "sync", "async", "off")
+_value_checks = {"mode": "auto"}
+
+
+def set_value_checks(mode: str) -> str:
+    """Choose how :func:`check_value` checks tensor values; returns the previous mode.
+
+    - ``"auto"`` (default): CPU tensors outside ``torch.compile`` are checked at once (``ValueError``);
+      CUDA tensors and compiled code use ``"async"``.
+    - ``"sync"``: always check at once, raising ``ValueError`` (a host sync on CUDA, a graph break
+      under ``torch.compile``): for debugging.
+    - ``"async"``: ``torch._assert_async``, no host sync and no graph break. A failure raises
+      ``RuntimeError`` with the same message: at the call on CPU; on CUDA as a device-side assert
+      at the next synchronisation, which leaves the CUDA context unusable.
+    - ``"off"``: no value checks (structural checks still run).
+    """
+    check_choice("mode", mode, VALUE_CHECK_MODES)
+    previous, _value_checks["mode"] = _value_checks["mode"], mode
+    return previous
+
+
+def check_value(ok: torch.Tensor, message: str) -> None:
+    """Check that the boolean tensor ``ok`` is all True, per the mode of :func:`set_value_checks`."""
+    mode = _value_checks["mode"]
+    if mode == "off" or ok.device.type == "meta":
+        return
+    deferred = ok.device.type != "cpu" or torch.compiler.is_compiling()
+    if mode == "async" or (mode == "auto" and deferred):
+        torch._assert_async(ok.all(), message)
+    elif not bool(ok.all()):
+        raise ValueError(message)
 
 
 def _describe(x: torch.Tensor) -> str:
@@ -58,15 +95,12 @@ def check_per_token(name: str, x: torch.Tensor, q: torch.Tensor, *, last_dim: in
 
 
 def check_log_decay(g: torch.Tensor, q: torch.Tensor) -> None:
-    """Check the per-token log-decay ``g: [B, T, H]`` and ``g <= 0`` (decays are at most 1)."""
+    """Check the per-token log-decay ``g: [B, T, H]``: ``g <= 0`` everywhere (decays at most 1), NaN rejected.
+
+    ``g = -inf`` is an exact reset: the weight across that token is exactly 0.
+    """
     check_per_token("g", g, q)
-    if torch.compiler.is_compiling():  # a compiled graph cannot branch on values: assert on the device instead
-        torch._assert_async(torch.isfinite(g).all() & (g <= 0).all(), "g: expected finite log-decays g <= 0")
-        return
-    if not bool(torch.isfinite(g).all()):
-        raise ValueError("g: expected finite log-decays, got inf or nan")
-    if bool((g > 0).any()):
-        raise ValueError(f"g: expected a log-decay g <= 0 everywhere, got max {g.max().item():.4g}")
+    check_value(g <= 0, "g: expected a log-decay g <= 0 everywhere (-inf: an exact reset), got a value > 0 or NaN")
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> int:
@@ -86,12 +120,10 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> int:
         raise ValueError(f"cu_seqlens: expected dtype int64 (or int32), got {cu_seqlens.dtype}")
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens: expected device {q.device} (the device of q), got {cu_seqlens.device}")
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != q.shape[1]:
-        raise ValueError(f"cu_seqlens: expected to start at 0 and end at T = {q.shape[1]}, got {bounds[0]} ... {bounds[-1]}")
-    if any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens: expected strictly increasing offsets (every sequence non-empty), got {bounds}")
-    return len(bounds) - 1
+    T = q.shape[1]
+    check_value((cu_seqlens[0] == 0) & (cu_seqlens[-1] == T), f"cu_seqlens: expected to start at 0 and end at T = {T}")
+    check_value(cu_seqlens[1:] > cu_seqlens[:-1], "cu_seqlens: expected strictly increasing offsets (every sequence non-empty)")
+    return cu_seqlens.numel() - 1
 
 
 def check_state(name: str, state: torch.Tensor, expected_shape: Sequence[int], q: torch.Tensor) -> None:
@@ -107,12 +139,27 @@ def check_choice(name: str, value, choices: Sequence) -> None:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
+def check_flag(name: str, value) -> None:
+    """Check a boolean option (a Python bool: ``0``, ``"no"`` or a tensor are refused)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
+def check_positive(name: str, value) -> float:
+    """Check a positive, finite Python number (not a bool); return it as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name}: expected a positive float (finite, not a bool), got {value!r}")
+    return float(value)
+
+
 def resolve_scale(scale: float | None, K: int) -> float:
     """The query scale: ``K ** -0.5`` by default."""
     if scale is None:
         return K ** -0.5
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise ValueError(f"scale: expected a Python float or None, got {type(scale).__name__}")
+    if not abs(scale) < float("inf"):
+        raise ValueError(f"scale: expected a finite float, got {scale!r}")
     return float(scale)
 
 
@@ -127,9 +174,11 @@ class Dims(NamedTuple):
     N: int
 
 
-def check_inputs(q, k, v, g=None, cu_seqlens=None, **per_token) -> Dims:
-    """The checks every op starts with: ``q, k, v``, the log-decay ``g``, ``cu_seqlens``, and each
-    ``[B, T, H]`` tensor in ``per_token`` (e.g. ``beta=beta``; None entries are skipped)."""
+def check_inputs(q, k, v, g=None, cu_seqlens=None, output_final_state=False, **per_token) -> Dims:
+    """The checks every op starts with: ``q, k, v``, the log-decay ``g``, ``cu_seqlens``,
+    ``output_final_state`` and each ``[B, T, H]`` tensor in ``per_token`` (e.g. ``beta=beta``; None entries
+    are skipped)."""
+    check_flag("output_final_state", output_final_state)
     B, T, H, K, V = check_qkv(q, k, v)
     for name, x in per_token.items():
         if x is not None:

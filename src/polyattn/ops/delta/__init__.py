@@ -41,12 +41,12 @@ def delta_rule(
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)``.
     """
-    d = check_inputs(q, k, v, g, cu_seqlens, beta=beta)
+    d = check_inputs(q, k, v, g, cu_seqlens, output_final_state, beta=beta)
     if initial_state is not None:
         check_state("initial_state", initial_state, (d.N, d.H, d.K, d.V), q)
-    fn = resolve_impl("delta_rule", impl, DELTA_RULE_FORMS, q)
+    fn = resolve_impl("delta_rule", impl, DELTA_RULE_FORMS, q, g)
     scale = resolve_scale(scale, d.K)
-    return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, scale=scale)
+    return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, decay_index=4, neutral_padding=True, scale=scale)
 
 
 __all__ = [

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import compute_dtype, exp_segsum
+from polyattn.ops.common import causal_matmul, causal_scores, compute_dtype, exp_segsum
 
 
 def delta_rule_system(k, beta, g):
     """The pieces of (2) for ``k: [..., T, K]``, ``beta, g: [..., T]``: ``(Γ ⊙ L [..., T, T], unit-lower M [..., T, T])``."""
     D = exp_segsum(g)  # [..., T, T], Γ ⊙ L
     kk = (k @ k.transpose(-1, -2)) * D  # [..., T, T]
-    M = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device) + beta[..., :, None] * torch.tril(kk, diagonal=-1)
+    M = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device) + beta[..., :, None] * torch.tril(kk, diagonal=-1)  # tril selects
     return D, M
 
 
@@ -37,10 +37,11 @@ def delta_rule_attention_matrix(q, k, beta, g=None, *, scale):
     beta = beta.to(dt).transpose(1, 2)  # [B, H, T]
     g = torch.zeros_like(beta) if g is None else g.to(dt).transpose(1, 2)  # [B, H, T]
     D, M = delta_rule_system(k, beta, g)
-    A = scale * (q @ k.transpose(-1, -2)) * D  # [B, H, T, T]
-    # W = A M^{-1} diag(β)  <=>  W^T = diag(β) M^{-T} A^T: solve the transposed (upper) system
-    Minv_At = torch.linalg.solve_triangular(M.transpose(-1, -2), A.transpose(-1, -2), upper=True, unitriangular=True)
-    return Minv_At.transpose(-1, -2) * beta[..., None, :]  # [B, H, T, T]
+    A = causal_scores(scale * (q @ k.transpose(-1, -2)), D)  # [B, H, T, T]
+    # W = A M^{-1} diag(β), M^{-1} by forward substitution: row t of W sees rows <= t of M only
+    eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+    Minv = torch.linalg.solve_triangular(M, eye.expand_as(M), upper=False, unitriangular=True)  # [B, H, T, T]
+    return causal_matmul(A, Minv) * beta[..., None, :]  # [B, H, T, T] @ [B, H, T, T] -> [B, H, T, T]
 
 
 def delta_rule_naive(q, k, v, beta, g=None, *, scale, initial_state=None, output_final_state=False):
@@ -58,7 +59,7 @@ def delta_rule_naive(q, k, v, beta, g=None, *, scale, initial_state=None, output
         h0 = initial_state.to(dt)
         rhs = v - torch.exp(G)[..., None] * (k @ h0)  # [B, H, T, K] @ [B, H, K, V] -> [B, H, T, V]
     U = torch.linalg.solve_triangular(M, beta[..., None] * rhs, upper=False, unitriangular=True)  # [B, H, T, V]
-    o = ((q @ k.transpose(-1, -2)) * D) @ U  # [B, H, T, T] @ [B, H, T, V] -> [B, H, T, V]
+    o = causal_matmul(causal_scores(q @ k.transpose(-1, -2), D), U)  # [B, H, T, T] @ [B, H, T, V] -> [B, H, T, V]
     final = k.transpose(-1, -2) @ (D[..., -1, :, None] * U)  # [B, H, K, T] @ [B, H, T, V] -> [B, H, K, V]
     if initial_state is not None:
         o = o + torch.exp(G)[..., None] * (q @ h0)

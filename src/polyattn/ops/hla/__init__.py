@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import check_inputs, resolve_impl, resolve_scale, run_varlen
+from polyattn.ops.common import check_flag, check_inputs, check_positive, resolve_impl, resolve_scale, run_varlen
 from polyattn.ops.hla.chunk import compose_linear_attn, hla_chunk, hla_from_linear_attn
 from polyattn.ops.hla.naive import hla_naive
 from polyattn.ops.hla.recurrent import hla_recurrent, hla_step
@@ -63,12 +63,14 @@ def hla(
         ``(o [B, T, H, V] in q's dtype, final_state or None)``.
     """
     variant = resolve_variant(order, asymmetric)
-    d = check_inputs(q, k, v, g, cu_seqlens)
+    d = check_inputs(q, k, v, g, cu_seqlens, output_final_state)
+    check_flag("normalize", normalize)
+    eps = check_positive("eps", eps)
     if initial_state is not None:
         check_hla_state(variant, initial_state, d.N, d.H, d.K, d.V, normalize, q)
-    fn = resolve_impl("hla", impl, HLA_FORMS, q)
+    fn = resolve_impl("hla", impl, HLA_FORMS, q, g)
     return run_varlen(
-        fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state,
+        fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state, decay_index=3, neutral_padding=True,
         order=order, asymmetric=asymmetric, normalize=normalize, eps=eps, scale=resolve_scale(scale, d.K),
     )
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from polyattn.ops.common import exp_segsum
+from polyattn.ops.common import causal_matmul, causal_scores, exp_segsum
 from polyattn.ops.hla.variants import finish_output, prepare
 
 
@@ -41,10 +41,10 @@ def _decay(g: torch.Tensor, p: int) -> Decay:
 def _hla2(q, k, v, d, h0):
     """Masked, decayed HLA2: ``o_t = Σ_{j<=t} Σ_{i<=j} exp(2t-i-j decay) (q_t·k_i)(q_j·k_i) v_j``."""
     S0, F0 = h0
-    A = d[1].mask * (q @ k.mT)  # [B, H, T, K] @ [B, H, K, T] -> [B, H, T, T]
-    Y = A @ k + d[1].start * (q @ S0)  # [B, H, T, K]: y_t = S_tᵀ q_t
-    M = d[2].mask * (q @ Y.mT)  # [B, H, T, T]: ((D_g ⊙ QKᵀ)(L ⊙ QKᵀ)ᵀ) ⊙ D_g
-    o = M @ v + d[2].start * (q @ F0)  # [B, H, T, V']
+    A = causal_scores(q @ k.mT, d[1].mask)  # [B, H, T, K] @ [B, H, K, T] -> [B, H, T, T]
+    Y = causal_matmul(A, k) + d[1].start * (q @ S0)  # [B, H, T, K]: y_t = S_tᵀ q_t
+    M = causal_scores(q @ Y.mT, d[2].mask)  # [B, H, T, T]: ((D_g ⊙ QKᵀ)(L ⊙ QKᵀ)ᵀ) ⊙ D_g
+    o = causal_matmul(M, v) + d[2].start * (q @ F0)  # [B, H, T, V']
     S = d[1].total * S0 + k.mT @ (d[1].end * k)  # [B, H, K, T] @ [B, H, T, K] -> [B, H, K, K]
     F = d[2].total * F0 + Y.mT @ (d[2].end * v)  # [B, H, K, T] @ [B, H, T, V'] -> [B, H, K, V']
     return o, (S, F)
@@ -53,9 +53,9 @@ def _hla2(q, k, v, d, h0):
 def _ahla(q, k, v, d, h0):
     """AHLA with decay: ``o_t = Σ_{j<=t} Σ_{i=j..t} exp(g_{j+1..t}) (q_t·k_i)(q_i·k_j) v_j``."""
     P0, E0 = h0
-    A = d[1].mask * (q @ k.mT)  # [B, H, T, T]
-    Z = A @ v + d[1].start * (q @ P0)  # [B, H, T, V']: z_i = P_iᵀ q_i (first-order linear attention)
-    o = A @ Z + d[1].start * (q @ E0)  # [B, H, T, V']
+    A = causal_scores(q @ k.mT, d[1].mask)  # [B, H, T, T]
+    Z = causal_matmul(A, v) + d[1].start * (q @ P0)  # [B, H, T, V']: z_i = P_iᵀ q_i (first-order linear attention)
+    o = causal_matmul(A, Z) + d[1].start * (q @ E0)  # [B, H, T, V']
     P = d[1].total * P0 + k.mT @ (d[1].end * v)  # [B, H, K, V']
     E = d[1].total * E0 + k.mT @ (d[1].end * Z)  # [B, H, K, V']
     return o, (P, E)
@@ -64,11 +64,11 @@ def _ahla(q, k, v, d, h0):
 def _hla3(q, k, v, d, h0):
     """HLA3, masked W Wᵀ W: ``o_t = Σ_{u<=t} Σ_{i<=u} Σ_{j<=u} exp(3t-i-u-j decay) (q_t·k_i)(q_u·k_i)(q_u·k_j) v_j``."""
     S0, P0, F0 = h0
-    A = d[1].mask * (q @ k.mT)  # [B, H, T, T]
-    Y = A @ k + d[1].start * (q @ S0)  # [B, H, T, K]
-    Z = A @ v + d[1].start * (q @ P0)  # [B, H, T, V']
-    M = d[3].mask * (q @ Y.mT)  # [B, H, T, T]: ((W Wᵀ) ⊙ L) with weight g^{3(t-u)} g^{u-i}
-    o = M @ Z + d[3].start * (q @ F0)  # [B, H, T, V']
+    A = causal_scores(q @ k.mT, d[1].mask)  # [B, H, T, T]
+    Y = causal_matmul(A, k) + d[1].start * (q @ S0)  # [B, H, T, K]
+    Z = causal_matmul(A, v) + d[1].start * (q @ P0)  # [B, H, T, V']
+    M = causal_scores(q @ Y.mT, d[3].mask)  # [B, H, T, T]: ((W Wᵀ) ⊙ L) with weight g^{3(t-u)} g^{u-i}
+    o = causal_matmul(M, Z) + d[3].start * (q @ F0)  # [B, H, T, V']
     S = d[1].total * S0 + k.mT @ (d[1].end * k)  # [B, H, K, K]
     P = d[1].total * P0 + k.mT @ (d[1].end * v)  # [B, H, K, V']
     F = d[3].total * F0 + Y.mT @ (d[3].end * Z)  # [B, H, K, V']

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from polyattn.ops.common import associative_scan, heads_unchunk
+from polyattn.ops.common import associative_scan, heads_unchunk, scaled_log_decay
 from polyattn.ops.hla.variants import finish_output, prepare
 from polyattn.ops.linear.chunk import chunk_inputs, chunk_outputs, chunk_summaries
 
@@ -95,19 +95,19 @@ def hla_scan(
         q, k, v, g, order=order, asymmetric=asymmetric, normalize=normalize, scale=scale, initial_state=initial_state
     )  # compute dtype; v: [B, T, H, V']
     rule, T = SCAN_RULES[variant.name], q.shape[1]
-    qc, kc, vc, gc = chunk_inputs(q, k, v, g, 1.0, chunk_size)  # [B, H, N, C, D], gc: [B, H, N, C]
+    qc, kc, vc, gc = chunk_inputs(q, k, v, g, 1.0, min(chunk_size, T))  # [B, H, N, C, D], gc: [B, H, N, C]
     N = qc.shape[2]
 
     local = {"q": qc, "k": kc, "v": vc}  # chunk-local sequences, every chunk from a zero state
     summaries = []
     for call in variant.calls:
         key, value = local[call.key], local[call.value]
-        summaries.append(chunk_summaries(key, value, call.decay * gc)[1])  # [B, H, N, K, W]
+        summaries.append(chunk_summaries(key, value, scaled_log_decay(gc, call.decay))[1])  # [B, H, N, K, W]
         if call.out != "o":
             zeros = key.new_zeros(*key.shape[:3], key.shape[-1], value.shape[-1])  # [B, H, N, K, W]
-            local[call.out] = chunk_outputs(qc, key, value, call.decay * gc, zeros)  # [B, H, N, C, W]
+            local[call.out] = chunk_outputs(qc, key, value, scaled_log_decay(gc, call.decay), zeros)  # [B, H, N, C, W]
     a = gc.sum(dim=-1)  # [B, H, N]: each chunk's total log-decay
-    summaries += [chunk_summaries(local[e.left], local[e.right], e.decay * gc)[1] for e in rule.extras]
+    summaries += [chunk_summaries(local[e.left], local[e.right], scaled_log_decay(gc, e.decay))[1] for e in rule.extras]
 
     first = [a.new_zeros(a.shape[:2] + (1,))] + [h[:, :, None] for h in h0]  # [B, H, 1, ...]
     first += [torch.zeros_like(x[:, :, :1]) for x in summaries[len(h0):]]
@@ -117,7 +117,7 @@ def hla_scan(
 
     env = {"k": kc, "v": vc}
     for call, state in zip(variant.calls, states):
-        env[call.out] = chunk_outputs(qc, env[call.key], env[call.value], call.decay * gc, state[:, :, :N])
+        env[call.out] = chunk_outputs(qc, env[call.key], env[call.value], scaled_log_decay(gc, call.decay), state[:, :, :N])
     o = heads_unchunk(env["o"], T)  # [B, H, N, C, V'] -> [B, T, H, V']
     final = variant.state(*(state[:, :, N] for state in states)) if output_final_state else None
     return finish_output(o, normalize, eps, out_dtype), final

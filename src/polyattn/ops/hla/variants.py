@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from polyattn.ops.common import check_choice, check_state, compute_dtype
+from polyattn.ops.common import check_choice, check_flag, check_state, compute_dtype
 
 
 class HLA2State(NamedTuple):
@@ -78,10 +78,10 @@ VARIANTS = {(2, False): HLA2, (2, True): AHLA, (3, False): HLA3}
 def resolve_variant(order: int, asymmetric: bool) -> Variant:
     """The variant for ``(order, asymmetric)``; ValueError for other orders or an asymmetric third order."""
     check_choice("order", order, (2, 3))
-    check_choice("asymmetric", asymmetric, (False, True))
+    check_flag("asymmetric", asymmetric)
     if order == 3 and asymmetric:
         raise ValueError("asymmetric: expected False with order=3 (AHLA is second order only), got True")
-    return VARIANTS[(order, bool(asymmetric))]
+    return VARIANTS[(order, asymmetric)]
 
 
 def check_hla_state(variant: Variant, state, N: int, H: int, K: int, V: int, normalize: bool, q: torch.Tensor) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import check_inputs, check_state, resolve_impl, resolve_scale, run_varlen
+from polyattn.ops.common import check_flag, check_inputs, check_positive, check_state, resolve_impl, resolve_scale, run_varlen
 from polyattn.ops.kata.chunk import deltakata_chunk, kata_chunk
 from polyattn.ops.kata.feature_maps import FEATURE_MAPS, kata_state_size, make_feature_map
 from polyattn.ops.kata.gate import kata_convex_gate
@@ -71,28 +71,26 @@ def kata(
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state or None)``.
     """
-    B, T, H, K, V, N = check_inputs(q, k, v, g, cu_seqlens, beta=beta)
+    B, T, H, K, V, N = check_inputs(q, k, v, g, cu_seqlens, output_final_state, beta=beta)
     fmap = make_feature_map(feature, K, groups, combine)
-    if not isinstance(normalize, bool):
-        raise ValueError(f"normalize: expected a bool, got {normalize!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps: expected a positive float, got {eps!r}")
+    check_flag("normalize", normalize)
     P = fmap.dim()
-    options = dict(feature=feature, groups=groups, combine=combine, eps=float(eps), scale=resolve_scale(scale, K))
+    options = dict(feature=feature, groups=groups, combine=combine, eps=check_positive("eps", eps), scale=resolve_scale(scale, K))
     if beta is not None:
         if normalize:
             raise ValueError("beta: DeltaKATA's read is unnormalized; expected normalize=False with beta, got normalize=True")
         if initial_state is not None:
             check_state("initial_state", initial_state, (N, H, P, V), q)
-        fn = resolve_impl("DeltaKATA", impl, DELTAKATA_FORMS, q)
-        return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, **options)
+        fn = resolve_impl("DeltaKATA", impl, DELTAKATA_FORMS, q, g)
+        return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, decay_index=4, **options)
     if initial_state is not None:
         if not isinstance(initial_state, KataState):
             raise ValueError(f"initial_state: expected a KataState(S, z), got {type(initial_state).__name__}")
         check_state("initial_state.S", initial_state.S, (N, H, P, V), q)
         check_state("initial_state.z", initial_state.z, (N, H, P), q)
-    fn = resolve_impl("kata", impl, KATA_FORMS, q)
-    return run_varlen(fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state, normalize=normalize, **options)
+    fn = resolve_impl("kata", impl, KATA_FORMS, q, g)
+    # with states, packed sequences run one by one: a padded batch of P×V states is slower (measured, P = 512)
+    return run_varlen(fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state, decay_index=3, normalize=normalize, **options)
 
 
 __all__ = [

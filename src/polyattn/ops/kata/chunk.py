@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import compute_dtype, exp_segsum, heads_chunks, heads_unchunk
+from polyattn.ops.common import causal_matmul, causal_scores, compute_dtype, exp_segsum, heads_chunks, heads_unchunk
 from polyattn.ops.kata.feature_maps import make_feature_map
 from polyattn.ops.kata.state import join_state, normalized_read, split_state, with_ones
 
@@ -36,7 +36,7 @@ def kata_chunk_summaries(fmap, q, k, v, g):
     Returns ``(intra [B,H,NC,C,W], local_state [B,H,NC,P,W], chunk_log_decay Γ [B,H,NC])``.
     """
     D = exp_segsum(g)  # [B, H, NC, C, C]
-    intra = (fmap.kernel(q, k) * D) @ v  # [B, H, NC, C, C] @ [B, H, NC, C, W] -> [B, H, NC, C, W]   (1)
+    intra = causal_matmul(causal_scores(fmap.kernel(q, k), D), v)  # [B, H, NC, C, C] @ [B, H, NC, C, W] -> [B, H, NC, C, W]   (1)
     local_state = fmap.write(k, D[..., -1, :, None] * v)  # [B, H, NC, P, W]: Σ_s D[C, s] ψ(k_s) v_sᵀ   (3)
     return intra, local_state, g.sum(-1)
 
@@ -54,7 +54,8 @@ def prepare(q, k, v, g, *, feature, groups, combine, scale, chunk_size):
     fmap = make_feature_map(feature, K, groups, combine)
     g = torch.zeros(B, T, H, dtype=dt, device=q.device) if g is None else g.to(dt)
     v = with_ones(v.to(dt))  # [B, T, H, V + 1]; padding gives a zero ones-column, so padded tokens add nothing
-    chunks = tuple(heads_chunks(x, chunk_size) for x in (scale * q.to(dt), k.to(dt), v, g))  # [B, H, NC, C, ...]
+    C = min(chunk_size, T)  # no chunk wider than the sequence
+    chunks = tuple(heads_chunks(x, C) for x in (scale * q.to(dt), k.to(dt), v, g))  # [B, H, NC, C, ...]
     return fmap, dt, chunks
 
 
@@ -111,16 +112,17 @@ def deltakata_chunk(
     B, T, H, K = q.shape
     fmap = make_feature_map(feature, K, groups, combine)
     g = torch.zeros(B, T, H, dtype=dt, device=q.device) if g is None else g.to(dt)
-    qc, kc, vc, bc, gc = (heads_chunks(x, chunk_size) for x in (scale * q.to(dt), k.to(dt), v.to(dt), beta.to(dt), g))
+    C = min(chunk_size, T)  # no chunk wider than the sequence
+    qc, kc, vc, bc, gc = (heads_chunks(x, C) for x in (scale * q.to(dt), k.to(dt), v.to(dt), beta.to(dt), g))
     # padded tokens have beta = 0, so their pseudo-values are 0 and they write nothing
     self_kernel = fmap.kernel(kc[..., None, :], kc[..., None, :])[..., 0, 0]  # κ(k_s, k_s) = ‖ψ(k_s)‖²: [B, H, NC, C]
     norm = self_kernel.clamp_min(eps**2).sqrt()  # n_s = max(‖ψ(k_s)‖, eps), finite gradients at k_s = 0
     D = exp_segsum(gc)  # [B, H, NC, C, C]
     decay_q = torch.exp(torch.cumsum(gc, dim=-1))  # exp(γ_t): [B, H, NC, C]
     unit_gram = fmap.kernel(kc, kc) / (norm[..., :, None] * norm[..., None, :])  # κ̂(K, K): [B, H, NC, C, C]
-    eye = torch.eye(chunk_size, dtype=dt, device=q.device)
+    eye = torch.eye(C, dtype=dt, device=q.device)
     lower = eye + bc[..., :, None] * torch.tril(unit_gram * D, diagonal=-1)  # I + diag(β) tril(κ̂ ⊙ D, −1)
-    scores = fmap.kernel(qc, kc) * D / norm[..., None, :]  # κ(scale Q, K) ⊙ D ⊘ n: [B, H, NC, C, C]
+    scores = causal_scores(fmap.kernel(qc, kc) / norm[..., None, :], D)  # κ(scale Q, K) ⊙ D ⊘ n: [B, H, NC, C, C]
     write_weight = D[..., -1, :] / norm  # D[C, s] / n_s: [B, H, NC, C]
     P, V = fmap.dim(), v.shape[-1]
     state = torch.zeros(B, H, P, V, dtype=dt, device=q.device) if initial_state is None else initial_state.to(dt)
@@ -130,7 +132,7 @@ def deltakata_chunk(
         rhs = bc[:, :, c, :, None] * (vc[:, :, c] - decay_q[:, :, c, :, None] * prev_read)  # [B, H, C, V]
         u = torch.linalg.solve_triangular(lower[:, :, c], rhs, upper=False, unitriangular=True)  # (4): [B, H, C, V]
         inter = decay_q[:, :, c, :, None] * fmap.read(qc[:, :, c], state)  # [B, H, C, V]
-        outputs.append(inter + scores[:, :, c] @ u)  # (5): [B, H, C, C] @ [B, H, C, V] -> [B, H, C, V]
+        outputs.append(inter + causal_matmul(scores[:, :, c], u))  # (5): [B, H, C, C] @ [B, H, C, V] -> [B, H, C, V]
         written = fmap.write(kc[:, :, c], write_weight[:, :, c, :, None] * u)  # Σ_s D[C, s] ψ̂(k_s) u_sᵀ: [B, H, P, V]
         state = torch.exp(gc[:, :, c].sum(-1))[..., None, None] * state + written  # (6)
     o = heads_unchunk(torch.stack(outputs, dim=2), T).to(out_dtype)  # [B, H, NC, C, V] -> [B, T, H, V]

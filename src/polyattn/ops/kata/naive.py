@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import compute_dtype, exp_segsum
+from polyattn.ops.common import causal_matmul, causal_scores, compute_dtype, exp_segsum
 from polyattn.ops.kata.feature_maps import make_feature_map
 from polyattn.ops.kata.state import KataState
 
@@ -34,8 +34,8 @@ def kata_naive(
     g = torch.zeros(B, H, T, dtype=dt, device=q.device) if g is None else g.to(dt).transpose(1, 2)  # [B, H, T]
     psi_q, psi_k = fmap.lift(scale * q), fmap.lift(k)  # [B, H, T, P]
     D = exp_segsum(g)  # [B, H, T, T]
-    A = (psi_q @ psi_k.transpose(-1, -2)) * D  # [B, H, T, P] @ [B, H, P, T] -> [B, H, T, T]   (1)
-    num, den = A @ v, A.sum(-1)  # [B, H, T, V], [B, H, T]
+    A = causal_scores(psi_q @ psi_k.transpose(-1, -2), D)  # [B, H, T, P] @ [B, H, P, T] -> [B, H, T, T]   (1)
+    num, den = causal_matmul(A, v), A.sum(-1)  # [B, H, T, V], [B, H, T]
     S = psi_k.transpose(-1, -2) @ (D[..., -1, :, None] * v)  # [B, H, P, T] @ [B, H, T, V] -> [B, H, P, V]   (4)
     z = (psi_k.transpose(-1, -2) @ D[..., -1, :, None]).squeeze(-1)  # [B, H, P, T] @ [B, H, T, 1] -> [B, H, P]
     if initial_state is not None:

@@ -16,9 +16,8 @@ and the final state, when asked for, is one write after the quadratic pass.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from polyattn.ops.common import exp_segsum, heads_unchunk, segsum
+from polyattn.ops.common import causal_matmul, causal_scores, exp_segsum, heads_unchunk, suffix_sum
 from polyattn.ops.kata.chunk import prepare
 from polyattn.ops.kata.state import join_state, normalized_read, split_state
 
@@ -34,12 +33,13 @@ def kata_parallel(
     )
     NC = qc.shape[2]
     head = torch.cumsum(gc, dim=-1)  # g_start(i) + ... + g_t: [B, H, NC, C]
-    tail = segsum(gc)[..., -1, :]  # g_{s+1} + ... + g_end(j): [B, H, NC, C]
+    tail = suffix_sum(gc)  # g_{s+1} + ... + g_end(j): [B, H, NC, C]
     tile_decay = gc.sum(-1)  # Γ: [B, H, NC]
     state = join_state(initial_state, dt)  # [B, H, P, V + 1] or None
     outputs = []
     for i in range(NC):
-        out = (fmap.kernel(qc[:, :, i], kc[:, :, i]) * exp_segsum(gc[:, :, i])) @ vc[:, :, i]  # diagonal tile: [B, H, C, W]
+        diagonal = causal_scores(fmap.kernel(qc[:, :, i], kc[:, :, i]), exp_segsum(gc[:, :, i]))  # [B, H, C, C]
+        out = causal_matmul(diagonal, vc[:, :, i])  # diagonal tile: [B, H, C, C] @ [B, H, C, W] -> [B, H, C, W]
         between = torch.zeros_like(tile_decay[:, :, 0])  # Σ_{j<m<i} Γ_m: [B, H]
         for j in range(i - 1, -1, -1):
             log_decay = head[:, :, i, :, None] + between[..., None, None] + tail[:, :, j, None, :]  # [B, H, C, C]
@@ -54,8 +54,7 @@ def kata_parallel(
     if not output_final_state:
         return o, None
     total = tile_decay.sum(-1)  # [B, H]
-    later = F.pad(tile_decay[..., 1:], (0, 1))  # Γ_{j+1} (0 past the end): [B, H, NC]
-    after = torch.flip(torch.cumsum(torch.flip(later, [-1]), dim=-1), [-1])  # suffix sums Σ_{m>j} Γ_m: [B, H, NC]
+    after = suffix_sum(tile_decay)  # Σ_{m>j} Γ_m: [B, H, NC]
     weight = torch.exp(tail + after[..., None])  # D[T, s]: [B, H, NC, C]
     final = fmap.write(kc.flatten(2, 3), (weight[..., None] * vc).flatten(2, 3))  # [B, H, NC*C, ...] -> [B, H, P, V + 1]
     if state is not None:

@@ -46,12 +46,12 @@ def linear_attn(
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state or None)``.
     """
-    d = check_inputs(q, k, v, g, cu_seqlens)
+    d = check_inputs(q, k, v, g, cu_seqlens, output_final_state)
     if initial_state is not None:
         check_state("initial_state", initial_state, (d.N, d.H, d.K, d.V), q)
-    fn = resolve_impl("linear_attn", impl, LINEAR_ATTN_FORMS, q)
+    fn = resolve_impl("linear_attn", impl, LINEAR_ATTN_FORMS, q, g)
     scale = resolve_scale(scale, d.K)
-    return run_varlen(fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state, scale=scale)
+    return run_varlen(fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state, decay_index=3, neutral_padding=True, scale=scale)
 
 
 __all__ = [

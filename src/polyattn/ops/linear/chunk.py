@@ -1,10 +1,15 @@
 """Chunkwise causal linear attention: dense work inside chunks of C tokens, a K×V state between them.
 
-With chunk-local inclusive cumulative log-decays ``gc`` (``gc[i] = g[0] + ... + g[i]`` inside the chunk)
-and the state ``h`` entering the chunk, for the chunk's rows::
+With chunk-local inclusive cumulative log-decays ``gc`` (``gc[i] = g[0] + ... + g[i]`` inside the chunk),
+suffix sums ``gs`` (``gs[j] = g[j+1] + ... + g[C-1]``), the in-chunk segment sums ``segsum(g)[i, j] =
+g[j+1] + ... + g[i]`` and the state ``h`` entering the chunk, for the chunk's rows::
 
-    O   = ((scale Q) K^T ⊙ exp(gc_i - gc_j) ⊙ [j <= i]) V  +  exp(gc) ⊙ (scale Q) h        (intra + inter)
-    h'  = exp(a) h + U,   a = gc[C-1],   U = (K ⊙ exp(a - gc))^T V                          (summary (a, U))
+    O   = ((scale Q) K^T ⊙ exp(segsum g) ⊙ [j <= i]) V  +  exp(gc) ⊙ (scale Q) h          (intra + inter)
+    h'  = exp(a) h + U,   a = gc[C-1],   U = (K ⊙ exp(gs))^T V                              (summary (a, U))
+
+Every decay is a direct sum of the log-decays it spans (never ``gc_i - gc_j``), so one huge or
+infinite log-decay (``g = -inf``: an exact reset) leaves the rest exact; the causal mask is selected,
+not multiplied, so a non-finite future token never reaches an earlier row (ops/README.md, Guarantees).
 
 Padding tokens have k = v = 0 and g = 0, so they change neither outputs nor states.
 """
@@ -13,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import compute_dtype, exp_segsum, heads_chunks, heads_unchunk
+from polyattn.ops.common import causal_matmul, causal_scores, compute_dtype, exp_segsum, heads_chunks, heads_unchunk, suffix_sum
 
 
 def chunk_inputs(q, k, v, g, scale, C):
@@ -27,24 +32,23 @@ def chunk_inputs(q, k, v, g, scale, C):
 
 def chunk_summaries(k, v, g):
     """Per-chunk ``(a [B,H,N], U [B,H,N,K,V])``: total log-decay and the state the chunk makes from zero."""
-    gc = torch.cumsum(g, dim=-1)  # [B, H, N, C]
-    a = gc[..., -1]  # [B, H, N]
-    U = (k * torch.exp(a[..., None] - gc)[..., None]).transpose(-1, -2) @ v  # [B,H,N,K,C] @ [B,H,N,C,V] -> [B,H,N,K,V]
+    a = g.sum(dim=-1)  # [B, H, N]
+    U = (k * torch.exp(suffix_sum(g))[..., None]).transpose(-1, -2) @ v  # [B,H,N,K,C] @ [B,H,N,C,V] -> [B,H,N,K,V]
     return a, U
 
 
 def chunk_outputs(q, k, v, g, states_before):
     """Outputs of every chunk given the state entering it: ``states_before: [B, H, N, K, V]`` -> ``[B, H, N, C, V]``."""
     gc = torch.cumsum(g, dim=-1)  # [B, H, N, C]
-    A = (q @ k.transpose(-1, -2)) * exp_segsum(g)  # [B, H, N, C, C]
-    o = A @ v  # [B, H, N, C, C] @ [B, H, N, C, V] -> [B, H, N, C, V]
+    A = causal_scores(q @ k.transpose(-1, -2), exp_segsum(g))  # [B, H, N, C, C]
+    o = causal_matmul(A, v)  # [B, H, N, C, C] @ [B, H, N, C, V] -> [B, H, N, C, V]
     return o + torch.exp(gc)[..., None] * (q @ states_before)  # [B, H, N, C, K] @ [B, H, N, K, V] -> [B, H, N, C, V]
 
 
 def linear_attn_chunk(q, k, v, g=None, *, scale, initial_state=None, output_final_state=False, chunk_size=64):
     """Chunks in parallel, states carried chunk to chunk. Returns ``(o [B,T,H,V], final_state [B,H,K,V] | None)``."""
     T = q.shape[1]
-    qc, kc, vc, gc = chunk_inputs(q, k, v, g, scale, chunk_size)
+    qc, kc, vc, gc = chunk_inputs(q, k, v, g, scale, min(chunk_size, T))  # no chunk wider than the sequence
     a, U = chunk_summaries(kc, vc, gc)
     B, H, N, K, V = U.shape
     state = torch.zeros(B, H, K, V, dtype=U.dtype, device=U.device) if initial_state is None else initial_state.to(U.dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import compute_dtype, exp_segsum
+from polyattn.ops.common import causal_matmul, causal_scores, compute_dtype, exp_segsum
 
 
 def linear_attn_naive(q, k, v, g=None, *, scale, initial_state=None, output_final_state=False):
@@ -23,7 +23,8 @@ def linear_attn_naive(q, k, v, g=None, *, scale, initial_state=None, output_fina
     q = q * scale
     g = torch.zeros(B, H, T, dtype=dt, device=q.device) if g is None else g.to(dt).transpose(1, 2)  # [B, H, T]
     D = exp_segsum(g)  # [B, H, T, T]
-    o = ((q @ k.transpose(-1, -2)) * D) @ v  # [B, H, T, K] @ [B, H, K, T] -> [B, H, T, T]; @ v -> [B, H, T, V]
+    A = causal_scores(q @ k.transpose(-1, -2), D)  # [B, H, T, K] @ [B, H, K, T] -> [B, H, T, T]
+    o = causal_matmul(A, v)  # [B, H, T, T] @ [B, H, T, V] -> [B, H, T, V]
     final = k.transpose(-1, -2) @ (D[..., -1, :, None] * v)  # [B, H, K, T] @ [B, H, T, V] -> [B, H, K, V]
     if initial_state is not None:
         h0 = initial_state.to(dt)

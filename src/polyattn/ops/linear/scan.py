@@ -17,7 +17,7 @@ from polyattn.ops.linear.chunk import chunk_inputs, chunk_outputs, chunk_summari
 def linear_attn_scan(q, k, v, g=None, *, scale, initial_state=None, output_final_state=False, chunk_size=64):
     """Returns ``(o [B,T,H,V], final_state [B,H,K,V] | None)``."""
     T = q.shape[1]
-    qc, kc, vc, gc = chunk_inputs(q, k, v, g, scale, chunk_size)
+    qc, kc, vc, gc = chunk_inputs(q, k, v, g, scale, min(chunk_size, T))  # no chunk wider than the sequence
     a, U = chunk_summaries(kc, vc, gc)
     B, H, N, K, V = U.shape
     h0 = torch.zeros(B, H, K, V, dtype=U.dtype, device=U.device) if initial_state is None else initial_state.to(U.dtype)

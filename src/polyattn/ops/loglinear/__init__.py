@@ -8,7 +8,7 @@ from polyattn.ops.common import check_inputs, check_per_token, resolve_impl, res
 from polyattn.ops.loglinear.chunk import loglinear_attn_chunk
 from polyattn.ops.loglinear.naive import loglinear_attn_naive
 from polyattn.ops.loglinear.recurrent import loglinear_attn_recurrent, loglinear_attn_step
-from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, check_loglinear_state, state_positions
+from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, check_loglinear_state, state_positions, widen_levels
 
 LOGLINEAR_ATTN_FORMS = {
     "naive": loglinear_attn_naive,
@@ -61,14 +61,14 @@ def loglinear_attn(
     Returns:
         ``(o [B, T, H, V] in q's dtype, LogLinearState or None)``.
     """
-    B, T, H, K, V, N = check_inputs(q, k, v, g, cu_seqlens, beta=beta)
+    B, T, H, K, V, N = check_inputs(q, k, v, g, cu_seqlens, output_final_state, beta=beta)
     check_per_token("lam", lam, q, last_dim=-1)
     L = lam.shape[-1]
     if initial_state is not None:
         check_loglinear_state(initial_state, N, H, L, K, V, q)
     lengths = [T] * N if cu_seqlens is None else torch.diff(cu_seqlens).tolist()
     check_lam_levels(L, state_positions(initial_state, N), lengths)
-    fn = resolve_impl("loglinear_attn", impl, LOGLINEAR_ATTN_FORMS, q)
+    fn = resolve_impl("loglinear_attn", impl, LOGLINEAR_ATTN_FORMS, q, g)
     scale = resolve_scale(scale, K)
     return run_varlen(_per_sequence(fn), (q, k, v, lam, g, beta), cu_seqlens, initial_state, output_final_state, scale=scale)
 
@@ -81,4 +81,5 @@ __all__ = [
     "loglinear_attn_naive",
     "loglinear_attn_recurrent",
     "loglinear_attn_step",
+    "widen_levels",
 ]

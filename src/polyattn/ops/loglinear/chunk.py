@@ -17,7 +17,7 @@ chunk-level ``ell`` of the current chunk, carried to the chunk's start (the sing
 ops/loglinear/README.md, "Chunk algorithm")::
 
     O_n  += Σ_ell lam[t, c + 1 + ell] q̃_t^T H[ell]                                       (read)
-    H[ell] <- exp(gc_last) H[ell] - K̃^T (w H[ell])  for every ell,   K̃ = K ⊙ exp(gc_last - gc)   (carry through chunk n)
+    H[ell] <- exp(gc_last) H[ell] - K̃^T (w H[ell])  for every ell,   K̃_s = exp(g_{s+1} + … + g_last) k_s   (carry through chunk n)
     [new, H] <- fenwick_carry([K̃^T U, H], n + 1)                                          (chunk n joins chunk-level ctz(n+1))
 
 i.e. the token recurrence of :mod:`recurrent` run over chunks with chunk n as the incoming "level -1".
@@ -34,10 +34,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from polyattn.ops.common import compute_dtype, exp_segsum, heads_chunks, heads_unchunk, level_table
+from polyattn.ops.common import (
+    causal_matmul,
+    causal_scores,
+    compute_dtype,
+    exp_segsum,
+    heads_chunks,
+    heads_unchunk,
+    level_table,
+    suffix_sum,
+)
 from polyattn.ops.delta.naive import delta_rule_system
 from polyattn.ops.linear.chunk import chunk_inputs
-from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, fenwick_carry, initial_levels, state_positions
+from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, empty_batch, fenwick_carry, initial_levels, state_positions
 
 
 def _front_pad(x, r):
@@ -79,25 +88,25 @@ def _chunk_at(q, k, v, lam, g, beta, levels0, P, *, scale, C, output_final_state
     N = qc.shape[2]
     gc = torch.cumsum(gl, dim=-1)  # [B, H, N, C]
     decay = torch.exp(gc[..., -1])  # [B, H, N]
-    Kdec = kc * torch.exp(gc[..., -1:] - gc)[..., None]  # [B, H, N, C, K]
+    Kdec = kc * torch.exp(suffix_sum(gl))[..., None]  # [B, H, N, C, K]: exp(g_{s+1} + ... + g_last) k_s
     qt = torch.exp(gc)[..., None] * qc  # [B, H, N, C, K] (qc carries the scale)
     if beta is None:
-        W = (qc @ kc.transpose(-1, -2)) * exp_segsum(gl)  # [B, H, N, C, C]
+        W = causal_scores(qc @ kc.transpose(-1, -2), exp_segsum(gl))  # [B, H, N, C, C]
         U, w = vc, None
     else:
         bc = heads_chunks(beta.to(dt), C)  # [B, T', H] -> [B, H, N, C]
         D, M = delta_rule_system(kc, bc, gl)  # [B, H, N, C, C] each
-        A = (qc @ kc.transpose(-1, -2)) * D  # [B, H, N, C, C]
+        A = causal_scores(qc @ kc.transpose(-1, -2), D)  # [B, H, N, C, C]
         eye = torch.eye(C, dtype=dt, device=q.device)
         Minv = torch.linalg.solve_triangular(M, eye.expand_as(M), upper=False, unitriangular=True)  # [B, H, N, C, C]
-        W = (A @ Minv) * bc[..., None, :]  # [B, H, N, C, C]
-        w = Minv @ (bc[..., None] * torch.exp(gc)[..., None] * kc)  # [B, H, N, C, K]
-        U = Minv @ (bc[..., None] * vc)  # [B, H, N, C, V]
-        qt = qt - A @ w  # [B, H, N, C, K]
+        W = causal_matmul(A, Minv) * bc[..., None, :]  # [B, H, N, C, C]
+        w = causal_matmul(Minv, bc[..., None] * torch.exp(gc)[..., None] * kc)  # [B, H, N, C, K]
+        U = causal_matmul(Minv, bc[..., None] * vc)  # [B, H, N, C, V]
+        qt = qt - causal_matmul(A, w)  # [B, H, N, C, K]
 
     lut = level_table(C, device=q.device)  # [C, C], -1 above the diagonal
-    lam_intra = torch.gather(lamc, -1, lut.clamp(min=0).expand(B, H, N, C, C)) * (lut >= 0)  # [B, H, N, C, C]
-    o = (W * lam_intra) @ vc  # [B, H, N, C, C] @ [B, H, N, C, V] -> [B, H, N, C, V]
+    lam_intra = torch.gather(lamc, -1, lut.clamp(min=0).expand(B, H, N, C, C))  # [B, H, N, C, C]: lam[t, LUT[t, s]]
+    o = causal_matmul(causal_scores(W, lam_intra), vc)  # [B, H, N, C, C] @ [B, H, N, C, V] -> [B, H, N, C, V]
 
     if has_low:
         prev = lut[:, r0 - 1]  # [C]: level(t, P - 1) for the first chunk's rows t >= r0
@@ -155,6 +164,8 @@ def loglinear_attn_chunk(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
         raise ValueError(f"chunk_size: expected a power of two, got {C}")
     positions = state_positions(initial_state, B)
     check_lam_levels(L, positions, [T] * B)
+    if B == 0:
+        return empty_batch(q, v, L, output_final_state)
     levels0, position = initial_levels(initial_state, B, H, L, K, V, dt, q.device)  # [B, H, L, K, V], [B]
     tensors = [None if x is None else x.to(dt) for x in (q, k, v, lam, g, beta)]
     outputs, finals, order = [], [], []

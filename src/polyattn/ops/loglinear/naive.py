@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import compute_dtype, exp_segsum, level, level_matrix
+from polyattn.ops.common import causal_matmul, causal_scores, compute_dtype, exp_segsum, level, level_matrix, suffix_sum
 from polyattn.ops.delta import delta_rule_attention_matrix
 from polyattn.ops.delta.naive import delta_rule_system
-from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, initial_levels, state_positions
+from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, empty_batch, initial_levels, state_positions
 
 
 def _level_of_previous(P: int, T: int) -> list[int]:
@@ -50,24 +50,26 @@ def loglinear_attn_naive(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
     V, L = v.shape[-1], lam.shape[-1]
     positions = state_positions(initial_state, B)
     check_lam_levels(L, positions, [T] * B)
+    if B == 0:
+        return empty_batch(q, v, L, output_final_state)
     S0, position = initial_levels(initial_state, B, H, L, K, V, dt, q.device)  # [B, H, L, K, V], [B]
     q, k, v = (x.to(dt).transpose(1, 2) for x in (q, k, v))  # [B, T, H, D] -> [B, H, T, D]
     lam = lam.to(dt).permute(0, 2, 1, 3)  # [B, T, H, L] -> [B, H, T, L]
     g = torch.zeros(B, H, T, dtype=dt, device=q.device) if g is None else g.to(dt).transpose(1, 2)  # [B, H, T]
     G = torch.cumsum(g, dim=-1)  # [B, H, T]
     if beta is None:
-        W = scale * (q @ k.transpose(-1, -2)) * exp_segsum(g)  # [B, H, T, T]
+        W = causal_scores(scale * (q @ k.transpose(-1, -2)), exp_segsum(g))  # [B, H, T, T]
     else:
         beta = beta.to(dt).transpose(1, 2)  # [B, T, H] -> [B, H, T]
         W = delta_rule_attention_matrix(q.transpose(1, 2), k.transpose(1, 2), beta.transpose(1, 2), g.transpose(1, 2), scale=scale)
 
     lev = torch.stack([level_matrix(T, offset=P, device=q.device) for P in positions])  # [B, T, T], -1 above
     lev = lev[:, None].expand(B, H, T, T)  # [B, H, T, T]
-    mask = torch.gather(lam, -1, lev.clamp(min=0)) * (lev >= 0)  # [B, H, T, L] -> [B, H, T, T], (1)
-    o = (W * mask) @ v  # [B, H, T, T] @ [B, H, T, V] -> [B, H, T, V]
+    mask = torch.gather(lam, -1, lev.clamp(min=0))  # [B, H, T, L] -> [B, H, T, T]: lam[t, level(t, s)]
+    o = causal_matmul(causal_scores(W, mask), v)  # (1): [B, H, T, T] @ [B, H, T, V] -> [B, H, T, V]
 
     # the carried keys F (row T-1 of W for the identity as query) and the carry of the initial groups
-    decay_to_end = torch.exp(G[..., -1:] - G)  # [B, H, T]
+    decay_to_end = torch.exp(suffix_sum(g))  # [B, H, T]: exp(g_{s+1} + ... + g_{T-1})
     if beta is None:
         F = (k * decay_to_end[..., None]).transpose(-1, -2)  # [B, H, K, T]
     else:
@@ -84,7 +86,7 @@ def loglinear_attn_naive(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
             continue
         qt = torch.exp(G[b])[..., None] * (scale * q[b])  # [H, T, K]
         if beta is not None:
-            qt = qt - W[b] @ (torch.exp(G[b])[..., None] * k[b])  # (2): [H, T, T] @ [H, T, K] -> [H, T, K]
+            qt = qt - causal_matmul(W[b], torch.exp(G[b])[..., None] * k[b])  # (2): [H, T, T] @ [H, T, K] -> [H, T, K]
         m = torch.tensor(_level_of_previous(P, T), device=q.device)  # [T]
         group_level = torch.maximum(torch.arange(L, device=q.device)[None, :], m[:, None])  # [T, L]
         lam_groups = torch.gather(lam[b], -1, group_level.expand(H, T, L))  # [H, T, L]

@@ -19,8 +19,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
-from polyattn.ops.common import check_state, num_levels
+from polyattn.ops.common import check_state, check_value, num_levels
 
 
 class LogLinearState(NamedTuple):
@@ -57,7 +58,7 @@ def initial_levels(initial_state: LogLinearState | None, N: int, H: int, L: int,
 
 def check_loglinear_state(state, N: int, H: int, L: int, K: int, V: int, q: torch.Tensor) -> None:
     """Check an ``initial_state``: ``LogLinearState(levels [N, H, L, K, V] floating, position [N] int64 >= 0)``."""
-    if not (isinstance(state, tuple) and len(state) == 2):
+    if not isinstance(state, LogLinearState):
         raise ValueError(f"initial_state: expected LogLinearState(levels, position), got {type(state).__name__}")
     levels, position = state
     check_state("initial_state.levels", levels, (N, H, L, K, V), q)
@@ -66,13 +67,12 @@ def check_loglinear_state(state, N: int, H: int, L: int, K: int, V: int, q: torc
         raise ValueError(f"initial_state.position: expected an int64 tensor [{N}], got {got}")
     if position.device != q.device:
         raise ValueError(f"initial_state.position: expected device {q.device} (the device of q), got {position.device}")
-    if bool((position < 0).any()):
-        raise ValueError(f"initial_state.position: expected positions >= 0, got {position.tolist()}")
+    check_value(position >= 0, "initial_state.position: expected positions >= 0")
 
 
 def check_lam_levels(L: int, positions: list[int], lengths: list[int]) -> None:
     """``lam`` needs ``num_levels(position + length)`` levels for the absolute length each sequence reaches."""
-    end = max(p + n for p, n in zip(positions, lengths))
+    end = max([p + n for p, n in zip(positions, lengths)] + [0])  # 0: no sequences (B = 0)
     need = num_levels(end)
     if L < need:
         raise ValueError(
@@ -84,3 +84,35 @@ def check_lam_levels(L: int, positions: list[int], lengths: list[int]) -> None:
 def state_positions(initial_state: LogLinearState | None, N: int) -> list[int]:
     """The start position of each sequence on the host (0 without an initial state)."""
     return [0] * N if initial_state is None else initial_state.position.tolist()
+
+
+def empty_batch(q: torch.Tensor, v: torch.Tensor, L: int, output_final_state: bool):
+    """The result of a call on no sequences (``B = 0``): ``o [0, T, H, V]`` and an empty state."""
+    B, T, H, K = q.shape
+    o = v.new_zeros(B, T, H, v.shape[-1], dtype=q.dtype)
+    if not output_final_state:
+        return o, None
+    levels = q.new_zeros(B, H, L, K, v.shape[-1], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    return o, LogLinearState(levels, torch.zeros(B, dtype=torch.int64, device=q.device))
+
+
+def widen_levels(lam: torch.Tensor, state: LogLinearState | None, T: int):
+    """``lam [B, T, H, L]`` and ``state`` widened to the levels a call of ``T`` tokens reaches, for models
+    that learn a fixed number L of level weights and must still serve any length.
+
+    Levels past lam's last share its weight (the last column is repeated); the state gains empty levels.
+    Returns ``(lam, state)`` unchanged while ``L`` suffices (``position + T <= 2**(L - 1)``). With a state,
+    the largest position is read on the host (one sync; the PyTorch forms read positions anyway).
+    """
+    L = lam.shape[-1]
+    end = T
+    if state is not None:
+        L = max(L, state.levels.shape[2])
+        end += int(state.position.max()) if state.position.numel() else 0
+    need = max(L, num_levels(end))
+    if need > lam.shape[-1]:
+        lam = torch.cat([lam, lam[..., -1:].expand(*lam.shape[:-1], need - lam.shape[-1])], dim=-1)  # [B, T, H, need]
+    if state is not None and need > state.levels.shape[2]:
+        levels = F.pad(state.levels, [0, 0, 0, 0, 0, need - state.levels.shape[2]])  # [N, H, L, K, V] -> [N, H, need, K, V]
+        state = LogLinearState(levels, state.position)
+    return lam, state

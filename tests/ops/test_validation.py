@@ -1,0 +1,124 @@
+"""Options and values every op checks the same way, empty batches, and value checks without host syncs."""
+
+import pytest
+import torch
+
+from op_cases import CASES, FORM_IDS, FORM_PARAMS, BY_NAME, case_inputs
+from polyattn import ops
+from polyattn.ops.common import set_value_checks
+from polyattn.ops.loglinear import LogLinearState
+
+
+@pytest.mark.parametrize("B, H", [(0, 2), (1, 0)], ids=["B0", "H0"])
+@pytest.mark.parametrize("name, impl", FORM_PARAMS, ids=FORM_IDS)
+def test_empty_batch_or_heads(name, impl, B, H):
+    case = BY_NAME[name]
+    x = case_inputs(T=5, B=max(B, 1), H=max(H, 1))
+    x = {n: (t[:0] if B == 0 else t[:, :, :0]) for n, t in x.items()}
+    o, state = case.call(x, impl, output_final_state=True)
+    assert tuple(o.shape) == (B, 5, H, 6)
+    for field in state if isinstance(state, tuple) else (state,):
+        assert field.shape[0] == B and (field.dim() == 1 or field.shape[1] == H)
+
+
+def _small():
+    return case_inputs(T=6, H=2, K=4, V=3)
+
+
+OPTION_ERRORS = {
+    "output_final_state-int": (dict(output_final_state=1), r"output_final_state: expected a bool, got 1"),
+    "scale-inf": (dict(scale=float("inf")), r"scale: expected a finite float"),
+    "scale-str": (dict(scale="1"), r"scale: expected a Python float"),
+    "impl-bogus": (dict(impl="fast"), r"impl must be 'auto' or one of"),
+}
+
+
+@pytest.mark.parametrize("option", list(OPTION_ERRORS))
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_shared_options_rejected(case, option):
+    kwargs, message = OPTION_ERRORS[option]
+    kwargs = dict(kwargs)
+    impl = kwargs.pop("impl", "chunk")
+    with pytest.raises(ValueError, match=message):
+        case.call(_small(), impl, **kwargs)
+
+
+HLA_ERRORS = {
+    "eps-negative": (dict(eps=-1.0), r"eps: expected a positive float"),
+    "eps-str": (dict(eps="x"), r"eps: expected a positive float"),
+    "eps-nan": (dict(eps=float("nan")), r"eps: expected a positive float"),
+    "normalize-str": (dict(normalize="no"), r"normalize: expected a bool, got 'no'"),
+    "normalize-int": (dict(normalize=1), r"normalize: expected a bool"),
+    "asymmetric-int": (dict(asymmetric=1), r"asymmetric: expected a bool"),
+    "order-4": (dict(order=4), r"order must be one of \[2, 3\]"),
+}
+
+
+@pytest.mark.parametrize("option", list(HLA_ERRORS))
+def test_hla_options_rejected(option):
+    kwargs, message = HLA_ERRORS[option]
+    x = _small()
+    with pytest.raises(ValueError, match=message):
+        ops.hla(x["q"], x["k"], x["v"], x["g"], **kwargs)
+
+
+def test_kata_eps_inf_rejected():
+    x = _small()
+    with pytest.raises(ValueError, match=r"eps: expected a positive float"):
+        ops.kata(x["q"], x["k"], x["v"], eps=float("inf"))
+
+
+def test_loglinear_plain_tuple_state_rejected():
+    x = _small()
+    levels = torch.zeros(1, 2, x["lam"].shape[-1], 4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"initial_state: expected LogLinearState\(levels, position\), got tuple"):
+        ops.loglinear_attn(x["q"], x["k"], x["v"], x["lam"], initial_state=(levels, torch.zeros(1, dtype=torch.int64)))
+    ops.loglinear_attn(x["q"], x["k"], x["v"], x["lam"], initial_state=LogLinearState(levels, torch.zeros(1, dtype=torch.int64)))
+
+
+def _bad_g():
+    x = _small()
+    x["g"][0, 2, 1] = 0.5
+    return x
+
+
+def test_value_check_modes():
+    x = _bad_g()
+    with pytest.raises(ValueError, match=r"g: expected a log-decay g <= 0"):
+        ops.linear_attn(x["q"], x["k"], x["v"], x["g"])
+    try:
+        assert set_value_checks("async") == "auto"
+        with pytest.raises(RuntimeError, match=r"g: expected a log-decay g <= 0"):
+            ops.linear_attn(x["q"], x["k"], x["v"], x["g"])
+        set_value_checks("off")
+        o, _ = ops.linear_attn(x["q"], x["k"], x["v"], x["g"])
+        assert o.shape == (1, 6, 2, 3)
+        with pytest.raises(ValueError, match=r"mode must be one of"):
+            set_value_checks("never")
+    finally:
+        set_value_checks("auto")
+
+
+def test_value_checks_compile_without_graph_breaks():
+    """Under torch.compile the checks are traced asserts: one graph, and a bad value still fails."""
+    x = _small()
+
+    def run(q, k, v, g):
+        return ops.linear_attn(q, k, v, g, impl="chunk")[0]
+
+    compiled = torch.compile(run, fullgraph=True, backend="eager", dynamic=False)
+    assert torch.equal(compiled(x["q"], x["k"], x["v"], x["g"]), run(x["q"], x["k"], x["v"], x["g"]))
+    bad = _bad_g()
+    with pytest.raises(RuntimeError, match=r"g: expected a log-decay g <= 0"):
+        compiled(bad["q"], bad["k"], bad["v"], bad["g"])
+
+
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla"])
+def test_triton_forms_refuse_minus_inf_until_exact(op):
+    """The Triton kernels are not exact for g = -inf yet: refused before launch, never a NaN output."""
+    x = _small()
+    x["g"][0, 3, 1] = float("-inf")
+    args = {"linear_attn": (x["q"], x["k"], x["v"], x["g"]), "delta_rule": (x["q"], x["k"], x["v"], x["beta"], x["g"]),
+            "hla": (x["q"], x["k"], x["v"], x["g"])}[op]
+    with pytest.raises(ValueError, match=rf"g: {op} impl='triton' takes finite log-decays only"):
+        getattr(ops, op)(*(t.float() for t in args), impl="triton")
