@@ -15,22 +15,22 @@ if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/compile.log" 2>&1
-python3 -m polyattn.bench kernels --out "$out/compile" --dims 128 --compile-only >> "$out/compile.log" 2>&1 &
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > /tmp/compile.log 2>&1
+python3 -m polyattn.bench kernels --out /tmp/compile --dims 128 --compile-only >> /tmp/compile.log 2>&1 &
 c1=$!
 tests=${TESTS:-tests/ops/delta/test_delta_triton.py tests/ops/triton tests/ops/linear/test_triton.py tests/ops/hla/test_hla_triton.py}
 timeout -s INT "${TEST_TIMEOUT:-300}" python3 -m pytest -n "${TEST_WORKERS:-6}" -q -p no:cacheprovider $tests -rA --durations=15 > "$out/test_triton_gpu.log" 2>&1
 grep -E "passed|failed" "$out/test_triton_gpu.log" | tail -n 2
 grep -E "^(FAILED|ERROR)" "$out/test_triton_gpu.log" | head -30
 wait $c1
-tail -n 3 "$out/compile.log"
+tail -n 3 /tmp/compile.log
 if [ "${BENCH_TIMEOUT:-400}" != 0 ]; then
   timeout "${BENCH_TIMEOUT:-400}" python3 -m polyattn.bench kernels --out "$out" "$@" > "$out/kernels.log" 2>&1
   grep -E "delta_rule|decay" "$out/kernels.log" | tail -n 40
 fi
 if [ "${DECODE_TIMEOUT:-120}" != 0 ]; then
-  timeout "${DECODE_TIMEOUT:-120}" python3 -m polyattn.bench decode --out "$out" --seqlens 4096 32768 > "$out/decode.log" 2>&1
-  tail -n 16 "$out/decode.log"
+  timeout "${DECODE_TIMEOUT:-120}" python3 -m polyattn.bench decode --out "$out" --seqlens 4096 32768 > /tmp/decode.log 2>&1
+  tail -n 16 /tmp/decode.log
 fi
 if [ "${TUNE_TIMEOUT:-0}" != 0 ]; then
   timeout "${TUNE_TIMEOUT}" python3 benchmarks/tune_linear_triton.py --seqlens 8192 --configs 0 1 --out "$out/tune_linear.json" > "$out/tune_linear.log" 2>&1
