@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from polyattn.ops.common import check_state, check_value, num_levels
+from polyattn.ops.common import check_state, check_value, compute_dtype, num_levels
 
 
 class LogLinearState(NamedTuple):
@@ -92,7 +92,7 @@ def empty_batch(q: torch.Tensor, v: torch.Tensor, L: int, output_final_state: bo
     o = v.new_zeros(B, T, H, v.shape[-1], dtype=q.dtype)
     if not output_final_state:
         return o, None
-    levels = q.new_zeros(B, H, L, K, v.shape[-1], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    levels = q.new_zeros(B, H, L, K, v.shape[-1], dtype=compute_dtype(q))
     return o, LogLinearState(levels, torch.zeros(B, dtype=torch.int64, device=q.device))
 
 
