@@ -1,6 +1,6 @@
 """Per-kernel CUDA time of one `delta_rule(impl="triton")` forward + backward (torch.profiler).
 
-python benchmarks/profile_delta.py [--T 8192 ...] [--warps 4 8] [--block-v 32 64] [--out FILE]
+python benchmarks/profile_delta.py [--T 8192 ...] [--warps 4 8] [--block-v 32 64] [--fp32-dot split tf32 rounded] [--out FILE]
 Standard shape: bf16, H = 16, K = V = 128, B = 65536 // T. Prints each kernel's mean time per call.
 """
 import argparse
@@ -20,15 +20,17 @@ def main():
     parser.add_argument("--T", type=int, nargs="+", default=[8192])
     parser.add_argument("--warps", type=int, nargs="+", default=[8])
     parser.add_argument("--block-v", type=int, nargs="+", default=[32])
+    parser.add_argument("--fp32-dot", nargs="+", default=["split"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = {}
     for warps in args.warps:
         for block_v in args.block_v:
-            with use_config(replace(get_config(), delta_num_warps=warps, delta_block_v=block_v)):
-                for T in args.T:
-                    print(f"num_warps={warps} block_v={block_v}")
-                    results[f"T{T}-w{warps}-bv{block_v}"] = profile(T, warps)
+            for dot in args.fp32_dot:
+                with use_config(replace(get_config(), delta_num_warps=warps, delta_block_v=block_v, delta_fp32_dot=dot)):
+                    for T in args.T:
+                        print(f"num_warps={warps} block_v={block_v} fp32_dot={dot}")
+                        results[f"T{T}-w{warps}-bv{block_v}-{dot}"] = profile(T, warps)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

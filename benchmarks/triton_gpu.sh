@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Triton kernels on one GPU: tests at real shapes, then the kernel benchmark, logs under $1.
+# Triton kernels on one GPU in one call: tests at real shapes, the kernel benchmark, the decode
+# benchmark and the delta-rule profile; logs and results under $1.
 # usage: benchmarks/triton_gpu.sh OUTDIR [extra args for `python -m polyattn.bench kernels`]
 # fla wheels in .whl/ (if any) are installed to /tmp/site first. Kernel compilation (CPU-bound)
-# runs in parallel with the tests before anything is timed. TESTS (pytest paths), TEST_TIMEOUT
-# and BENCH_TIMEOUT (s) set the two steps (one device command may last 600 s).
+# runs in parallel with the tests before anything is timed. TESTS (pytest paths), TEST_TIMEOUT,
+# BENCH_TIMEOUT, DECODE_TIMEOUT, TUNE_TIMEOUT (default 0: off), PROFILE_TIMEOUT and
+# PRECISION_TIMEOUT (s; 0 skips the step) bound the steps.
 set -uo pipefail
 out=${1:?usage: triton_gpu.sh OUTDIR [bench args...]}
 shift
@@ -16,11 +18,25 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/compile.log" 2>&1
 python3 -m polyattn.bench kernels --out "$out/compile" --dims 128 --compile-only >> "$out/compile.log" 2>&1 &
 c1=$!
-tests=${TESTS:-tests/ops/delta/test_delta_triton.py tests/ops/linear/test_triton.py tests/ops/hla/test_hla_triton.py}
-timeout -s INT "${TEST_TIMEOUT:-300}" python3 -m pytest -n 8 -q -p no:cacheprovider $tests -rA --durations=15 > "$out/test_triton_gpu.log" 2>&1
-tail -n 4 "$out/test_triton_gpu.log"
+tests=${TESTS:-tests/ops/delta/test_delta_triton.py tests/ops/triton tests/ops/linear/test_triton.py tests/ops/hla/test_hla_triton.py}
+timeout -s INT "${TEST_TIMEOUT:-300}" python3 -m pytest -n "${TEST_WORKERS:-6}" -q -p no:cacheprovider $tests -rA --durations=15 > "$out/test_triton_gpu.log" 2>&1
+grep -E "passed|failed" "$out/test_triton_gpu.log" | tail -n 2
 grep -E "^(FAILED|ERROR)" "$out/test_triton_gpu.log" | head -30
 wait $c1
 tail -n 3 "$out/compile.log"
-timeout "${BENCH_TIMEOUT:-400}" python3 -m polyattn.bench kernels --out "$out" "$@" > "$out/kernels.log" 2>&1
-cat "$out/kernels.log" | tail -n 60
+if [ "${BENCH_TIMEOUT:-400}" != 0 ]; then
+  timeout "${BENCH_TIMEOUT:-400}" python3 -m polyattn.bench kernels --out "$out" "$@" > "$out/kernels.log" 2>&1
+  grep -E "delta_rule|decay" "$out/kernels.log" | tail -n 40
+fi
+if [ "${DECODE_TIMEOUT:-120}" != 0 ]; then
+  timeout "${DECODE_TIMEOUT:-120}" python3 -m polyattn.bench decode --out "$out" --seqlens 4096 32768 > "$out/decode.log" 2>&1
+  tail -n 16 "$out/decode.log"
+fi
+if [ "${TUNE_TIMEOUT:-0}" != 0 ]; then
+  timeout "${TUNE_TIMEOUT}" python3 benchmarks/tune_linear_triton.py --seqlens 8192 --configs 0 1 --out "$out/tune_linear.json" > "$out/tune_linear.log" 2>&1
+  tail -n 3 "$out/tune_linear.log"
+fi
+if [ "${PROFILE_TIMEOUT:-60}" != 0 ]; then
+  timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/profile_delta.py --T 8192 --warps 8 --block-v 32 --fp32-dot split tf32 rounded --out "$out/profile.json" 2>&1 | grep -v -i warn | tail -n 20
+  timeout "${PRECISION_TIMEOUT:-60}" python3 benchmarks/delta_precision.py --out "$out/precision.json" 2>&1 | tail -n 4
+fi

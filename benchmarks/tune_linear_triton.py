@@ -1,6 +1,6 @@
 """Sweep the launch parameters of the Triton linear_attn kernels on one GPU (prints a table).
 
-python benchmarks/tune_linear_triton.py [--out results.json]
+python benchmarks/tune_linear_triton.py [--out results.json] [--seqlens 2048 ...] [--configs 0 1 ...]
 Times forward and forward+backward (bf16, H=16, K=V=128, B*T=65536) per KernelConfig against
 fla chunk_linear_attn when importable.
 """
@@ -31,7 +31,7 @@ CONFIGS = [
 
 def time_case(T, decay, mode):
     B = max(1, TOKENS // T)
-    q, k, v, g = inputs(B, T, 128, requires_grad=mode == "fwdbwd")
+    q, k, v, g, _ = inputs(B, T, 128, requires_grad=mode == "fwdbwd")
     g = g if decay else None
     fn = lambda: ops.linear_attn(q, k, v, g, impl="triton")[0]  # noqa: E731
     if mode == "fwd":
@@ -46,9 +46,12 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 16384, 131072])
+    parser.add_argument("--configs", type=int, nargs="+", default=list(range(len(CONFIGS))), help="indices into CONFIGS")
     args = parser.parse_args()
     rows = []
     for i, config in enumerate(CONFIGS):
+        if i not in args.configs:
+            continue
         with use_config(config):
             for T in args.seqlens:
                 for decay in (False, True):
@@ -60,7 +63,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     print("\nconfig  " + "  ".join(f"{'d' if d else 'n'}{T // 1024}K-{m}" for T in args.seqlens for d in (False, True) for m in ("fwd", "fwdbwd")))
-    for i in range(len(CONFIGS)):
+    for i in args.configs:
         cells = [r["ms"] for r in rows if r["config"] == i]
         print(f"{i:6d}  " + "  ".join(f"{c:8.3f}" if isinstance(c, float) else "   error" for c in cells))
     return 0

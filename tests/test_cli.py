@@ -27,7 +27,7 @@ BAD_TRAIN_ARGS = {
     "mixer-config-type": (["--mixer-config", '{"num_heads": "4"}'], "num_heads (mixer 'kata-m2'): expected an integer >= 1"),
     "mixer-config-unknown": (["--mixer-config", '{"bogus": 1}'], "unknown options ['bogus']"),
     "train-pair": (["--train", "16:40"], "--train: expected seq_len:examples:pairs triples"),
-    "test-zero": (["--test", "64:0:4"], "segment: expected num_examples a positive integer"),
+    "test-zero": (["--test", "64:0:4"], "segment: expected num_examples an integer >= 1"),
     "device-bogus": (["--device", "bogus"], "device: expected auto, cpu, cuda or cuda:N"),
     "impl-bogus": (["--impl", "fast"], "impl: expected 'auto' or one of"),
     "task-options": (["--task-options", '{"vocab": 3}'], "task_options:"),

@@ -108,7 +108,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "info": ("versions, device, and which mechanisms and impls exist", _add_info_arguments, _cmd_info),
-    "train": ("train one mixer on a synthetic recall task (JSON, PNGs, checkpoint)", _add_train_arguments, _cmd_train),
+    "train": ("train one mixer on a synthetic recall task or real text (JSON, PNGs, checkpoint)", _add_train_arguments, _cmd_train),
     "sweep": ("mixers × widths × learning rates; best LR per cell", _add_sweep_arguments, _cmd_sweep),
     "demo": ("every mixer on a small MQAR on the CPU in minutes: table, JSON, PNG", _add_demo_arguments, _cmd_demo),
     "bench": ("GPU benchmarks: kernels (fwd, fwd+bwd) and decode against SDPA and fla (JSON, markdown, PNG)",

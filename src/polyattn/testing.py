@@ -135,10 +135,11 @@ def per_sequence(form, lengths: list[int]):
     return run
 
 
-def assert_low_precision_matches(naive, chunk, fast, inputs: dict, h0, dtype, *, lengths=None, seed: int = 1) -> None:
-    """`fast` (in `dtype`) against `naive` in float64 on the same rounded inputs, within the
-    bound above; `chunk` (the PyTorch chunk form, in `dtype`) sets the bound. With `lengths`,
-    the inputs (B = 1) are packed sequences: `fast` gets `cu_seqlens`, the others run per sequence."""
+def low_precision_errors(naive, chunk, fast, inputs: dict, h0, dtype, *, lengths=None, seed: int = 1) -> dict:
+    """`{tensor name: (rel_err(fast), bound)}` for `fast` (in `dtype`) against `naive` in float64
+    on the same rounded inputs; the bound is the one stated above, set by `chunk` (the PyTorch chunk
+    form, in `dtype`). With `lengths`, the inputs (B = 1) are packed sequences: `fast` gets
+    `cu_seqlens`, the others run per sequence. Also checks dtypes and finiteness."""
     gen = torch.Generator().manual_seed(seed)
     q, v = inputs["q"], inputs["v"]
     Bx, T, Hx, Kx = q.shape
@@ -155,9 +156,42 @@ def assert_low_precision_matches(naive, chunk, fast, inputs: dict, h0, dtype, *,
     ref = forward_backward(naive, exact, h0.double(), (do, dht), scale=scale)
     base = forward_backward(chunk, low, h0, (do, dht), scale=scale)
     got = forward_backward(fast, low, h0, (do, dht), scale=scale, cu_seqlens=cu)
+    errors = {}
     for name, expected in ref.items():
         assert got[name].dtype == base[name].dtype, f"{name}: dtype {got[name].dtype} != {base[name].dtype}"
         assert bool(torch.isfinite(got[name]).all()), f"{name}: non-finite values"
         err, err_chunk = rel_err(got[name], expected), rel_err(base[name], expected)
-        bound = min(max(2 * err_chunk, LOW_PRECISION_FLOOR[dtype]), LOW_PRECISION_CEILING[dtype])
-        assert err <= bound, f"{name}: rel err {err:.2e} > {bound:.2e} (chunk {err_chunk:.2e})"
+        errors[name] = (err, min(max(2 * err_chunk, LOW_PRECISION_FLOOR[dtype]), LOW_PRECISION_CEILING[dtype]))
+    return errors
+
+
+def assert_low_precision_matches(naive, chunk, fast, inputs: dict, h0, dtype, *, lengths=None, seed: int = 1) -> None:
+    """Every tensor of `low_precision_errors` within its bound."""
+    for name, (err, bound) in low_precision_errors(naive, chunk, fast, inputs, h0, dtype, lengths=lengths, seed=seed).items():
+        assert err <= bound, f"{name}: rel err {err:.2e} > {bound:.2e}"
+
+
+def assert_one_token_step(fast, tensors: list, h0: torch.Tensor, *, scale: float = 0.3, rtol: float = 1e-5) -> None:
+    """A one-token call of a Triton form without gradients (decoding, served by the fused step)
+    equals the same call with gradients (served by the chunk kernels) and leaves `h0` untouched."""
+    kept = h0.clone()
+    with torch.no_grad():
+        o, ht = fast(*tensors, scale=scale, initial_state=h0, output_final_state=True)
+    leaves = [None if t is None else t.clone().requires_grad_() for t in tensors]
+    o_ref, ht_ref = fast(*leaves, scale=scale, initial_state=h0, output_final_state=True)
+    assert torch.equal(h0, kept), "the one-token call modified the caller's state"
+    assert rel_err(o, o_ref) <= rtol, f"o: {rel_err(o, o_ref):.2e}"
+    assert rel_err(ht, ht_ref) <= rtol, f"final state: {rel_err(ht, ht_ref):.2e}"
+
+
+def assert_fused_steps(fused_step, reference_step, steps: list, state: torch.Tensor, *, scale: float = 0.3, rtol: float = 1e-5) -> None:
+    """A fused in-place decoding step (`fused_step(*tokens, state, scale=)`, fp32 state) against
+    the PyTorch step that returns a new state, over the per-step token tensors `steps`."""
+    fused = state.float().contiguous()
+    reference = state.clone()
+    for t, tokens in enumerate(steps):
+        o, same = fused_step(*(None if x is None else x.float() for x in tokens), fused, scale=scale)
+        o_ref, reference = reference_step(*tokens, reference, scale=scale)
+        assert same is fused, "the fused step must update the state in place"
+        assert rel_err(o, o_ref) <= rtol, f"step {t}: o rel err {rel_err(o, o_ref):.2e}"
+        assert rel_err(fused, reference) <= rtol, f"step {t}: state rel err {rel_err(fused, reference):.2e}"

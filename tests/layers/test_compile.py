@@ -1,13 +1,13 @@
-"""``torch.compile(fullgraph=True)`` of every mixer's forward on CPU: no graph breaks (no host syncs in checks).
-
-The ``eager`` backend traces with dynamo exactly as inductor would (a graph break fails ``fullgraph``)
-without compiling kernels, so the test stays fast.
-"""
+"""`torch.compile(fullgraph=True)` of every mixer on CPU: one graph (no breaks), equal to eager forward and
+backward; an inductor-compiled mixer, forward and backward, equals eager to rounding; compiled decay
+checks still fire; a decoding step compiles without breaks too."""
 
 import pytest
 import torch
 
+from polyattn import ops
 from polyattn.layers import MIXERS, build_mixer
+from polyattn.testing import assert_close_rel
 
 POSITIONAL = ("loglinear-mamba2", "loglinear-gdn")  # decoding reads Fenwick positions on the host
 
@@ -17,16 +17,50 @@ def make(name):
     return build_mixer(name, 16, num_heads=2)
 
 
+def forward_and_grads(mixer, fn, x):
+    x = x.clone().requires_grad_()
+    mixer.zero_grad()
+    y, _ = fn(x)
+    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    return y.detach(), x.grad, [p.grad.clone() for p in mixer.parameters()]
+
+
+def assert_all_close(got, want, rtol, name):
+    for g, w in zip(got, want):
+        for a, b in zip(g if isinstance(g, list) else [g], w if isinstance(w, list) else [w]):
+            assert_close_rel(a, b, rtol, name)
+
+
 @pytest.mark.parametrize("name", list(MIXERS))
-def test_prefill_compiles_without_graph_breaks(name):
+def test_fullgraph_compile_equals_eager(name):
+    """Dynamo traces each mixer as one graph; forward and backward equal eager exactly (eager backend), and
+    the AOT-traced forward equals it too."""
     mixer = make(name)
-    x = torch.randn(2, 11, 16, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 19, 16, generator=torch.Generator().manual_seed(1))
     torch._dynamo.reset()
-    compiled = torch.compile(mixer, fullgraph=True, backend="eager")
-    y, state = compiled(x, use_cache=True)
-    y_eager, state_eager = mixer(x, use_cache=True)
-    assert torch.equal(y, y_eager)
-    assert state.position == state_eager.position == 11
+    traced = torch.compile(mixer, fullgraph=True, backend="eager")
+    assert_all_close(forward_and_grads(mixer, traced, x), forward_and_grads(mixer, mixer, x), 0.0, name)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(mixer, fullgraph=True, backend="aot_eager")(x)[0], mixer(x)[0]), name
+
+
+def test_inductor_compile_equals_eager():
+    torch._dynamo.reset()
+    mixer = make("gdn")
+    x = torch.randn(2, 19, 16, generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(mixer, fullgraph=True)
+    assert_all_close(forward_and_grads(mixer, compiled, x), forward_and_grads(mixer, mixer, x), 1e-5, "gdn inductor")
+
+
+def test_compiled_decay_check_still_fires():
+    torch._dynamo.reset()
+    q = torch.randn(1, 5, 2, 4)
+    g = -torch.rand(1, 5, 2)
+    compiled = torch.compile(lambda q, g: ops.linear_attn(q, q, q, g)[0], fullgraph=True, backend="aot_eager")
+    assert_close_rel(compiled(q, g), ops.linear_attn(q, q, q, g)[0], 1e-6, "compiled linear_attn")
+    with pytest.raises(RuntimeError, match="log-decay g <= 0"):
+        compiled(q, g.abs() + 0.1)
 
 
 @pytest.mark.parametrize("name", [n for n in MIXERS if n not in POSITIONAL])

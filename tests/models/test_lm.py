@@ -77,6 +77,48 @@ def test_invalid_configs_raise(overrides, match):
         CausalLM(config)
 
 
+HYBRID = ["softmax", "mamba2", "loglinear-gdn", "kata-m2"]
+
+
+def per_sequence(model, docs):
+    """Logits of each token list alone and the parameter gradients of Σ_docs Σ w·logits."""
+    model.zero_grad()
+    outs = []
+    for i, ids in enumerate(docs):
+        logits, _ = model(ids[None])
+        (logits * torch.randn(logits.shape, dtype=logits.dtype, generator=torch.Generator().manual_seed(i))).sum().backward()
+        outs.append(logits.detach()[0])
+    return outs, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("layout", ["left-padded", "packed"])
+def test_padded_and_packed_batches_give_each_sequence_its_own_logits(layout):
+    """Garbage tokens in the padding and other documents in the row change nothing, forward or backward."""
+    model = tiny(n_layers=len(HYBRID), layer_mixers=HYBRID)
+    gen = torch.Generator().manual_seed(5)
+    docs = [torch.randint(VOCAB, (n,), generator=gen) for n in (6, 1, 11, 3)]
+    outs, grads = per_sequence(model, docs)
+    model.zero_grad()
+    if layout == "packed":
+        cu_seqlens = torch.tensor([0, *torch.tensor([len(d) for d in docs]).cumsum(0).tolist()])
+        logits, _ = model(torch.cat(docs)[None], cu_seqlens=cu_seqlens)
+        pieces = logits[0].split([len(d) for d in docs])
+    else:
+        T = max(len(d) for d in docs)
+        ids = torch.randint(VOCAB, (len(docs), T), generator=gen)  # garbage where the mask is 0
+        mask = torch.zeros(len(docs), T, dtype=torch.long)
+        for i, d in enumerate(docs):
+            ids[i, T - len(d) :], mask[i, T - len(d) :] = d, 1
+        logits, _ = model(ids, attention_mask=mask)
+        pieces = [logits[i, T - len(d) :] for i, d in enumerate(docs)]
+    loss = sum((p * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(i))).sum() for i, p in enumerate(pieces))
+    loss.backward()
+    for i, (piece, out) in enumerate(zip(pieces, outs)):
+        assert_close_rel(piece, out, 1e-9, f"{layout} sequence {i}")
+    for p, g in zip(model.parameters(), grads):
+        assert_close_rel(p.grad, g, 1e-9, f"{layout} parameter gradient")
+
+
 @pytest.mark.parametrize(
     "ids, message",
     [

@@ -3,17 +3,19 @@
 ``build_mixer(name, d_model, **config)`` builds ``MIXERS[name]``; every mixer has
 ``forward(x [B, T, d_model], state=None, use_cache=False) -> (y, state)`` (``forward(x)`` equals a
 prefill with ``use_cache=True`` followed by one-token calls that pass the state back) and
-``state_size(T)``: floats a decoder keeps per sequence after T tokens.
+``state_size(T)``: floats a decoder keeps per sequence after T tokens. ``forward(x, cu_seqlens=...)`` runs
+packed documents and ``forward(x, attention_mask=...)`` padded rows, each exactly as alone
+(`polyattn.layers.common`).
 """
 
 from polyattn import ops
-from polyattn.layers.common import Mixer, MixerConfig, MixerState, RMSNorm
+from polyattn.layers.common import Mixer, MixerConfig, MixerState, RMSNorm, map_state, pack_rows
 from polyattn.layers.gdn import GatedDeltaNet, GDNConfig, LogLinearGatedDeltaNet, LogLinearGDNConfig
 from polyattn.layers.hla import AsymmetricHLA, HigherOrderLinearAttention, HLAConfig, ThirdOrderHLA
 from polyattn.layers.kata import DeltaKataM1, KataConfig, KataM2, KataS2, KernelizedAttention
 from polyattn.layers.linear import LinearAttention, LinearConfig
 from polyattn.layers.mamba2 import LogLinearMamba2, LogLinearMamba2Config, Mamba2, Mamba2Config
-from polyattn.layers.softmax import SoftmaxAttention, SoftmaxConfig
+from polyattn.layers.softmax import KVCache, SoftmaxAttention, SoftmaxConfig
 
 MIXERS = {
     cls.registry_name: cls
@@ -74,6 +76,7 @@ __all__ = [
     "GatedDeltaNet",
     "HLAConfig",
     "HigherOrderLinearAttention",
+    "KVCache",
     "KataConfig",
     "KataM2",
     "KataS2",
@@ -95,4 +98,6 @@ __all__ = [
     "ThirdOrderHLA",
     "available_mixers",
     "build_mixer",
+    "map_state",
+    "pack_rows",
 ]

@@ -5,6 +5,14 @@ Decoding protocol (every mixer): ``forward(x, state=None, use_cache=False) -> (y
 ``x: [B, T, d_model]``. With ``use_cache=True`` the returned `MixerState` continues the sequence exactly:
 ``forward(x)`` equals ``forward(x[:, :t], use_cache=True)`` followed by calls on the remaining tokens
 that pass the state back. States hold fp32 tensors (float64 when the input is float64).
+
+Packed and padded batches (every mixer): ``forward(x, cu_seqlens=...)`` runs documents packed into one
+row (``x: [1, T, d_model]``, int64 offsets ``[N + 1]``) with the state reset at every boundary, the short
+convolution included; with ``use_cache=True`` the state holds one entry per document (``[N, ...]``), so
+one-token calls on ``[N, 1, d_model]`` continue each document. ``forward(x, attention_mask=...)``
+(``[B, T]``, 1 = token, 0 = padding, e.g. a left-padded prompt) gives every row exactly what its tokens
+give alone: the tokens are packed into one row by `pack_rows`, run with ``cu_seqlens``, and put back
+(zeros at the padding). Padding is for prompts: with a state, ``attention_mask`` must be all ones.
 """
 
 import math
@@ -15,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from polyattn.ops.common import FORMS, check_flag, check_positive, compute_dtype
+from polyattn.ops.common import FORMS, check_cu_seqlens, check_flag, check_positive, compute_dtype
 
 
 class MixerState(NamedTuple):
@@ -23,7 +31,7 @@ class MixerState(NamedTuple):
 
     conv: torch.Tensor | None  # [B, conv_size - 1, channels] last inputs of the short conv
     core: Any  # the op's final_state (tensor or NamedTuple), or the KV cache for softmax
-    position: int  # tokens consumed so far
+    position: int  # time steps of the batch layout consumed so far (padding included)
 
 
 class RMSNorm(nn.Module):
@@ -57,15 +65,50 @@ class ShortConv(nn.Module):
         self.bias = nn.Parameter(torch.zeros(channels))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
-    def forward(self, x, cache=None):
-        """``x: [B, T, C]``, ``cache: [B, size-1, C]`` or None -> ``(silu(conv(x)) [B, T, C], new cache)``."""
+    def forward(self, x, cache=None, cu_seqlens=None):
+        """``x: [B, T, C]``, ``cache: [B, size-1, C]`` or None -> ``(silu(conv(x)) [B, T, C], new cache)``.
+
+        ``cu_seqlens`` (B = 1, no cache): no tap reads across a document boundary, and the new cache
+        holds each document's last ``size - 1`` inputs (zeros before its start), ``[N, size-1, C]``."""
         B, T, C = x.shape
         if cache is None:
             cache = x.new_zeros(B, self.size - 1, C)
         xp = torch.cat([cache.to(x.dtype), x], dim=1)  # [B, size-1+T, C]
         w = self.weight[:, 0].to(x.dtype)  # [C, size]
-        y = self.bias.to(x.dtype) + sum(xp[:, i : i + T] * w[:, i] for i in range(self.size))  # [B, T, C]
-        return F.silu(y), xp[:, -(self.size - 1) :]
+        taps = [xp[:, i : i + T] for i in range(self.size)]  # tap i reads token t - (size-1-i)
+        if cu_seqlens is not None:
+            offset = document_offsets(cu_seqlens, T)  # [T] index of each token in its document
+            taps = [torch.where((offset >= self.size - 1 - i)[:, None], tap, 0.0) for i, tap in enumerate(taps)]
+        y = self.bias.to(x.dtype) + sum(tap * w[:, i] for i, tap in enumerate(taps))  # [B, T, C]
+        if cu_seqlens is None:
+            return F.silu(y), xp[:, -(self.size - 1) :]
+        bos, eos = cu_seqlens[:-1, None], cu_seqlens[1:, None]  # [N, 1]
+        last = eos - (self.size - 1) + torch.arange(self.size - 1, device=x.device)  # [N, size-1] token indices
+        tail = torch.where((last >= bos)[..., None], xp[0, last + self.size - 1], 0.0)  # [N, size-1, C]
+        return F.silu(y), tail
+
+
+def document_ids(cu_seqlens, T):
+    """Each packed token's document: ``[T]`` int64."""
+    return torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=cu_seqlens.device), right=True)
+
+
+def document_offsets(cu_seqlens, T):
+    """Each packed token's index inside its document: ``[T]`` int64."""
+    return torch.arange(T, device=cu_seqlens.device) - cu_seqlens[document_ids(cu_seqlens, T)]
+
+
+def pack_rows(x, attention_mask):
+    """The tokens of each row of ``x [B, T, ...]`` where ``attention_mask [B, T]`` is nonzero, packed into
+    one row: ``(x_packed [1, total, ...], cu_seqlens [B + 1] int64, keep [B, T] bool)``."""
+    if attention_mask.shape != x.shape[:2]:
+        raise ValueError(f"attention_mask: expected shape {tuple(x.shape[:2])} ([B, T]), got {tuple(attention_mask.shape)}")
+    keep = attention_mask.to(device=x.device) != 0  # [B, T]
+    lengths = keep.sum(1)  # [B]
+    if not bool((lengths > 0).all()):
+        raise ValueError(f"attention_mask: expected at least one token (a nonzero entry) in every row, got lengths {lengths.tolist()}")
+    cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))  # [B + 1]
+    return x[keep][None], cu_seqlens, keep  # [B, T, ...] -> [1, total, ...]
 
 
 def split_heads(x, heads):
@@ -156,6 +199,18 @@ class LevelScales(nn.Module):
 def check_option(name, value, choices):
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def map_state(state, fn):
+    """`state` (a `MixerState`, an op state, or nested tuples of them) with ``fn`` applied to every tensor;
+    every state tensor leads with the batch (or document) dimension, so ``fn`` may select, reorder or
+    repeat rows (beam search)."""
+    if isinstance(state, torch.Tensor):
+        return fn(state)
+    if not isinstance(state, tuple):
+        return state  # positions (int) and absent parts (None)
+    parts = [map_state(s, fn) for s in state]
+    return type(state)(*parts) if hasattr(state, "_fields") else tuple(parts)
 
 
 MIN_INT_OPTION = {"conv_size": 2}  # every other integer option is a count >= 1
@@ -249,12 +304,32 @@ class Mixer(nn.Module):
         """Floats a decoder keeps per sequence after T tokens: mechanism state + short-conv cache."""
         return self.core_state_size(T) + self.conv_state_size()
 
+    def check_packed(self, x, state, cu_seqlens):
+        """``cu_seqlens`` runs start fresh documents: B = 1, valid offsets, no state."""
+        check_cu_seqlens(cu_seqlens, x)
+        if state is not None:
+            raise ValueError("cu_seqlens: expected state=None (packed documents start fresh), got a state")
+
+    def padded_forward(self, x, attention_mask, state, use_cache, cu_seqlens):
+        """``forward`` with ``attention_mask [B, T]``: each row's tokens run alone (module docstring)."""
+        if cu_seqlens is not None:
+            raise ValueError("expected attention_mask (padded rows) or cu_seqlens (packed documents), got both")
+        if state is not None:
+            if not bool((attention_mask != 0).all()):
+                raise ValueError("attention_mask: expected all ones with a state (padding belongs to the prompt), got zeros")
+            return self(x, state, use_cache)
+        packed, cu_seqlens, keep = pack_rows(x, attention_mask)  # [B, T, d_model] -> [1, total, d_model]
+        y_packed, state = self(packed, use_cache=use_cache, cu_seqlens=cu_seqlens)
+        y = y_packed.new_zeros(*keep.shape, y_packed.shape[-1])
+        y[keep] = y_packed[0]  # [1, total, d_model] -> [B, T, d_model], zeros at the padding
+        return y, (state._replace(position=x.shape[1]) if use_cache else None)
+
 
 class QKVMixer(Mixer):
     """The common shell (fla's linear-attention layer; ops/kata/README.md, "Layer shell"): bias-free q/k/v
     projections, optional short conv (SiLU) over [q|k|v], a per-head output RMSNorm (gated by
     ``silu(g_proj x)`` when the config has ``output_gate=True``) and an output projection.
-    Subclasses implement `mix(q, k, v, x, core_state, use_cache) -> (o [B,T,H,dv], core_state)`."""
+    Subclasses implement `mix(q, k, v, x, core_state, use_cache, cu_seqlens) -> (o [B,T,H,dv], core_state)`."""
 
     output_norm = True
 
@@ -269,16 +344,20 @@ class QKVMixer(Mixer):
         self.g_proj = nn.Linear(d_model, H * dv, bias=False) if getattr(self.config, "output_gate", False) else None
         self.o_proj = nn.Linear(H * dv, d_model, bias=False)
 
-    def forward(self, x, state=None, use_cache=False):
+    def forward(self, x, state=None, use_cache=False, attention_mask=None, cu_seqlens=None):
+        if attention_mask is not None:
+            return self.padded_forward(x, attention_mask, state, use_cache, cu_seqlens)
+        if cu_seqlens is not None:
+            self.check_packed(x, state, cu_seqlens)
         H, dk = self.heads, self.dk
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, H*(2dk+dv)]
         conv_cache = None
         if self.conv is not None:
-            qkv, conv_cache = self.conv(qkv, None if state is None else state.conv)
+            qkv, conv_cache = self.conv(qkv, None if state is None else state.conv, cu_seqlens)
         q, k, v = qkv.split([H * dk, H * dk, H * self.dv], dim=-1)
         q, k, v = (split_heads(t, H) for t in (q, k, v))  # [B, T, H*D] -> [B, T, H, D]
         core = None if state is None else state.core
-        o, core = self.mix(q, k, v, x, core, use_cache)  # [B, T, H, dv]
+        o, core = self.mix(q, k, v, x, core, use_cache, cu_seqlens)  # [B, T, H, dv]
         if self.o_norm is not None:
             o = self.o_norm(o, None if self.g_proj is None else split_heads(self.g_proj(x), H))
         o = o.flatten(-2)  # [B, T, H, dv] -> [B, T, H*dv]

@@ -45,11 +45,12 @@ class GatedDeltaNet(QKVMixer):
     def gates(self, x):
         return torch.sigmoid(self.b_proj(x).to(compute_dtype(x))), self.decay(x)  # beta, g: [B, T, H] fp32
 
-    def mix(self, q, k, v, x, core, use_cache):
+    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None):
         beta, g = self.gates(x)
         q, k = l2_normalize(q), l2_normalize(k)
         return ops.delta_rule(
-            q, k, v, beta, g, initial_state=core, output_final_state=use_cache, impl=self.impl_for(q.shape[1])
+            q, k, v, beta, g, initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens,
+            impl=self.impl_for(q.shape[1]),
         )
 
     def core_state_size(self, T):
@@ -64,13 +65,13 @@ class LogLinearGatedDeltaNet(GatedDeltaNet):
         super().__init__(d_model, **config)
         self.lam = LevelScales(d_model, self.heads, self.config.max_levels)
 
-    def mix(self, q, k, v, x, core, use_cache):
+    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None):
         beta, g = self.gates(x)
         q, k = l2_normalize(q), l2_normalize(k)
         lam, core = widen_levels(self.lam(x), core, q.shape[1])  # [B, T, H, L] fp32; more levels past 2**(L-1) tokens
         return ops.loglinear_attn(
             q, k, v, lam, g, beta=beta, scale=1.0,
-            initial_state=core, output_final_state=use_cache, impl=self.impl_for(q.shape[1]),
+            initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens, impl=self.impl_for(q.shape[1]),
         )
 
     def core_state_size(self, T):

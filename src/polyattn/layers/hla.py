@@ -78,29 +78,30 @@ class HigherOrderLinearAttention(QKVMixer):
         rate = cfg.order if cfg.outer_decay and not cfg.asymmetric else 1  # the fastest composed decay is rate·g
         self.decay = DecayGate(d_model, self.heads, a_max=16.0 / rate) if cfg.decay else None
 
-    def mix(self, q, k, v, x, core, use_cache):
+    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None):
         cfg = self.config
         phi = FEATURE_MAPS[cfg.feature_map]
         q, k = phi(self.qk_norm(q)), phi(self.qk_norm(k))
         g = None if self.decay is None else self.decay(x)
         options = dict(order=cfg.order, asymmetric=cfg.asymmetric, normalize=cfg.normalize)
         if g is not None and not cfg.outer_decay:
-            return self.inner_decay_hla(q, k, v, g, core, use_cache, **options)
+            return self.inner_decay_hla(q, k, v, g, core, use_cache, cu_seqlens=cu_seqlens, **options)
         return ops.hla(
             q, k, v, g, **options, eps=cfg.eps, initial_state=core, output_final_state=use_cache,
-            impl=self.impl_for(q.shape[1]),
+            cu_seqlens=cu_seqlens, impl=self.impl_for(q.shape[1]),
         )
 
-    def inner_decay_hla(self, q, k, v, g, core, use_cache, **options):
+    def inner_decay_hla(self, q, k, v, g, core, use_cache, cu_seqlens=None, **options):
         """The variant's composed `linear_attn` calls (`polyattn.ops.hla.variants`), all but the last with
         log-decay ``g`` and the last undecayed; same state (the calls' states, in order) as ``ops.hla``."""
         scale = q.shape[-1] ** -0.5
         variant, q, k, v, g, state, dtype = prepare(q, k, v, g, scale=scale, initial_state=core, **options)
         env, finals = {"k": k, "v": v}, []
-        for call, initial in zip(variant.calls, state):
+        for call, initial in zip(variant.calls, state):  # no state given: None (not prepare's zeros) for cu_seqlens
             env[call.out], final = ops.linear_attn(
                 q, env[call.key], env[call.value], None if call.out == "o" else g, scale=1.0,
-                initial_state=initial, output_final_state=use_cache, impl=self.impl_for(q.shape[1]),
+                initial_state=None if core is None else initial, output_final_state=use_cache, cu_seqlens=cu_seqlens,
+                impl=self.impl_for(q.shape[1]),
             )  # [B, T, H, width of the call's values]
             finals.append(final)
         o = finish_output(env["o"], options["normalize"], self.config.eps, dtype)

@@ -56,7 +56,7 @@ class KernelizedAttention(QKVMixer):
         self.decay = DecayGate(d_model, self.heads) if cfg.decay else None
         self.b_proj = nn.Linear(d_model, self.heads, bias=False) if cfg.delta else None
 
-    def mix(self, q, k, v, x, core, use_cache):
+    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None):
         cfg = self.config
         q, k = self.qk_norm(q), self.qk_norm(k)
         g = None if self.decay is None else self.decay(x)
@@ -64,7 +64,7 @@ class KernelizedAttention(QKVMixer):
         return ops.kata(
             q, k, v, g, feature=cfg.feature, groups=cfg.groups, combine=cfg.combine,
             normalize=not cfg.delta, beta=beta, eps=cfg.eps, scale=1.0 if cfg.delta else None,
-            initial_state=core, output_final_state=use_cache, impl=self.impl_for(q.shape[1]),
+            initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens, impl=self.impl_for(q.shape[1]),
         )
 
     def feature_dim(self):

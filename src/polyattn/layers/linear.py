@@ -25,10 +25,12 @@ class LinearAttention(QKVMixer):
         check_option("feature_map", self.config.feature_map, FEATURE_MAPS)
         self.qk_norm = QKNorm(self.config.qk_norm, self.dk)
 
-    def mix(self, q, k, v, x, core, use_cache):
+    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None):
         phi = FEATURE_MAPS[self.config.feature_map]
         q, k = phi(self.qk_norm(q)), phi(self.qk_norm(k))
-        return ops.linear_attn(q, k, v, initial_state=core, output_final_state=use_cache, impl=self.impl_for(q.shape[1]))
+        return ops.linear_attn(
+            q, k, v, initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens, impl=self.impl_for(q.shape[1])
+        )
 
     def core_state_size(self, T):
         return self.heads * self.dk * self.dv

@@ -84,10 +84,14 @@ class Mamba2(Mixer):
         self.norm = RMSNorm(self.d_inner)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
 
-    def forward(self, x, state=None, use_cache=False):
+    def forward(self, x, state=None, use_cache=False, attention_mask=None, cu_seqlens=None):
+        if attention_mask is not None:
+            return self.padded_forward(x, attention_mask, state, use_cache, cu_seqlens)
+        if cu_seqlens is not None:
+            self.check_packed(x, state, cu_seqlens)
         H, P, N = self.heads, self.P, self.N
         z, xBC, dt = self.in_proj(x).split([self.z_dim, self.d_inner + 2 * N, H], dim=-1)
-        xBC, conv_cache = self.conv(xBC, None if state is None else state.conv)
+        xBC, conv_cache = self.conv(xBC, None if state is None else state.conv, cu_seqlens)
         xs, Bm, Cm = xBC.split([self.d_inner, N, N], dim=-1)
         xs = split_heads(xs, H)  # [B, T, H*P] -> [B, T, H, P]
         cdt = compute_dtype(x)
@@ -97,7 +101,7 @@ class Mamba2(Mixer):
         k = Bm[:, :, None].expand(-1, -1, H, -1)  # [B, T, N] -> [B, T, H, N]
         v = (xs * dt[..., None]).to(xs.dtype)  # [B, T, H, P]
         core = None if state is None else state.core
-        y, core = self.ssd(q, k, v, g, x, core, use_cache)  # [B, T, H, P]
+        y, core = self.ssd(q, k, v, g, x, core, use_cache, cu_seqlens)  # [B, T, H, P]
         if self.D is not None:
             y = y + self.D.to(y.dtype)[:, None] * xs
         y = y.flatten(-2)  # [B, T, H, P] -> [B, T, H*P]
@@ -108,9 +112,10 @@ class Mamba2(Mixer):
         position = x.shape[1] + (0 if state is None else state.position)
         return out, MixerState(conv_cache, cast_state(core, x), position)
 
-    def ssd(self, q, k, v, g, x, core, use_cache):
+    def ssd(self, q, k, v, g, x, core, use_cache, cu_seqlens=None):
         return ops.linear_attn(
-            q, k, v, g, scale=1.0, initial_state=core, output_final_state=use_cache, impl=self.impl_for(q.shape[1])
+            q, k, v, g, scale=1.0, initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens,
+            impl=self.impl_for(q.shape[1]),
         )
 
     def core_state_size(self, T):
@@ -125,10 +130,11 @@ class LogLinearMamba2(Mamba2):
         super().__init__(d_model, **config)
         self.lam = LevelScales(d_model, self.heads, self.config.max_levels)
 
-    def ssd(self, q, k, v, g, x, core, use_cache):
+    def ssd(self, q, k, v, g, x, core, use_cache, cu_seqlens=None):
         lam, core = widen_levels(self.lam(x), core, q.shape[1])  # past 2**(max_levels - 1) tokens: more levels
         return ops.loglinear_attn(
-            q, k, v, lam, g, scale=1.0, initial_state=core, output_final_state=use_cache, impl=self.impl_for(q.shape[1])
+            q, k, v, lam, g, scale=1.0, initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens,
+            impl=self.impl_for(q.shape[1]),
         )
 
     def core_state_size(self, T):

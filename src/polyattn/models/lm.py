@@ -2,7 +2,9 @@
 
 Block: ``x = x + mixer(rmsnorm(x))``, then (when ``mlp_ratio > 0``) ``x = x + swiglu(rmsnorm(x))``.
 ``forward(input_ids, state=None, use_cache=False) -> (logits, state)`` follows the mixers' decoding
-protocol with a per-layer list of `MixerState`; ``generate`` prefills the prompt then decodes token by
+protocol with a per-layer list of `MixerState`; ``attention_mask`` (padded rows) and ``cu_seqlens``
+(packed documents) go to every mixer, so each sequence gets exactly its own logits (logits at padding
+are meaningless); ``generate`` prefills the prompt then decodes token by
 token from that state. ``save_pretrained(dir)`` writes ``config.json`` + ``model.safetensors``;
 ``CausalLM.from_pretrained(dir)`` reads them back.
 """
@@ -84,8 +86,8 @@ class Block(nn.Module):
             self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
             self.mlp = SwiGLU(config.d_model, config.mlp_ratio)
 
-    def forward(self, x, state=None, use_cache=False):
-        y, state = self.mixer(self.mixer_norm(x), state, use_cache)
+    def forward(self, x, state=None, use_cache=False, attention_mask=None, cu_seqlens=None):
+        y, state = self.mixer(self.mixer_norm(x), state, use_cache, attention_mask=attention_mask, cu_seqlens=cu_seqlens)
         x = x + y
         if self.mlp is not None:
             x = x + self.mlp(self.mlp_norm(x))
@@ -110,13 +112,13 @@ class CausalLM(nn.Module):
                     if name.endswith(("o_proj.weight", "out_proj.weight", "down.weight")):
                         nn.init.normal_(p, std=self.config.init_std / math.sqrt(2 * self.config.n_layers))
 
-    def hidden_states(self, input_ids, state=None, use_cache=False):
+    def hidden_states(self, input_ids, state=None, use_cache=False, attention_mask=None, cu_seqlens=None):
         """``input_ids [B, T]`` -> ``(final-normed hidden [B, T, d_model], per-layer states or None)``."""
         check_token_ids(input_ids, self.config.vocab_size)
         x = self.embed(input_ids)  # [B, T] -> [B, T, d_model]
         states = []
         for i, block in enumerate(self.blocks):
-            x, s = block(x, None if state is None else state[i], use_cache)
+            x, s = block(x, None if state is None else state[i], use_cache, attention_mask, cu_seqlens)
             states.append(s)
         return self.norm(x), (states if use_cache else None)
 
@@ -124,8 +126,8 @@ class CausalLM(nn.Module):
         """Tied head: ``[..., d_model] -> [..., vocab]``."""
         return hidden @ self.embed.weight.to(hidden.dtype).t()
 
-    def forward(self, input_ids, state=None, use_cache=False):
-        hidden, state = self.hidden_states(input_ids, state, use_cache)
+    def forward(self, input_ids, state=None, use_cache=False, attention_mask=None, cu_seqlens=None):
+        hidden, state = self.hidden_states(input_ids, state, use_cache, attention_mask, cu_seqlens)
         return self.logits(hidden), state
 
     def state_size(self, T):
@@ -135,7 +137,6 @@ class CausalLM(nn.Module):
     def num_parameters(self):
         return sum(p.numel() for p in self.parameters())
 
-    @torch.no_grad()
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens, use_cache=True):
         """Greedy decoding. ``use_cache=True``: prefill once, then one-token steps from the recurrent

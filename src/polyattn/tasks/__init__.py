@@ -1,4 +1,5 @@
-"""Synthetic recall tasks, deterministic by seed: MQAR (Zoology), overwrite, induction heads, UUID NIAH.
+"""Synthetic recall tasks, deterministic by seed: MQAR (Zoology), overwrite, induction heads, UUID NIAH;
+and ``text``, language modelling on real text (`polyattn.tasks.text`).
 
 `TASKS` maps a task name to its generator `fn(num_examples, seq_len, num_pairs, *, seed, **options)
 -> TaskData`; `make_task(name, ...)` raises a clear ValueError for unknown names. Each generator's module
@@ -10,8 +11,9 @@ from polyattn.tasks.induction import induction
 from polyattn.tasks.mqar import ZOOLOGY_TEST, ZOOLOGY_TRAIN, mqar
 from polyattn.tasks.niah import niah_uuid
 from polyattn.tasks.overwrite import overwrite
+from polyattn.tasks.text import text
 
-TASKS = {"mqar": mqar, "overwrite": overwrite, "induction": induction, "niah": niah_uuid}
+TASKS = {"mqar": mqar, "overwrite": overwrite, "induction": induction, "niah": niah_uuid, "text": text}
 
 
 def make_task(name, num_examples, seq_len, num_pairs, *, seed=0, **options):
@@ -34,4 +36,5 @@ __all__ = [
     "mqar",
     "niah_uuid",
     "overwrite",
+    "text",
 ]

@@ -126,8 +126,8 @@ def run_train(args):
     check_runnable(config)  # every argument, and the output folder created, before any work
     result, _ = train(config)
     print(format_table([result]))
-    if config.out_dir:
-        print(f"wrote {config.out_dir}/results.json")
+    for path in result.get("files", []):
+        print(f"wrote {path}")
     return 0
 
 

@@ -12,10 +12,10 @@ def as_segment(s):
             s = Segment(**s) if isinstance(s, dict) else Segment(*s)
         except TypeError as err:
             raise ValueError(f"segment: expected (seq_len, num_examples, num_pairs), got {s!r}") from err
-    for name in ("seq_len", "num_examples", "num_pairs"):
+    for name, low in (("seq_len", 1), ("num_examples", 1), ("num_pairs", 0)):  # 0 pairs: tasks without pairs (text)
         value = getattr(s, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"segment: expected {name} a positive integer, got {value!r} in {s}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"segment: expected {name} an integer >= {low}, got {value!r} in {s}")
     return s
 
 

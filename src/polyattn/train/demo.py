@@ -20,6 +20,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from polyattn.layers import MIXERS, available_mixers
 from polyattn.train.config import TrainConfig
@@ -136,6 +137,7 @@ def run_demo(out_dir=DEFAULT_OUT, mixers=None, steps=None, workers=2, stream=Non
     print(f"polyattn demo: {len(mixers)} mixers on MQAR, {len(studies['overwrite'][1])} on overwrite, "
           f"{workers} worker process(es) × 1 thread", file=stream, flush=True)
     runs = {task: {} for task in studies}
+    bar = tqdm(total=len(jobs), desc="polyattn demo", unit="run", file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
         # the registry lists the costlier mechanisms last: submit them first so both workers finish together
         futures = {pool.submit(run_one, cfg, task == "mqar" and m == check): (task, m) for task, m, cfg in reversed(jobs)}
@@ -144,8 +146,10 @@ def run_demo(out_dir=DEFAULT_OUT, mixers=None, steps=None, workers=2, stream=Non
             r = future.result()
             runs[task].setdefault(m, []).append(r)
             accs = " ".join(f"{e['accuracy']:.2f}" for e in r["eval"])
-            print(f"[{done:2d}/{len(jobs)}] {task:<9} {m:<17} lr {r['config']['lr']:<6g} acc {accs}  "
-                  f"({r['train']['steps']} steps, {r['wall_s']:.0f}s)", file=stream, flush=True)
+            bar.write(f"[{done:2d}/{len(jobs)}] {task:<9} {m:<17} lr {r['config']['lr']:<6g} acc {accs}  "
+                      f"({r['train']['steps']} steps, {r['wall_s']:.0f}s)", file=stream)
+            bar.update()
+    bar.close()
     results = {task: {m: best_run(rs) for m, rs in by_mixer.items()} for task, by_mixer in runs.items()}
     summary = {"studies": {}}
     out = Path(out_dir)

@@ -1,5 +1,5 @@
 """The training loop: data, AdamW with warmup + cosine, grad clipping, bf16 autocast on CUDA, evaluation
-sliced by (length, pairs), JSON results, PNG plots and a checkpoint."""
+sliced by (length, pairs) with the loss at every position, JSON results, PNG plots and a checkpoint."""
 
 import inspect
 import json
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from polyattn.models import CausalLM, LMConfig
 from polyattn.tasks import IGNORE_INDEX, TASKS, concat_data, make_task
-from polyattn.train.progress import Progress
 
 TEST_SEED_OFFSET = 1_000_003
 EARLY_STOP_WINDOW = 20
@@ -83,16 +83,19 @@ def task_vocab_size(config):
 
 
 def build_data(config):
-    """Train data grouped by length (one `TaskData` per length) and one `TaskData` per test segment."""
+    """Train data grouped by length (one `TaskData` per length) and one `TaskData` per test segment; a task
+    with a ``split`` option (``text``) draws the test segments from its validation split."""
+    has_split = "split" in inspect.signature(TASKS[config.task]).parameters
 
-    def make(seg, seed):
-        return make_task(config.task, seg.num_examples, seg.seq_len, seg.num_pairs, seed=seed, **config.task_options)
+    def make(seg, seed, split="train"):
+        options = {**config.task_options, **({"split": split} if has_split else {})}
+        return make_task(config.task, seg.num_examples, seg.seq_len, seg.num_pairs, seed=seed, **options)
 
     by_length = {}
     for i, seg in enumerate(config.train_segments):
         by_length.setdefault(seg.seq_len, []).append(make(seg, config.seed + i))
     train = [concat_data(group) for group in by_length.values()]
-    test = [make(seg, config.seed + TEST_SEED_OFFSET + i) for i, seg in enumerate(config.test_segments)]
+    test = [make(seg, config.seed + TEST_SEED_OFFSET + i, "validation") for i, seg in enumerate(config.test_segments)]
     return train, test
 
 
@@ -132,29 +135,49 @@ def autocast(device, bf16):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and bf16 else nullcontext()
 
 
-def scored_loss(model, inputs, labels):
-    """Cross-entropy and correct count on scored positions only (the head runs on those rows only)."""
+def scored_logits(model, inputs, labels):
+    """Logits and targets on scored positions only (the head runs on those rows only), and their mask."""
     hidden, _ = model.hidden_states(inputs)  # [B, T, d]
     mask = labels != IGNORE_INDEX  # [B, T]
-    logits = model.logits(hidden[mask]).float()  # [n, d] -> [n, vocab]
-    target = labels[mask]  # [n]
+    return model.logits(hidden[mask]).float(), labels[mask], mask  # [n, d] -> [n, vocab]; [n]; [B, T]
+
+
+def scored_loss(model, inputs, labels):
+    """Cross-entropy and correct count on scored positions only."""
+    logits, target, _ = scored_logits(model, inputs, labels)
     return F.cross_entropy(logits, target), (logits.argmax(-1) == target).sum(), target.numel()
 
 
 @torch.no_grad()
-def evaluate(model, test, batch_size, device, bf16=True):
-    """Accuracy on scored positions per slice: ``[{"length", "pairs", "accuracy", "examples"}]``."""
+def evaluate(model, test, batch_size, device, bf16=True, quiet=True):
+    """Per slice, on scored positions: accuracy, mean loss and the mean loss at each position t (None where
+    nothing is scored): ``[{"length", "pairs", "accuracy", "loss", "loss_by_position", "examples"}]``."""
     model.eval()
     rows = []
+    batches = sum(-(-len(data) // batch_size) for data in test)
+    progress = tqdm(total=batches, desc="eval", unit="batch", disable=quiet, file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
     for data in test:
-        correct = total = 0
+        loss_sum = torch.zeros(data.length, dtype=torch.float64)
+        count = torch.zeros(data.length, dtype=torch.float64)
+        correct = 0
         for i in range(0, len(data), batch_size):
             inputs = data.inputs[i : i + batch_size].to(device)
             labels = data.labels[i : i + batch_size].to(device)
             with autocast(device, bf16):
-                _, c, n = scored_loss(model, inputs, labels)
-            correct, total = correct + int(c), total + n
-        rows.append({"length": data.length, "pairs": data.pairs, "accuracy": correct / max(total, 1), "examples": len(data)})
+                logits, target, mask = scored_logits(model, inputs, labels)
+            losses = F.cross_entropy(logits, target, reduction="none").double().cpu()  # [n]
+            position = mask.nonzero()[:, 1].cpu()  # [n] the t of each scored token
+            loss_sum.index_add_(0, position, losses)
+            count += torch.bincount(position, minlength=data.length).double()
+            correct += int((logits.argmax(-1) == target).sum())
+            progress.update()
+        total = int(count.sum())
+        by_position = [s / c if c else None for s, c in zip(loss_sum.tolist(), count.tolist())]
+        rows.append({
+            "length": data.length, "pairs": data.pairs, "accuracy": correct / max(total, 1),
+            "loss": float(loss_sum.sum()) / max(total, 1), "loss_by_position": by_position, "examples": len(data),
+        })
+    progress.close()
     model.train()
     return rows
 
@@ -169,7 +192,8 @@ def train(config, quiet=False, label=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config.steps, config.warmup))
     gen = torch.Generator().manual_seed(config.seed)
     weights = torch.tensor([float(len(d)) for d in train_data])
-    progress = None if quiet else Progress(config.steps, label or f"{config.mixer} lr={config.lr:g}")
+    progress = tqdm(total=config.steps, desc=label or f"{config.mixer} lr={config.lr:g}", unit="step", disable=quiet,
+                    file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
     history, tokens, train_seconds, step = [], 0, 0.0, 0
     for step in range(1, config.steps + 1):
         t0 = time.perf_counter()
@@ -189,12 +213,13 @@ def train(config, quiet=False, label=None):
         tokens += inputs.numel()
         acc = int(correct) / max(n, 1)
         history.append({"step": step, "loss": loss.item(), "accuracy": acc})
-        if progress:
-            progress.update(step, loss=history[-1]["loss"], acc=acc, tok_s=f"{tokens / train_seconds:,.0f}")
+        progress.set_postfix(loss=f"{history[-1]['loss']:.4g}", acc=f"{acc:.3f}", tok_s=f"{tokens / train_seconds:,.0f}", refresh=False)
+        progress.update()
         window = history[-EARLY_STOP_WINDOW:]
         if config.early_stop is not None and len(window) == EARLY_STOP_WINDOW:
             if sum(h["accuracy"] for h in window) / EARLY_STOP_WINDOW >= config.early_stop:
                 break
+    progress.close()
     results = {
         "config": asdict(config),
         "mixer": config.mixer,
@@ -209,26 +234,32 @@ def train(config, quiet=False, label=None):
             "final_loss": history[-1]["loss"],
             "history": history,
         },
-        "eval": evaluate(model, test_data, config.eval_batch_size, device, config.bf16),
+        "eval": evaluate(model, test_data, config.eval_batch_size, device, config.bf16, quiet),
         "state_floats": {str(s.seq_len): model.state_size(s.seq_len) for s in config.test_segments},
         "max_train_len": config.max_train_len,
     }
     if config.out_dir:
-        write_results(model, results, config)
+        results["files"] = write_results(model, results, config)
     return results, model
 
 
 def write_results(model, results, config):
-    """results.json always; PNGs when matplotlib is installed (else a notice); the checkpoint if asked."""
+    """results.json always; PNGs when matplotlib is installed (else a notice); the checkpoint if asked.
+    Returns the paths written."""
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    written = [out / "results.json"]
     try:
-        from polyattn.train.plots import plot_accuracy_vs_length, plot_training_curve
+        from polyattn.train.plots import plot_accuracy_vs_length, plot_loss_by_position, plot_training_curve
     except ImportError as err:
         print(f"polyattn: no PNG plots ({err}); install polyattn[demo]", file=sys.stderr)
     else:
-        plot_accuracy_vs_length([results], out / "accuracy_vs_length.png")
-        plot_training_curve([results], out / "training_curve.png")
+        for plot, name in ((plot_accuracy_vs_length, "accuracy_vs_length.png"), (plot_training_curve, "training_curve.png"),
+                           (plot_loss_by_position, "loss_by_position.png")):
+            plot([results], out / name)
+            written.append(out / name)
     if config.checkpoint:
         model.save_pretrained(out / "checkpoint")
+        written.append(out / "checkpoint")
+    return [str(p) for p in written]

@@ -87,6 +87,30 @@ def plot_training_curve(results, path):
     ax.set_xlabel("step")
     ax.set_ylabel("train loss")
     ax.set_yscale("log")
+    save_with_legend(fig, ax, path)
+
+
+def plot_loss_by_position(results, path):
+    """Validation loss against position t (log axis; the log-linear paper's per-position analysis), one line
+    per run and eval slice: the mean over positions t+1 in [2^i, 2^(i+1)) that have a scored token."""
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for r, color in zip(results, colors_for(results)):
+        for e, style in zip(r["eval"], ["-", "--", ":", "-."] * len(r["eval"])):
+            buckets = {}
+            for t, loss in enumerate(e["loss_by_position"]):
+                if loss is not None:
+                    buckets.setdefault((t + 1).bit_length(), []).append(loss)
+            xs = [2 ** (i - 1) for i in buckets]  # each bucket at its first position
+            ax.plot(xs, [sum(v) / len(v) for v in buckets.values()], style, marker=".", lw=1, color=color,
+                    label=f"{label_of(r)} T={e['length']}")
+    ax.set_xscale("log")
+    ax.set_xlabel("position t (tokens read; buckets [2^i, 2^(i+1)))")
+    ax.set_ylabel("validation loss")
+    save_with_legend(fig, ax, path)
+
+
+def save_with_legend(fig, ax, path):
+    """The legend right of the axes, then write the PNG."""
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

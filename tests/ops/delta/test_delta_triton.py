@@ -15,7 +15,7 @@ import torch
 from polyattn.ops.delta import delta_rule_chunk, delta_rule_naive
 from polyattn.ops.delta.recurrent import delta_rule_step
 from polyattn.ops.delta.triton import delta_rule_step_inplace, delta_rule_triton
-from polyattn.testing import assert_low_precision_matches, dtype_id, rel_err, seeded_inputs
+from polyattn.testing import assert_fused_steps, assert_low_precision_matches, assert_one_token_step, dtype_id, rel_err, seeded_inputs
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -105,28 +105,13 @@ def test_stages_match_twins(decay):
 @pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
 def test_triton_step_matches_reference(decay):
     x = _inputs(B, 3, decay, seed=7)
-    state = _h0(B, 8)
-    fused = state.float().contiguous()
-    reference = state.clone()
-    for t in range(3):
-        step = [None if x[n] is None else x[n][:, t] for n in ("q", "k", "v", "beta", "g")]
-        o, same = delta_rule_step_inplace(*(None if s is None else s.float() for s in step), fused, scale=0.3)
-        o_ref, reference = delta_rule_step(*step, reference, scale=0.3)
-        assert same is fused
-        assert rel_err(o, o_ref) <= 1e-5, f"step {t}: o rel err {rel_err(o, o_ref):.2e}"
-        assert rel_err(fused, reference) <= 1e-5, f"step {t}: state rel err {rel_err(fused, reference):.2e}"
+    steps = [[None if x[n] is None else x[n][:, t] for n in ("q", "k", "v", "beta", "g")] for t in range(3)]
+    assert_fused_steps(delta_rule_step_inplace, delta_rule_step, steps, _h0(B, 8))
 
 
 @pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
 def test_one_token_call_runs_the_step(decay):
-    """T = 1 without gradients (decoding through `ops.delta_rule`) equals the chunk kernels' result
-    and leaves the caller's state untouched."""
+    """T = 1 without gradients (decoding through the op) runs the fused step: same result as the
+    chunk kernels, the caller's state untouched."""
     x = {n: None if t is None else t.float() for n, t in _inputs(B, 1, decay, seed=13).items()}
-    h0 = _h0(B, 14).float()
-    kept = h0.clone()
-    with torch.no_grad():
-        o, ht = delta_rule_triton(*x.values(), scale=0.3, initial_state=h0, output_final_state=True)
-    leaves = [None if t is None else t.clone().requires_grad_() for t in x.values()]
-    o_ref, ht_ref = delta_rule_triton(*leaves, scale=0.3, initial_state=h0, output_final_state=True)
-    assert torch.equal(h0, kept)
-    assert rel_err(o, o_ref) <= 1e-5 and rel_err(ht, ht_ref) <= 1e-5
+    assert_one_token_step(delta_rule_triton, list(x.values()), _h0(B, 14).float())

@@ -14,13 +14,13 @@ import torch
 from polyattn.ops.linear import linear_attn_chunk, linear_attn_naive
 from polyattn.ops.linear.recurrent import linear_attn_step as linear_attn_step_reference
 from polyattn.ops.linear.triton import linear_attn_step_inplace, linear_attn_triton
-from polyattn.testing import assert_low_precision_matches, dtype_id, rel_err, seeded_inputs
+from polyattn.testing import assert_fused_steps, assert_low_precision_matches, assert_one_token_step, dtype_id, rel_err, seeded_inputs
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 if CUDA:
     B, H, K, V = 2, 16, 128, 96
-    LONG_T, SPLIT_T = 1000, 4096
+    LONG_T, SPLIT_T = 1000, 2048
 else:
     B, H, K, V = 2, 2, 8, 12
     LONG_T, SPLIT_T = 1000, 300
@@ -66,28 +66,13 @@ def test_triton_segment_split(dtype):
 @pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
 def test_triton_step_matches_reference(decay):
     x = _inputs(B, 3, decay, seed=7)
-    state = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(DEVICE)
-    fused = state.float().contiguous()
-    reference = state.clone()
-    for t in range(3):
-        step = [None if x[n] is None else x[n][:, t] for n in ("q", "k", "v", "g")]
-        o, same = linear_attn_step_inplace(*(None if s is None else s.float() for s in step), fused, scale=0.3)
-        o_ref, reference = linear_attn_step_reference(*step, reference, scale=0.3)
-        assert same is fused
-        assert rel_err(o, o_ref) <= 1e-5, f"step {t}: o rel err {rel_err(o, o_ref):.2e}"
-        assert rel_err(fused, reference) <= 1e-5, f"step {t}: state rel err {rel_err(fused, reference):.2e}"
+    steps = [[None if x[n] is None else x[n][:, t] for n in ("q", "k", "v", "g")] for t in range(3)]
+    assert_fused_steps(linear_attn_step_inplace, linear_attn_step_reference, steps, torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(DEVICE))
 
 
 @pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
 def test_one_token_call_runs_the_step(decay):
-    """T = 1 without gradients (decoding through `ops.linear_attn`) equals the chunk kernels' result
-    and leaves the caller's state untouched."""
+    """T = 1 without gradients (decoding through the op) runs the fused step: same result as the
+    chunk kernels, the caller's state untouched."""
     x = {n: None if t is None else t.float() for n, t in _inputs(B, 1, decay, seed=13).items()}
-    h0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(14)).to(DEVICE)
-    kept = h0.clone()
-    with torch.no_grad():
-        o, ht = linear_attn_triton(*x.values(), scale=0.3, initial_state=h0, output_final_state=True)
-    leaves = [None if t is None else t.clone().requires_grad_() for t in x.values()]
-    o_ref, ht_ref = linear_attn_triton(*leaves, scale=0.3, initial_state=h0, output_final_state=True)
-    assert torch.equal(h0, kept)
-    assert rel_err(o, o_ref) <= 1e-5 and rel_err(ht, ht_ref) <= 1e-5
+    assert_one_token_step(linear_attn_triton, list(x.values()), torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(14)).to(DEVICE))

@@ -32,7 +32,7 @@ def level_matrix(T: int, offset: int = 0, device=None) -> torch.Tensor:
     pos = torch.arange(offset, offset + T, device=device, dtype=torch.int64)  # [T]
     x = pos[:, None] ^ pos[None, :]  # [T, T]
     lev = torch.zeros_like(x)
-    for _ in range(max(offset + T - 1, 0).bit_length()):  # bit_length(x) = right shifts to reach 0; x < 2**that
+    for _ in range(max(offset + T - 1, 0).bit_length()):  # bit_length(x) = right shifts to reach 0; x < 2**bits
         lev += (x > 0).long()
         x = x >> 1
     return lev.masked_fill(pos[None, :] > pos[:, None], -1)

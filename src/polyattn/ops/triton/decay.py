@@ -1,8 +1,9 @@
-"""Chunk-local decay stages: the log2-decay cumsum of one chunk and its [C, C] segment sums.
+"""Chunk-local decay stages: the log2-decay prefix and suffix sums of one chunk and its [C, C] segment sums.
 
-`chunk_decay` and `chunk_segsum` run inside every chunked kernel; `chunk_decay_ref` and
-`chunk_segsum_ref` are their PyTorch twins (ops/README.md, "Decays": `G` is the inclusive cumsum
-of the log-decay, the weight from key j to query i >= j is exp(G_i - G_j)).
+`chunk_decay`, `chunk_suffix` and `chunk_segsum` run inside every chunked kernel; the `*_ref`
+functions are their PyTorch twins. Every decay is a direct sum of the log-decays it spans, never
+a difference of two cumsums, so a huge log-decay or a reset (`g = -inf`) leaves the rest exact.
+The weight from key j to query i >= j is exp(g_{j+1} + ... + g_i).
 """
 import torch
 import triton
@@ -24,27 +25,40 @@ def chunk_decay(g, t, m_t, H, i_h, USE_G: tl.constexpr):
 
 
 @triton.jit
-def chunk_segsum(b_g, b_gc, REVERSE: tl.constexpr, EXACT: tl.constexpr):
-    """[C, C] log2-decay between rows: causal `Gc_i - Gc_j` (j <= i), anticausal `Gc_j - Gc_i`
-    (j >= i); -inf outside the triangle. EXACT (fp32 inputs) sums the g's in between by a
-    masked cumsum, as `ops.common.segsum` does, instead of subtracting two long cumsums, whose
-    rounding (~|Gc| ulp) would dominate fp32 outputs; for bf16/fp16 the difference is ample."""
+def chunk_suffix(b_g):
+    """[C] log2-decay from each row to the chunk's end, `sum_{s > j} g_s` (log2(e)-prescaled):
+    a direct sum of the log-decays it spans (never `Gc_last - Gc_j`, which is `inf - inf` after a
+    reset and loses every digit next to one huge log-decay)."""
+    o_t = tl.arange(0, b_g.shape[0])
+    return tl.sum(tl.where(o_t[None, :] > o_t[:, None], b_g[None, :], 0.0), axis=1) * LOG2E  # [C, C] -> [C]
+
+
+@triton.jit
+def chunk_segsum(b_g, REVERSE: tl.constexpr):
+    """[C, C] log2-decay between rows: causal `sum_{j < s <= i} g_s` (j <= i), anticausal
+    `sum_{i < s <= j} g_s` (j >= i); -inf outside the triangle. Each entry is a masked cumsum of
+    the g's in between, as `ops.common.segsum` does: exact next to a huge log-decay, exactly
+    -inf across a reset (`g = -inf`), and free of the rounding of two long cumsums' difference."""
     o_t = tl.arange(0, b_g.shape[0])
     if REVERSE:
         m_tri = o_t[:, None] <= o_t[None, :]  # [C, C]: j >= i
-        if EXACT:
-            b_m = tl.where(o_t[:, None] < o_t[None, :], b_g[None, :], 0.0)  # [C, C]: g_s for s > i
-            b_d = tl.cumsum(b_m, axis=1) * LOG2E  # [C, C]
-        else:
-            b_d = b_gc[None, :] - b_gc[:, None]  # [C, C]
+        b_m = tl.where(o_t[:, None] < o_t[None, :], b_g[None, :], 0.0)  # [C, C]: g_s for s > i
+        b_d = tl.cumsum(b_m, axis=1) * LOG2E  # [C, C]
     else:
         m_tri = o_t[:, None] >= o_t[None, :]  # [C, C]: j <= i
-        if EXACT:
-            b_m = tl.where(o_t[:, None] > o_t[None, :], b_g[:, None], 0.0)  # [C, C]: g_s for s > j
-            b_d = tl.cumsum(b_m, axis=0) * LOG2E  # [C, C]
-        else:
-            b_d = b_gc[:, None] - b_gc[None, :]  # [C, C]
+        b_m = tl.where(o_t[:, None] > o_t[None, :], b_g[:, None], 0.0)  # [C, C]: g_s for s > j
+        b_d = tl.cumsum(b_m, axis=0) * LOG2E  # [C, C]
     return tl.where(m_tri, b_d, float("-inf"))
+
+
+@triton.jit
+def chunk_side_decays(b_g, b_gc, REVERSE: tl.constexpr):
+    """The two [C] log2-decays of a pass: `(query side, key side)`. Causal: a query reads the
+    entering state through `Gc_i` and a key reaches the leaving state through the suffix after
+    it; anticausal: the other way round (ops/linear/README.md, "Triton kernels")."""
+    if REVERSE:
+        return chunk_suffix(b_g), b_gc
+    return b_gc, chunk_suffix(b_g)
 
 
 def chunk_decay_ref(g: torch.Tensor) -> tuple:
@@ -54,16 +68,26 @@ def chunk_decay_ref(g: torch.Tensor) -> tuple:
     return g, gc, g.sum() * LOG2E.value
 
 
+def chunk_suffix_ref(g: torch.Tensor) -> torch.Tensor:
+    """Twin of `chunk_suffix` for one chunk `g: [C]`: `sum_{s > j} g_s * log2 e`, summed directly."""
+    g = g.double()
+    return torch.stack([g[j + 1:].sum() for j in range(g.shape[0])]).float() * LOG2E.value  # [C]
+
+
 def chunk_segsum_ref(g: torch.Tensor, reverse: bool) -> torch.Tensor:
-    """Twin of `chunk_segsum` for one chunk `g: [C]`: the [C, C] log2-decay, -inf off the triangle."""
+    """Twin of `chunk_segsum` for one chunk `g: [C]`: the [C, C] log2-decay of direct sums, -inf off the triangle."""
     C = g.shape[0]
-    gc = torch.cumsum(g.double(), 0)  # [C]
-    d = gc[:, None] - gc[None, :]  # [C, C]: G_i - G_j
-    if reverse:
-        d, mask = -d, torch.ones(C, C, dtype=torch.bool, device=g.device).triu()
-    else:
-        mask = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
-    return torch.where(mask, d * LOG2E.value, float("-inf")).float()
+    g = g.double()
+    d = torch.full((C, C), float("-inf"), dtype=torch.float64, device=g.device)
+    for i in range(C):
+        for j in range(C):
+            if reverse and j >= i:
+                d[i, j] = g[i + 1:j + 1].sum()
+            elif not reverse and j <= i:
+                d[i, j] = g[j + 1:i + 1].sum()
+    return (d * LOG2E.value).float()
 
 
-__all__ = ["chunk_decay", "chunk_decay_ref", "chunk_segsum", "chunk_segsum_ref"]
+__all__ = [
+    "chunk_decay", "chunk_decay_ref", "chunk_segsum", "chunk_segsum_ref", "chunk_side_decays", "chunk_suffix", "chunk_suffix_ref",
+]

@@ -26,7 +26,10 @@ class KernelConfig:
     multiprocessor. The delta rule's kernels hold more fp32 tiles per program (the solve matrix,
     the pseudo-values, their split halves): delta_block_v is their value tile and
     delta_num_warps the warps of their recurrence and per-chunk gradient kernels (at 4 warps and
-    a 64-wide tile they spill 1.6-5 KB per thread; at 8 warps and 32, 0.7-0.9 KB).
+    a 64-wide tile they spill 1.6-5 KB per thread; at 8 warps and 32, 0.7-0.9 KB);
+    delta_fp32_dot how their fp32 x fp32 products run on bf16/fp16 inputs (`precision.FP32_DOTS`:
+    "split", the default, keeps the tests' error bound; "tf32" and "rounded" trade accuracy for
+    fewer tensor-core products and are there to be measured).
     """
 
     chunk_size: int = 64
@@ -37,6 +40,7 @@ class KernelConfig:
     min_segment_chunks: int = 4
     delta_block_v: int = 32
     delta_num_warps: int = 8
+    delta_fp32_dot: str = "split"
 
 
 _CONFIG = [KernelConfig()]
@@ -156,3 +160,18 @@ def step_state(initial_state, q: torch.Tensor, V: int) -> torch.Tensor:
         return initial_state.to(torch.float32, copy=True).contiguous()
     B, _, H, K = q.shape
     return torch.zeros(B, H, K, V, dtype=torch.float32, device=q.device)
+
+
+def empty_call(q: torch.Tensor, v: torch.Tensor, initial_state, output_final_state: bool, seq_lens: tuple):
+    """The result of a call with nothing to compute (no sequence, no head, or no token at all),
+    as the PyTorch forms give it: an empty output, and the final state equal to the initial state
+    (zeros without one). None when there is work for the kernels."""
+    if q.numel() != 0:
+        return None
+    B, T, H, K = q.shape
+    o = torch.empty(B, T, H, v.shape[-1], dtype=q.dtype, device=q.device)
+    if not output_final_state:
+        return o, None
+    if initial_state is not None:
+        return o, initial_state.to(torch.float32, copy=True)
+    return o, torch.zeros(len(seq_lens), H, K, v.shape[-1], dtype=torch.float32, device=q.device)

@@ -62,15 +62,24 @@ def mma_right_fp32(x, y, F32: tl.constexpr):
     return mma(x, y_hi, F32) + mma(x, y_lo, F32)
 
 
+FP32_DOTS = {"split": 0, "tf32": 1, "rounded": 2}  # how mma_fp32 runs on bf16/fp16 inputs
+
+
 @triton.jit
-def mma_fp32(x, y, dtype: tl.constexpr, F32: tl.constexpr):
-    """`x @ y` for two fp32 operands on `dtype` tensor cores: both split, the `lo @ lo` term
-    (~2^-16 relative) dropped: three products. With F32 (fp32 inputs, the interpreter) one IEEE product."""
+def mma_fp32(x, y, dtype: tl.constexpr, F32: tl.constexpr, MODE: tl.constexpr):
+    """`x @ y` for two fp32 operands. With F32 (fp32 inputs, the interpreter) one IEEE product;
+    else by MODE (`FP32_DOTS`): 0 both split in `dtype` halves, the `lo @ lo` term (~2^-16
+    relative) dropped, three products; 1 one tf32 product (10-bit mantissas); 2 both rounded to
+    `dtype`, one product (what a kernel without the split does)."""
     if F32:
         return tl.dot(x, y, input_precision="ieee")
+    if MODE == 1:
+        return tl.dot(x, y, input_precision="tf32")
     x_hi = x.to(dtype)  # downcast: high part
-    x_lo = (x - x_hi.to(tl.float32)).to(dtype)  # downcast: rounding error of the high part
     y_hi = y.to(dtype)  # downcast: high part
+    if MODE == 2:
+        return tl.dot(x_hi, y_hi)
+    x_lo = (x - x_hi.to(tl.float32)).to(dtype)  # downcast: rounding error of the high part
     y_lo = (y - y_hi.to(tl.float32)).to(dtype)  # downcast: rounding error of the high part
     return tl.dot(x_hi, y_hi) + tl.dot(x_lo, y_hi) + tl.dot(x_hi, y_lo)
 

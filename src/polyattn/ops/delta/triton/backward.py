@@ -25,8 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.decay import chunk_decay, chunk_segsum
+from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.precision import mma, mma_fp32, mma_left_fp32, mma_right_fp32, to_output
+
+from .forward import chunk_rows, sequence_tile
 
 
 @triton.jit
@@ -35,20 +37,12 @@ def delta_state_grad_kernel(
     scale, N_tok, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, F32: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). The fp32 [BK, BV] state gradient stays in registers; the
     loop walks the sequence's chunks last to first."""
-    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(seqs + i_n * 4).to(tl.int64)
-    eos = tl.load(seqs + i_n * 4 + 1).to(tl.int64)
-    c0 = tl.load(cu_chunks + i_n).to(tl.int64)
+    i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     o_t = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    state_tile = o_k[:, None] * V + o_v[None, :]  # [BK, BV]
     if USE_DHT:
         b_dh = tl.load(dht + (i_n * H + i_h) * K * V + state_tile, mask=m_s, other=0.0)  # [BK, BV]
     else:
@@ -58,27 +52,21 @@ def delta_state_grad_kernel(
         i = n_chunks - 1 - j
         t = bos + i * C + o_t
         m_t = t < eos
-        row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+        b_q, b_k, b_beta, b_tinv, b_att, b_gc, b_gs, b_last = chunk_rows(
+            q, k, beta, g, t_inv, t, m_t, o_k, m_k, scale, H, i_h, K, C, USE_G, F32,
+        )
         row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
-        m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
-        b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV]
-        b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
-        b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
-        b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-        b_d = chunk_segsum(b_g, b_gc, False, F32)  # [C, C]
         tl.store(dhs + ((c0 + i) * H + i_h) * K * V + state_tile, b_dh, mask=m_s)
-        b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(b_d) * scale)  # [C, C]
         b_du = mma_left_fp32(tl.trans(b_att), b_do, F32)  # [C, C] @ [C, BV] -> [C, BV]
-        b_du += mma_right_fp32(b_k, b_dh, F32) * tl.exp2(b_last - b_gc)[:, None]  # [C, BK] @ [BK, BV]
-        b_dr = mma_fp32(tl.trans(b_tinv), b_du, b_q.dtype, F32)  # [C, C] @ [C, BV] -> [C, BV]
+        b_du += mma_right_fp32(b_k, b_dh, F32) * tl.exp2(b_gs)[:, None]  # [C, BK] @ [BK, BV]
+        b_dr = mma_fp32(tl.trans(b_tinv), b_du, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
         tl.store(drs + row_v, b_dr, mask=m_tv)
         b_dv = b_dr * b_beta[:, None]  # [C, BV]
         tl.store(dv + row_v, to_output(b_dv, dv.dtype.element_ty, F32), mask=m_tv)  # downcast: input dtype
         b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
-        tl.store(vdv + (i_v * N_tok + t) * H + i_h, tl.sum(b_v * b_dv, axis=1), mask=m_t)
+        tl.store(vdv + (tl.program_id(0) * N_tok + t) * H + i_h, tl.sum(b_v * b_dv, axis=1), mask=m_t)
         b_dow = b_do.to(tl.float32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BV]
         b_drw = b_dr * (b_beta * tl.exp2(b_gc))[:, None]  # [C, BV]
         b_dh = b_dh * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_q), b_dow, F32) - mma_right_fp32(tl.trans(b_k), b_drw, F32)
@@ -91,6 +79,7 @@ def delta_grads_kernel(
     q, k, v, beta, g, do, chunks, hs, dhs, us, drs, dq, dk, dbeta, dgterm,
     scale, N_tok, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     """grid: (num_chunks, H, cdiv(K, BK)). One program per chunk, head and key tile: it loads
     the chunk's q, k columns of its tile ([C, BK]) and loops over value tiles, accumulating
@@ -110,8 +99,9 @@ def delta_grads_kernel(
     b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
     b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
     b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
-    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-    b_d = chunk_segsum(b_g, b_gc, False, F32)  # [C, C]
+    b_g, b_gc, _ = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C]
+    b_d = chunk_segsum(b_g, False)  # [C, C]
+    b_gs = chunk_suffix(b_g)  # [C]
     b_egc = tl.exp2(b_gc)  # [C]
     b_p = tl.zeros([C, C], dtype=tl.float32)
     b_e = tl.zeros([C, C], dtype=tl.float32)
@@ -131,10 +121,10 @@ def delta_grads_kernel(
         b_ht = tl.load(hs + p_state + o_v[:, None], mask=m_vk, other=0.0)  # [BV, BK] = h^T tile
         b_dht = tl.load(dhs + p_state + o_v[:, None], mask=m_vk, other=0.0)  # [BV, BK] = dh'^T tile
         b_p += mma_right_fp32(b_do, tl.trans(b_u), F32)  # [C, BV] @ [BV, C] -> [C, C]
-        b_e -= mma_fp32(b_dr, tl.trans(b_u), b_q.dtype, F32)  # [C, BV] @ [BV, C] -> [C, C]
+        b_e -= mma_fp32(b_dr, tl.trans(b_u), b_q.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, C] -> [C, C]
         b_dq += mma_right_fp32(b_do, b_ht, F32)  # [C, BV] @ [BV, BK] -> [C, BK]
-        b_dk += mma_fp32(b_u, b_dht, b_q.dtype, F32) * tl.exp2(b_last - b_gc)[:, None]  # [C, BV] @ [BV, BK]
-        b_dk -= mma_fp32(b_dr, b_ht, b_q.dtype, F32) * (b_beta * b_egc)[:, None]  # [C, BV] @ [BV, BK]
+        b_dk += mma_fp32(b_u, b_dht, b_q.dtype, F32, FP32_DOT) * tl.exp2(b_gs)[:, None]  # [C, BV] @ [BV, BK]
+        b_dk -= mma_fp32(b_dr, b_ht, b_q.dtype, F32, FP32_DOT) * (b_beta * b_egc)[:, None]  # [C, BV] @ [BV, BK]
         b_kh = mma_right_fp32(b_k, tl.trans(b_ht), F32)  # [C, BK] @ [BK, BV] -> [C, BV]: this tile's share of K h
         b_db -= tl.sum(b_dr * (b_egc[:, None] * b_kh), axis=1)  # [C]
         if i_k == 0:

@@ -17,8 +17,42 @@ import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.decay import chunk_decay, chunk_segsum
+from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.precision import mma, mma_fp32, mma_right_fp32, to_output
+
+
+@triton.jit
+def sequence_tile(seqs, cu_chunks, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    """This program's sequence, head and state tile in a (value tile, sequence, head) grid:
+    `(i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile)` with `c0` the sequence's first
+    chunk and `state_tile` the [BK, BV] offsets inside one [K, V] state."""
+    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(seqs + i_n * 4).to(tl.int64)
+    eos = tl.load(seqs + i_n * 4 + 1).to(tl.int64)
+    c0 = tl.load(cu_chunks + i_n).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+    return i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, o_k[:, None] * V + o_v[None, :]
+
+
+@triton.jit
+def chunk_rows(q, k, beta, g, t_inv, t, m_t, o_k, m_k, scale, H, i_h, K, C: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr):
+    """What both recurrences read of one chunk: q, k [C, BK], beta [C], Tinv [C, C], the score
+    tile `A_qk = scale Q K^T ⊙ exp2(D)` [C, C] (0 above the diagonal), the query-side and
+    key-side log2-decays `gc`, `gs` [C] and the chunk's total log2-decay."""
+    row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+    o_t = tl.arange(0, C)
+    b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
+    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+    b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(chunk_segsum(b_g, False)) * scale)  # [C, BK] @ [BK, C] -> [C, C]
+    return b_q, b_k, b_beta, b_tinv, b_att, b_gc, chunk_suffix(b_g), b_last
 
 
 @triton.jit
@@ -27,22 +61,14 @@ def delta_forward_kernel(
     scale, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr, F32: tl.constexpr,
+    FP32_DOT: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). Tiling: q, k rows of the full K (padded to BK), v / o columns
     [BV]; the fp32 state [BK, BV] stays in registers for the whole sequence. Loop: the
     sequence's chunks in order; per chunk the products `K h`, `Tinv R`, `Q K^T`, `A U`, `Q h`
     and `K^T U` (fp32 operands split in two input-dtype halves on bf16/fp16 tensor cores)."""
-    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(seqs + i_n * 4).to(tl.int64)
-    eos = tl.load(seqs + i_n * 4 + 1).to(tl.int64)
-    c0 = tl.load(cu_chunks + i_n).to(tl.int64)
+    i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     o_t = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    state_tile = o_k[:, None] * V + o_v[None, :]  # [BK, BV] offsets inside one [K, V] state
     if USE_H0:
         b_h = tl.load(h0 + (i_n * H + i_h) * K * V + state_tile, mask=m_s, other=0.0)  # [BK, BV]
     else:
@@ -50,28 +76,22 @@ def delta_forward_kernel(
     for i in range(0, tl.cdiv(eos - bos, C)):
         t = bos + i * C + o_t
         m_t = t < eos
-        row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+        b_q, b_k, b_beta, b_tinv, b_att, b_gc, b_gs, b_last = chunk_rows(
+            q, k, beta, g, t_inv, t, m_t, o_k, m_k, scale, H, i_h, K, C, USE_G, F32,
+        )
         row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
-        m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
-        b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
         b_v = tl.load(v + row_v, mask=m_tv, other=0.0)  # [C, BV]
-        b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
-        b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
-        b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-        b_d = chunk_segsum(b_g, b_gc, False, F32)  # [C, C]
         if SAVE:
             tl.store(hs + ((c0 + i) * H + i_h) * K * V + state_tile, b_h, mask=m_s)
         b_kh = mma_right_fp32(b_k, b_h, F32)  # [C, BK] @ [BK, BV] -> [C, BV]
         b_r = b_beta[:, None] * (b_v.to(tl.float32) - tl.exp2(b_gc)[:, None] * b_kh)  # [C, BV]
-        b_u = mma_fp32(b_tinv, b_r, b_q.dtype, F32)  # [C, C] @ [C, BV] -> [C, BV]
+        b_u = mma_fp32(b_tinv, b_r, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
         if SAVE:
             tl.store(us + row_v, b_u, mask=m_tv)
-        b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(b_d) * scale)  # [C, BK] @ [BK, C] -> [C, C]
-        b_o = mma_fp32(b_att, b_u, b_q.dtype, F32)  # [C, C] @ [C, BV] -> [C, BV]
+        b_o = mma_fp32(b_att, b_u, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
         b_o += mma_right_fp32(b_q, b_h, F32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BK] @ [BK, BV] -> [C, BV]
-        b_w = tl.exp2(b_last - b_gc)  # [C]
+        b_w = tl.exp2(b_gs)  # [C]
         b_h = b_h * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_k), b_u * b_w[:, None], F32)  # [BK, C] @ [C, BV]
         tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
     if STORE_HT:

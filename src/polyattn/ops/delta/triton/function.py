@@ -14,14 +14,21 @@ import torch
 import triton
 
 from polyattn.ops.triton.plan import (
-    block, chunk_table, get_config, one_token_step, reverse_cumsum, segment_table, sequence_lengths, step_state,
+    block, chunk_table, empty_call, get_config, one_token_step, reverse_cumsum, segment_table,
+    sequence_lengths, step_state,
 )
-from polyattn.ops.triton.precision import check_kernel_inputs, dot_f32
+from polyattn.ops.triton.precision import FP32_DOTS, check_kernel_inputs, dot_f32
 
 from .backward import delta_grads_kernel, delta_state_grad_kernel
 from .forward import delta_forward_kernel
 from .step import delta_rule_step_inplace
 from .wy import wy_solve
+
+
+def fp32_dot(config) -> int:
+    if config.delta_fp32_dot not in FP32_DOTS:
+        raise ValueError(f"expected delta_fp32_dot in {sorted(FP32_DOTS)}, got {config.delta_fp32_dot!r}")
+    return FP32_DOTS[config.delta_fp32_dot]
 
 
 class DeltaRuleFunction(torch.autograd.Function):
@@ -50,7 +57,7 @@ class DeltaRuleFunction(torch.autograd.Function):
             qf, kf, vf, bf, gf, t_inv, o, seqs, chunks[1], h0, ht, hs, us,
             scale, H, K, V,
             C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_H0=h0 is not None, STORE_HT=store_ht, SAVE=save,
-            F32=dot_f32(q.dtype), num_warps=config.delta_num_warps, num_stages=config.num_stages,
+            F32=dot_f32(q.dtype), FP32_DOT=fp32_dot(config), num_warps=config.delta_num_warps, num_stages=config.num_stages,
         )
         ctx.save_for_backward(qf, kf, vf, bf, gf, t_inv, hs, us, ht)
         ctx.scale, ctx.seq_lens, ctx.shape, ctx.has_h0 = scale, seq_lens, (B, T, H, K, V), h0 is not None
@@ -80,7 +87,7 @@ class DeltaRuleFunction(torch.autograd.Function):
             qf, kf, vf, dof, bf, gf, t_inv, seqs, chunks[1], dht, dh0, dhs, drs, dv, vdv,
             scale, B * T, H, K, V,
             C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
-            F32=F32, num_warps=config.delta_num_warps, num_stages=config.num_stages,
+            F32=F32, FP32_DOT=fp32_dot(config), num_warps=config.delta_num_warps, num_stages=config.num_stages,
         )
         dq, dk = torch.empty_like(qf), torch.empty_like(kf)
         BKT = min(BK, 64)
@@ -90,7 +97,8 @@ class DeltaRuleFunction(torch.autograd.Function):
         delta_grads_kernel[(chunks[2], H, n_k)](
             qf, kf, vf, bf, gf, dof, chunks[0], hs, dhs, us, drs, dq, dk, dbeta, qdq,
             scale, B * T, H, K, V,
-            C=C, BK=BKT, BV=BV, USE_G=gf is not None, F32=F32, num_warps=config.delta_num_warps, num_stages=config.num_stages,
+            C=C, BK=BKT, BV=BV, USE_G=gf is not None, F32=F32, FP32_DOT=fp32_dot(config),
+            num_warps=config.delta_num_warps, num_stages=config.num_stages,
         )
         dbeta = dbeta.sum(0)  # [n_k, B*T, H] -> [B*T, H]
         dg = None
@@ -115,11 +123,14 @@ def delta_rule_fused(q, k, v, beta, g=None, *, scale, initial_state=None, output
     `(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)`.
     """
     check_kernel_inputs(q)
+    seq_lens = sequence_lengths(cu_seqlens, *q.shape[:2])
+    empty = empty_call(q, v, initial_state, output_final_state, seq_lens)
+    if empty is not None:
+        return empty
     if one_token_step(q, cu_seqlens, (q, k, v, beta, g, initial_state)):
         state = step_state(initial_state, q, v.shape[-1])
         step = (x[:, 0] for x in (q, k, v, beta))
         o, state = delta_rule_step_inplace(*step, None if g is None else g[:, 0], state, scale=scale)
         return o[:, None], (state if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
-    seq_lens = sequence_lengths(cu_seqlens, *q.shape[:2])
     o, ht = DeltaRuleFunction.apply(q, k, v, beta, g, initial_state, float(scale), seq_lens, output_final_state)
     return o, (ht if output_final_state else None)

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyattn.ops.triton.decay import chunk_segsum, chunk_suffix
 from polyattn.ops.triton.plan import block
 from polyattn.ops.triton.precision import LOG2E, dot_f32, mma
 
@@ -38,9 +39,9 @@ def invert_unit_lower(b_a):
 
 
 @triton.jit
-def block_rows(k, beta, g, bos, eos, i_b, H, i_h, K, offset, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr):
-    """Rows `[i_b * BT, (i_b + 1) * BT)` of the chunk: keys [BT, BK], beta [BT], the log2-decay
-    cumsum [BT] continued from `offset` (the chunk's sum before the block) and the new offset."""
+def block_rows(k, beta, g, bos, eos, i_b, H, i_h, K, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr):
+    """Rows `[i_b * BT, (i_b + 1) * BT)` of the chunk: keys [BT, BK], beta [BT], and the block's
+    log-decays [BT] (0 past the end, or without decay)."""
     t = bos + i_b * BT + tl.arange(0, BT)
     m_t = t < eos
     o_k = tl.arange(0, BK)
@@ -48,21 +49,31 @@ def block_rows(k, beta, g, bos, eos, i_b, H, i_h, K, offset, BT: tl.constexpr, B
     b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [BT]
     if USE_G:
         b_g = tl.load(g + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [BT]
-        b_gc = offset + tl.cumsum(b_g, axis=0) * LOG2E  # [BT]
-        return b_k, b_beta, b_gc, offset + tl.sum(b_g, axis=0) * LOG2E
-    return b_k, b_beta, tl.zeros([BT], dtype=tl.float32) + offset, offset
+    else:
+        b_g = tl.zeros([BT], dtype=tl.float32)
+    return b_k, b_beta, b_g
 
 
 @triton.jit
-def gram_block(b_ki, b_beta_i, b_gc_i, b_kj, b_gc_j, STRICT: tl.constexpr, F32: tl.constexpr):
-    """The [BT, BT] block `diag(beta_i) (K_i K_j^T ⊙ exp2(gc_i - gc_j))` of A (strictly lower
-    on a diagonal block)."""
+def gram_block(b_ki, b_beta_i, b_kj, b_d, F32: tl.constexpr):
+    """The [BT, BT] block `diag(beta_i) (K_i K_j^T ⊙ exp2(D))` of A for the log2-decays `D`
+    between its rows and columns (-inf where the block is not below the diagonal)."""
     b_a = mma(b_ki, tl.trans(b_kj), F32) * b_beta_i[:, None]  # [BT, BK] @ [BK, BT] -> [BT, BT]
-    o = tl.arange(0, b_a.shape[0])
-    if STRICT:
-        keep = o[:, None] > o[None, :]
-        return tl.where(keep, b_a * tl.exp2(tl.where(keep, b_gc_i[:, None] - b_gc_j[None, :], 0.0)), 0.0)
-    return b_a * tl.exp2(b_gc_i[:, None] - b_gc_j[None, :])
+    return tl.where(b_d > float("-inf"), b_a * tl.exp2(b_d), 0.0)
+
+
+@triton.jit
+def diagonal_decay(b_g):
+    """Log2-decays inside one block, strictly below the diagonal (-inf elsewhere)."""
+    o = tl.arange(0, b_g.shape[0])
+    return tl.where(o[:, None] > o[None, :], chunk_segsum(b_g, False), float("-inf"))
+
+
+@triton.jit
+def cross_decay(b_gi, b_gj, between):
+    """Log2-decays from the rows of an earlier block j to those of block i: the suffix of j after
+    each column, the whole blocks in between, the prefix of i up to each row; direct sums only."""
+    return tl.cumsum(b_gi, axis=0)[:, None] * LOG2E + between + chunk_suffix(b_gj)[None, :]
 
 
 @triton.jit
@@ -85,21 +96,22 @@ def wy_kernel(
     i_ch, i_h = tl.program_id(0), tl.program_id(1)
     bos = tl.load(chunks + i_ch * 4).to(tl.int64)
     eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
-    zero = tl.sum(tl.zeros([BT], dtype=tl.float32), axis=0)
-    k0, b0, gc0, off = block_rows(k, beta, g, bos, eos, 0, H, i_h, K, zero, BT, BK, USE_G)
-    k1, b1, gc1, off = block_rows(k, beta, g, bos, eos, 1, H, i_h, K, off, BT, BK, USE_G)
-    k2, b2, gc2, off = block_rows(k, beta, g, bos, eos, 2, H, i_h, K, off, BT, BK, USE_G)
-    k3, b3, gc3, off = block_rows(k, beta, g, bos, eos, 3, H, i_h, K, off, BT, BK, USE_G)
-    t00 = invert_unit_lower(gram_block(k0, b0, gc0, k0, gc0, True, F32))  # [BT, BT] each
-    t11 = invert_unit_lower(gram_block(k1, b1, gc1, k1, gc1, True, F32))
-    t22 = invert_unit_lower(gram_block(k2, b2, gc2, k2, gc2, True, F32))
-    t33 = invert_unit_lower(gram_block(k3, b3, gc3, k3, gc3, True, F32))
-    a10 = gram_block(k1, b1, gc1, k0, gc0, False, F32)
-    a20 = gram_block(k2, b2, gc2, k0, gc0, False, F32)
-    a21 = gram_block(k2, b2, gc2, k1, gc1, False, F32)
-    a30 = gram_block(k3, b3, gc3, k0, gc0, False, F32)
-    a31 = gram_block(k3, b3, gc3, k1, gc1, False, F32)
-    a32 = gram_block(k3, b3, gc3, k2, gc2, False, F32)
+    k0, b0, g0 = block_rows(k, beta, g, bos, eos, 0, H, i_h, K, BT, BK, USE_G)
+    k1, b1, g1 = block_rows(k, beta, g, bos, eos, 1, H, i_h, K, BT, BK, USE_G)
+    k2, b2, g2 = block_rows(k, beta, g, bos, eos, 2, H, i_h, K, BT, BK, USE_G)
+    k3, b3, g3 = block_rows(k, beta, g, bos, eos, 3, H, i_h, K, BT, BK, USE_G)
+    s1 = tl.sum(g1, axis=0) * LOG2E  # whole-block log2-decays between non-adjacent blocks
+    s2 = tl.sum(g2, axis=0) * LOG2E
+    t00 = invert_unit_lower(gram_block(k0, b0, k0, diagonal_decay(g0), F32))  # [BT, BT] each
+    t11 = invert_unit_lower(gram_block(k1, b1, k1, diagonal_decay(g1), F32))
+    t22 = invert_unit_lower(gram_block(k2, b2, k2, diagonal_decay(g2), F32))
+    t33 = invert_unit_lower(gram_block(k3, b3, k3, diagonal_decay(g3), F32))
+    a10 = gram_block(k1, b1, k0, cross_decay(g1, g0, 0.0), F32)
+    a20 = gram_block(k2, b2, k0, cross_decay(g2, g0, s1), F32)
+    a21 = gram_block(k2, b2, k1, cross_decay(g2, g1, 0.0), F32)
+    a30 = gram_block(k3, b3, k0, cross_decay(g3, g0, s1 + s2), F32)
+    a31 = gram_block(k3, b3, k1, cross_decay(g3, g1, s2), F32)
+    a32 = gram_block(k3, b3, k2, cross_decay(g3, g2, 0.0), F32)
     t10 = -fp32_dot(t11, fp32_dot(a10, t00))
     t21 = -fp32_dot(t22, fp32_dot(a21, t11))
     t20 = -fp32_dot(t22, fp32_dot(a20, t00) + fp32_dot(a21, t10))

@@ -3,10 +3,13 @@
 `chunk_outputs_kernel` implements `linear_attn_chunk` (ops/linear/chunk.py) for one segment:
 per chunk of C tokens, with `Gc` the chunk-local inclusive cumsum of the log2-decay,
 
-    causal      out = scale * [((a b^T) * exp2(Gc_i - Gc_j) * [j <= i]) @ c + exp2(Gc_i) * (a @ S)]
-                S   = exp2(Gc_last) S + (b * exp2(Gc_last - Gc_j))^T @ c
-    anticausal  out = scale * [((a b^T) * exp2(Gc_j - Gc_i) * [j >= i]) @ c + exp2(Gc_last - Gc_i) * (a @ R)]
+    causal      out = scale * [((a b^T) * exp2(D_ij) * [j <= i]) @ c + exp2(Gc_i) * (a @ S)]
+                S   = exp2(Gc_last) S + (b * exp2(Gs_j))^T @ c
+    anticausal  out = scale * [((a b^T) * exp2(D_ij) * [j >= i]) @ c + exp2(Gs_i) * (a @ R)]
                 R   = exp2(Gc_last) R + (b * exp2(Gc_j))^T @ c
+
+with `D` the in-chunk segment sums and `Gs_j` the suffix sum after row j (ops/triton/decay.py:
+direct sums, exact next to a reset).
 
 (launch.py states the pass vocabulary). Per-row factors (scale, decays of the query side) are
 applied after the products, in fp32; fp32 operands (the score tile, the state, decayed keys)
@@ -17,7 +20,7 @@ log-decay gradient.
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.decay import chunk_decay, chunk_segsum
+from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays
 from polyattn.ops.triton.precision import mma, mma_left_fp32, mma_right_fp32, to_output
 
 from .chunk_states import keys_times_values
@@ -76,16 +79,14 @@ def chunk_outputs_kernel(
         b_b = tl.load(b + row_a, mask=m_ta, other=0.0)  # [C, BA]
         b_v = tl.load(c + row_c, mask=m_tc, other=0.0)  # [C, BC]
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-        if REVERSE:
-            b_wa = tl.exp2(b_last - b_gc) * scale  # [C]
-        else:
-            b_wa = tl.exp2(b_gc) * scale  # [C]
-        b_d = chunk_segsum(b_g, b_gc, REVERSE, F32)  # [C, C]
+        b_wq, b_wk = chunk_side_decays(b_g, b_gc, REVERSE)  # [C], [C]
+        b_wa = tl.exp2(b_wq) * scale  # [C]
+        b_d = chunk_segsum(b_g, REVERSE)  # [C, C]
         b_att = mma(b_a, tl.trans(b_b), F32)  # [C, BA] @ [BA, C] -> [C, C]
         b_att = b_att * (tl.exp2(b_d) * scale)  # [C, C]
         b_o = mma_left_fp32(b_att, b_v, F32)  # [C, C] @ [C, BC] -> [C, BC]
         b_o += mma_right_fp32(b_a, b_s, F32) * b_wa[:, None]  # [C, BA] @ [BA, BC] -> [C, BC]
-        b_s = b_s * tl.exp2(b_last) + keys_times_values(b_b, b_v, b_gc, b_last, REVERSE, USE_G, F32)
+        b_s = b_s * tl.exp2(b_last) + keys_times_values(b_b, b_v, b_wk, USE_G, F32)
         tl.store(out + row_c, to_output(b_o, out.dtype.element_ty, F32), mask=m_tc)  # downcast: output dtype
         if ROWDOT:
             b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0).to(tl.float32)  # [C, BC]

@@ -3,8 +3,8 @@
 `segment_states_kernel` implements, for one segment of one sequence, the end state that
 `linear_attn_chunk` (ops/linear/chunk.py) carries from chunk to chunk, started from zero:
 
-    causal      S = sum_j exp(G_last - G_j) b_j c_j^T           [DA, DC]
-    anticausal  R = sum_j exp(G_j - G_first_minus_1) b_j c_j^T
+    causal      S = sum_j exp(g_{j+1} + ... + g_last) b_j c_j^T         [DA, DC]
+    anticausal  R = sum_j exp(g_first + ... + g_j) b_j c_j^T
 
 and the segment's total log2-decay. `segment_scan_kernel` turns local states into each
 segment's incoming state by the sequential form of `ops.common.scan.combine_decayed`.
@@ -12,22 +12,18 @@ segment's incoming state by the sequential form of `ops.common.scan.combine_deca
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.decay import chunk_decay
+from polyattn.ops.triton.decay import chunk_decay, chunk_side_decays
 from polyattn.ops.triton.precision import mma, mma_right_fp32
 
 
 @triton.jit
-def keys_times_values(b_b, b_v, b_gc, b_last, REVERSE: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr):
-    """The chunk's contribution to the state, `b^T @ (c * w)` with w = exp2(Gc_last - Gc_j)
-    (causal) or exp2(Gc_j) (anticausal): [BA, C] @ [C, BC] -> [BA, BC] fp32. Without decay
-    b and c enter the tensor cores as they are; the decayed values are fp32 ([C, BC], the
+def keys_times_values(b_b, b_v, b_wk, USE_G: tl.constexpr, F32: tl.constexpr):
+    """The chunk's contribution to the state, `b^T @ (c * exp2(wk))` with `wk` the key-side
+    log2-decay of the pass (`chunk_side_decays`): [BA, C] @ [C, BC] -> [BA, BC] fp32. Without
+    decay b and c enter the tensor cores as they are; the decayed values are fp32 ([C, BC], the
     smaller operand) and enter split in two halves."""
     if USE_G:
-        if REVERSE:
-            b_w = tl.exp2(b_gc)  # [C]
-        else:
-            b_w = tl.exp2(b_last - b_gc)  # [C]
-        return mma_right_fp32(tl.trans(b_b), b_v.to(tl.float32) * b_w[:, None], F32)
+        return mma_right_fp32(tl.trans(b_b), b_v.to(tl.float32) * tl.exp2(b_wk)[:, None], F32)
     return mma(tl.trans(b_b), b_v, F32)
 
 
@@ -73,8 +69,9 @@ def segment_states_kernel(
         m_t = t < eos
         b_b = tl.load(b + (t * H + i_h)[:, None] * DA + o_a[None, :], mask=m_t[:, None] & m_a[None, :], other=0.0)  # [C, BA]
         b_v = tl.load(c + (t * H + i_h)[:, None] * DC + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)  # [C, BC]
-        _, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-        b_s = b_s * tl.exp2(b_last) + keys_times_values(b_b, b_v, b_gc, b_last, REVERSE, USE_G, F32)
+        b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+        _, b_wk = chunk_side_decays(b_g, b_gc, REVERSE)  # [C]
+        b_s = b_s * tl.exp2(b_last) + keys_times_values(b_b, b_v, b_wk, USE_G, F32)
         b_total += b_last
     p_s = states + ((i_s * H + i_h) * DA + o_a[:, None]).to(tl.int64) * DC + o_c[None, :]
     tl.store(p_s, b_s, mask=m_a[:, None] & m_c[None, :])

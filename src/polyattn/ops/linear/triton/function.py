@@ -17,7 +17,7 @@ every G_s with s >= t.
 """
 import torch
 
-from polyattn.ops.triton.plan import one_token_step, reverse_cumsum, sequence_lengths, step_state
+from polyattn.ops.triton.plan import empty_call, one_token_step, reverse_cumsum, sequence_lengths, step_state
 from polyattn.ops.triton.precision import check_kernel_inputs
 
 from .launch import chunk_pass
@@ -96,11 +96,14 @@ def linear_attn_fused(
     `(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)`.
     """
     check_kernel_inputs(q)
+    seq_lens = sequence_lengths(cu_seqlens, *q.shape[:2])
+    empty = empty_call(q, v, initial_state, output_final_state, seq_lens)
+    if empty is not None:
+        return empty
     if one_token_step(q, cu_seqlens, (q, k, v, g, initial_state)):
         state = step_state(initial_state, q, v.shape[-1])
         o, state = linear_attn_step_inplace(q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0], state, scale=scale)
         return o[:, None], (state if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
-    seq_lens = sequence_lengths(cu_seqlens, *q.shape[:2])
     o, ht = LinearAttnFunction.apply(q, k, v, g, initial_state, float(scale), seq_lens, output_final_state)
     return o, (ht if output_final_state else None)
 

@@ -4,38 +4,23 @@
 
     S <- exp(g) S + k v^T        o = S^T (scale q)
 
-grid: (cdiv(V, BV), B * H); tiling: each program owns the [BK, BV] fp32 tile of one head's
-state (BK = the whole padded K), reads it once and writes it once; no loop.
+on the shared step front (ops/triton/step.py: grid, tiling, one read and one write of the state).
 """
-import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.precision import LOG2E
+from polyattn.ops.triton.step import launch_step, step_finish, step_tile
 
 
 @triton.jit
 def linear_attn_step_kernel(
-    q, k, v, g, state, o, scale, H, K, V,
+    q, k, v, g, state, o, scale, K, V,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
 ):
     """One decoding step for one (batch, head, V tile); q, k: [B, H, K], v, o: [B, H, V]."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    p_s = state + (i_bh.to(tl.int64) * K + o_k[:, None]) * V + o_v[None, :]
-    b_s = tl.load(p_s, mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BK, BV]
-    b_q = tl.load(q + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32) * scale  # [BK]
-    b_k = tl.load(k + i_bh * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-    b_v = tl.load(v + i_bh * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
-    if USE_G:
-        b_s *= tl.exp2(tl.load(g + i_bh).to(tl.float32) * LOG2E)
+    p_s, m_s, b_s, b_q, b_k, b_v = step_tile(q, k, v, g, state, scale, K, V, BK, BV, USE_G)
     b_s += b_k[:, None] * b_v[None, :]  # [BK, 1] * [1, BV] -> [BK, BV]
-    b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BK, BV] -> [BV]
-    tl.store(p_s, b_s, mask=m_k[:, None] & m_v[None, :])
-    tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)  # downcast: output dtype
+    step_finish(p_s, m_s, b_s, b_q, o, V, BV)
 
 
 def linear_attn_step_inplace(q, k, v, g, state, *, scale):
@@ -45,15 +30,5 @@ def linear_attn_step_inplace(q, k, v, g, state, *, scale):
     q, k: [B, H, K]; v: [B, H, V]; g: [B, H] log-decay or None; state: [B, H, K, V] fp32
     contiguous. Returns `(o [B, H, V] in q's dtype, state)`.
     """
-    B, H, K = q.shape
-    V = v.shape[-1]
-    if state.shape != (B, H, K, V) or state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(f"expected a contiguous fp32 state of shape {(B, H, K, V)}, got {tuple(state.shape)} {state.dtype}")
-    o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(32, max(16, triton.next_power_of_2(V)))
-    linear_attn_step_kernel[(triton.cdiv(V, BV), B * H)](
-        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous() if g is not None else None,
-        state, o, scale, H, K, V, BK=BK, BV=BV, USE_G=g is not None, num_warps=4,
-    )
-    return o, state
+    extra = (g.contiguous() if g is not None else None,)
+    return launch_step(linear_attn_step_kernel, q, k, v, state, extra, scale=scale, use_g=g is not None)

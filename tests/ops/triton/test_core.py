@@ -1,0 +1,95 @@
+"""The shared kernel core against its PyTorch twins, and the Triton forms under extreme gates.
+
+Decay stages run inside a small test kernel on the same chunk of log-decays as their twins,
+including a huge finite log-decay and a reset (`g = -inf`). The Triton forms of `linear_attn`
+and `delta_rule` (fp32) then match the float64 spec when one token's log-decay is -1e4, -1e30,
+two adjacent `finfo(float32).min`, or -inf, at a chunk's first token and inside a chunk.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from polyattn.ops.delta import delta_rule_naive
+from polyattn.ops.delta.triton import delta_rule_triton
+from polyattn.ops.linear import linear_attn_naive
+from polyattn.ops.linear.triton import linear_attn_triton
+from polyattn.ops.triton.decay import (
+    chunk_decay, chunk_decay_ref, chunk_segsum, chunk_segsum_ref, chunk_suffix, chunk_suffix_ref,
+)
+from polyattn.testing import rel_err, seeded_inputs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+C = 16
+
+
+@triton.jit
+def decay_stages_kernel(g, gc, gs, last, d_causal, d_anti, C: tl.constexpr):
+    o = tl.arange(0, C)
+    b_g, b_gc, b_last = chunk_decay(g, o, o < C, 1, 0, True)
+    tl.store(gc + o, b_gc)
+    tl.store(gs + o, chunk_suffix(b_g))
+    tl.store(last, b_last)
+    tl.store(d_causal + o[:, None] * C + o[None, :], chunk_segsum(b_g, False))
+    tl.store(d_anti + o[:, None] * C + o[None, :], chunk_segsum(b_g, True))
+
+
+@pytest.mark.parametrize("plant", [None, -1e30, float("-inf")], ids=["plain", "huge", "reset"])
+def test_decay_stages_match_twins(plant):
+    g = -0.3 * torch.rand(C, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    if plant is not None:
+        g[5] = plant
+    g = g.float().to(DEVICE)
+    out = [torch.empty(C, device=DEVICE), torch.empty(C, device=DEVICE), torch.empty(1, device=DEVICE),
+           torch.empty(C, C, device=DEVICE), torch.empty(C, C, device=DEVICE)]
+    decay_stages_kernel[(1,)](g, *out, C=C)
+    _, gc_ref, last_ref = chunk_decay_ref(g)
+    refs = [gc_ref, chunk_suffix_ref(g), last_ref.reshape(1), chunk_segsum_ref(g, False), chunk_segsum_ref(g, True)]
+    for name, got, want in zip(("gc", "suffix", "last", "segsum", "segsum reverse"), out, refs):
+        same_inf = torch.equal(torch.isinf(got), torch.isinf(want))
+        finite = torch.isfinite(want)
+        assert same_inf, f"{name}: infinities differ"
+        assert torch.allclose(got[finite], want[finite].to(got.dtype), rtol=1e-6, atol=1e-6), f"{name} differs"
+
+
+RESETS = {"-1e4": [-1e4], "-1e30": [-1e30], "finfo.min x2": [torch.finfo(torch.float32).min] * 2, "-inf": [float("-inf")]}
+
+
+@pytest.mark.parametrize("position", [64, 100], ids=["chunk-start", "inside"])
+@pytest.mark.parametrize("reset", list(RESETS), ids=list(RESETS))
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule"])
+def test_triton_forms_exact_under_extreme_gates(op, reset, position):
+    H, K, V = (2, 8, 12) if DEVICE == "cpu" else (4, 64, 64)
+    x = seeded_inputs(1, 150, H, K, V, decay=True, beta=True, seed=3, device=DEVICE)
+    for i, value in enumerate(RESETS[reset]):
+        x["g"][:, position + i] = value
+    h0 = torch.randn(1, H, K, V, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(DEVICE)
+    if op == "linear_attn":
+        args, naive, fast = (x["q"], x["k"], x["v"], x["g"]), linear_attn_naive, linear_attn_triton
+    else:
+        k = torch.nn.functional.normalize(x["k"], dim=-1)
+        args, naive, fast = (x["q"], k, x["v"], x["beta"], x["g"]), delta_rule_naive, delta_rule_triton
+    kw = dict(scale=K**-0.5, output_final_state=True)
+    o_ref, ht_ref = naive(*args, initial_state=h0, **kw)
+    o, ht = fast(*(t.float() for t in args), initial_state=h0.float(), **kw)
+    assert bool(torch.isfinite(o).all()) and bool(torch.isfinite(ht).all())
+    assert rel_err(o, o_ref) <= 1e-5, f"o: {rel_err(o, o_ref):.2e}"
+    assert rel_err(ht, ht_ref) <= 1e-5, f"final state: {rel_err(ht, ht_ref):.2e}"
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 2), (2, 5, 0), (2, 0, 2), (0, 1, 2)], ids=["B0", "H0", "T0", "B0-T1"])
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule"])
+def test_triton_forms_empty_calls(op, shape):
+    """No sequence, no head or no token: empty outputs and the initial state back, as the PyTorch forms give."""
+    B, T, H = shape
+    K, V = 8, 12
+    q, k = torch.randn(B, T, H, K, device=DEVICE), torch.randn(B, T, H, K, device=DEVICE)
+    v, beta, g = torch.randn(B, T, H, V, device=DEVICE), torch.rand(B, T, H, device=DEVICE), -torch.rand(B, T, H, device=DEVICE)
+    h0 = torch.randn(B, H, K, V, device=DEVICE)
+    args = (q, k, v, g) if op == "linear_attn" else (q, k, v, beta, g)
+    fast = linear_attn_triton if op == "linear_attn" else delta_rule_triton
+    o, ht = fast(*args, scale=0.3, initial_state=h0, output_final_state=True)
+    assert o.shape == (B, T, H, V) and ht.shape == (B, H, K, V)
+    assert torch.equal(ht, h0)
