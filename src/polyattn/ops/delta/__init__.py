@@ -44,7 +44,7 @@ def delta_rule(
     d = check_inputs(q, k, v, g, cu_seqlens, output_final_state, beta=beta)
     if initial_state is not None:
         check_state("initial_state", initial_state, (d.N, d.H, d.K, d.V), q)
-    fn = resolve_impl("delta_rule", impl, DELTA_RULE_FORMS, q, g)
+    fn = resolve_impl("delta_rule", impl, DELTA_RULE_FORMS, q)
     scale = resolve_scale(scale, d.K)
     return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, decay_index=4, neutral_padding=True, scale=scale)
 

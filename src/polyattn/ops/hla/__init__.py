@@ -68,7 +68,7 @@ def hla(
     eps = check_positive("eps", eps)
     if initial_state is not None:
         check_hla_state(variant, initial_state, d.N, d.H, d.K, d.V, normalize, q)
-    fn = resolve_impl("hla", impl, HLA_FORMS, q, g)
+    fn = resolve_impl("hla", impl, HLA_FORMS, q)
     return run_varlen(
         fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state, decay_index=3, neutral_padding=True,
         order=order, asymmetric=asymmetric, normalize=normalize, eps=eps, scale=resolve_scale(scale, d.K),

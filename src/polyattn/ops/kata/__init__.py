@@ -81,14 +81,14 @@ def kata(
             raise ValueError("beta: DeltaKATA's read is unnormalized; expected normalize=False with beta, got normalize=True")
         if initial_state is not None:
             check_state("initial_state", initial_state, (N, H, P, V), q)
-        fn = resolve_impl("DeltaKATA", impl, DELTAKATA_FORMS, q, g)
+        fn = resolve_impl("DeltaKATA", impl, DELTAKATA_FORMS, q)
         return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, decay_index=4, **options)
     if initial_state is not None:
         if not isinstance(initial_state, KataState):
             raise ValueError(f"initial_state: expected a KataState(S, z), got {type(initial_state).__name__}")
         check_state("initial_state.S", initial_state.S, (N, H, P, V), q)
         check_state("initial_state.z", initial_state.z, (N, H, P), q)
-    fn = resolve_impl("kata", impl, KATA_FORMS, q, g)
+    fn = resolve_impl("kata", impl, KATA_FORMS, q)
     # with states, packed sequences run one by one: a padded batch of P×V states is slower (measured, P = 512)
     return run_varlen(fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state, decay_index=3, normalize=normalize, **options)
 

@@ -49,7 +49,7 @@ def linear_attn(
     d = check_inputs(q, k, v, g, cu_seqlens, output_final_state)
     if initial_state is not None:
         check_state("initial_state", initial_state, (d.N, d.H, d.K, d.V), q)
-    fn = resolve_impl("linear_attn", impl, LINEAR_ATTN_FORMS, q, g)
+    fn = resolve_impl("linear_attn", impl, LINEAR_ATTN_FORMS, q)
     scale = resolve_scale(scale, d.K)
     return run_varlen(fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state, decay_index=3, neutral_padding=True, scale=scale)
 

@@ -68,7 +68,7 @@ def loglinear_attn(
         check_loglinear_state(initial_state, N, H, L, K, V, q)
     lengths = [T] * N if cu_seqlens is None else torch.diff(cu_seqlens).tolist()
     check_lam_levels(L, state_positions(initial_state, N), lengths)
-    fn = resolve_impl("loglinear_attn", impl, LOGLINEAR_ATTN_FORMS, q, g)
+    fn = resolve_impl("loglinear_attn", impl, LOGLINEAR_ATTN_FORMS, q)
     scale = resolve_scale(scale, K)
     return run_varlen(_per_sequence(fn), (q, k, v, lam, g, beta), cu_seqlens, initial_state, output_final_state, scale=scale)
 
