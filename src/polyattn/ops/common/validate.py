@@ -10,7 +10,7 @@ which never synchronises with a GPU and never breaks a ``torch.compile`` graph; 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -38,8 +38,12 @@ def set_value_checks(mode: str) -> str:
     return previous
 
 
-def check_value(ok: torch.Tensor, message: str) -> None:
-    """Check that the boolean tensor ``ok`` is all True, per the mode of :func:`set_value_checks`."""
+def check_value(ok: torch.Tensor, message: str, detail: Callable[[], str] | None = None) -> None:
+    """Check that the boolean tensor ``ok`` is all True, per the mode of :func:`set_value_checks`.
+
+    ``detail``, when given, builds a fuller message from the values; it runs only where the check is
+    made on the host (the failure is certain there and the values are at hand).
+    """
     mode = _value_checks["mode"]
     if mode == "off" or ok.device.type == "meta":
         return
@@ -47,7 +51,7 @@ def check_value(ok: torch.Tensor, message: str) -> None:
     if mode == "async" or (mode == "auto" and deferred):
         torch._assert_async(ok.all(), message)
     elif not bool(ok.all()):
-        raise ValueError(message)
+        raise ValueError(message if detail is None else detail())
 
 
 def _describe(x: torch.Tensor) -> str:
