@@ -104,7 +104,8 @@ def check_log_decay(g: torch.Tensor, q: torch.Tensor) -> None:
     ``g = -inf`` is an exact reset: the weight across that token is exactly 0.
     """
     check_per_token("g", g, q)
-    check_value(g <= 0, "g: expected a log-decay g <= 0 everywhere (-inf: an exact reset), got a value > 0 or NaN")
+    message = "g: expected a log-decay g <= 0 everywhere (-inf: an exact reset), got a value > 0 or NaN"
+    check_value(g <= 0, message, detail=lambda: f"{message} (max {g.max().item():.4g})")
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> int:
@@ -125,8 +126,11 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> int:
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens: expected device {q.device} (the device of q), got {cu_seqlens.device}")
     T = q.shape[1]
-    check_value((cu_seqlens[0] == 0) & (cu_seqlens[-1] == T), f"cu_seqlens: expected to start at 0 and end at T = {T}")
-    check_value(cu_seqlens[1:] > cu_seqlens[:-1], "cu_seqlens: expected strictly increasing offsets (every sequence non-empty)")
+    for ok, message in (
+        ((cu_seqlens[0] == 0) & (cu_seqlens[-1] == T), f"cu_seqlens: expected to start at 0 and end at T = {T}"),
+        (cu_seqlens[1:] > cu_seqlens[:-1], "cu_seqlens: expected strictly increasing offsets (every sequence non-empty)"),
+    ):
+        check_value(ok, message, detail=lambda message=message: f"{message}, got {cu_seqlens.tolist()}")
     return cu_seqlens.numel() - 1
 
 
