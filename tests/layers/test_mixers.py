@@ -206,3 +206,16 @@ def test_every_bad_option_raises_value_error(name):
                 build_mixer(name, D_MODEL, **{"num_heads": 2, field.name: bad})
     with pytest.raises(ValueError, match="d_model: expected a positive integer"):
         build_mixer(name, 0)
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_mixers_run_under_bf16_autocast(name):
+    """Training and decoding under autocast (the GPU recipe): prefill and a one-token step give bf16 outputs
+    (q, k and v reach the op in one dtype whatever the mixer normalises in fp32)."""
+    mixer = build_mixer(name, 32, num_heads=2)
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, state = mixer(x[:, :8], use_cache=True)
+        y_step, _ = mixer(x[:, 8:], state, use_cache=True)
+    assert y.dtype == y_step.dtype == torch.bfloat16
+    assert bool(torch.isfinite(y).all()) and bool(torch.isfinite(y_step).all())

@@ -127,3 +127,20 @@ def test_triton_forms_take_minus_inf_resets(op):
     o_chunk, _ = getattr(ops, op)(*args, impl="chunk")
     assert bool(torch.isfinite(o).all())
     assert rel_err(o, o_chunk) <= 1e-5, f"{op}: {rel_err(o, o_chunk):.2e}"
+
+
+def test_loglinear_decode_step_compiles_without_graph_breaks():
+    """Continuing a state (positions, level count) is checked on the device: the recurrent step is one graph."""
+    x = case_inputs(T=1, H=2, K=4, V=3, dtype=torch.float32)
+    lam = torch.rand(1, 1, 2, 5)
+    state = LogLinearState(torch.randn(1, 2, 5, 4, 3), torch.tensor([7]))
+
+    def step(q, k, v, lam, g, state):
+        return ops.loglinear_attn(q, k, v, lam, g, initial_state=state, output_final_state=True, impl="recurrent")
+
+    torch._dynamo.reset()
+    o, final = torch.compile(step, fullgraph=True, backend="eager")(x["q"], x["k"], x["v"], lam, x["g"], state)
+    o_eager, final_eager = step(x["q"], x["k"], x["v"], lam, x["g"], state)
+    assert torch.equal(o, o_eager) and torch.equal(final.levels, final_eager.levels)
+    with pytest.raises(ValueError, match=r"lam: expected at least num_levels\(17\) = 6 levels"):
+        step(x["q"], x["k"], x["v"], lam, x["g"], LogLinearState(state.levels, torch.tensor([16])))

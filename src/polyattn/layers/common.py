@@ -117,7 +117,8 @@ def split_heads(x, heads):
 
 
 def l2_normalize(x, eps=1e-6):
-    return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+    """Unit rows in x's dtype (under autocast the norm computes in fp32; q, k and v must share a dtype)."""
+    return (x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 FEATURE_MAPS = {

@@ -10,7 +10,7 @@ which never synchronises with a GPU and never breaks a ``torch.compile`` graph; 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -38,8 +38,12 @@ def set_value_checks(mode: str) -> str:
     return previous
 
 
-def check_value(ok: torch.Tensor, message: str) -> None:
-    """Check that the boolean tensor ``ok`` is all True, per the mode of :func:`set_value_checks`."""
+def check_value(ok: torch.Tensor, message: str, detail: Callable[[], str] | None = None) -> None:
+    """Check that the boolean tensor ``ok`` is all True, per the mode of :func:`set_value_checks`.
+
+    ``detail``, when given, builds a fuller message from the values; it runs only where the check is
+    made on the host (the failure is certain there and the values are at hand).
+    """
     mode = _value_checks["mode"]
     if mode == "off" or ok.device.type == "meta":
         return
@@ -47,7 +51,7 @@ def check_value(ok: torch.Tensor, message: str) -> None:
     if mode == "async" or (mode == "auto" and deferred):
         torch._assert_async(ok.all(), message)
     elif not bool(ok.all()):
-        raise ValueError(message)
+        raise ValueError(message if detail is None else detail())
 
 
 def _describe(x: torch.Tensor) -> str:
@@ -100,7 +104,8 @@ def check_log_decay(g: torch.Tensor, q: torch.Tensor) -> None:
     ``g = -inf`` is an exact reset: the weight across that token is exactly 0.
     """
     check_per_token("g", g, q)
-    check_value(g <= 0, "g: expected a log-decay g <= 0 everywhere (-inf: an exact reset), got a value > 0 or NaN")
+    message = "g: expected a log-decay g <= 0 everywhere (-inf: an exact reset), got a value > 0 or NaN"
+    check_value(g <= 0, message, detail=lambda: f"{message} (max {g.max().item():.4g})")
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> int:
@@ -121,8 +126,11 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> int:
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens: expected device {q.device} (the device of q), got {cu_seqlens.device}")
     T = q.shape[1]
-    check_value((cu_seqlens[0] == 0) & (cu_seqlens[-1] == T), f"cu_seqlens: expected to start at 0 and end at T = {T}")
-    check_value(cu_seqlens[1:] > cu_seqlens[:-1], "cu_seqlens: expected strictly increasing offsets (every sequence non-empty)")
+    for ok, message in (
+        ((cu_seqlens[0] == 0) & (cu_seqlens[-1] == T), f"cu_seqlens: expected to start at 0 and end at T = {T}"),
+        (cu_seqlens[1:] > cu_seqlens[:-1], "cu_seqlens: expected strictly increasing offsets (every sequence non-empty)"),
+    ):
+        check_value(ok, message, detail=lambda message=message: f"{message}, got {cu_seqlens.tolist()}")
     return cu_seqlens.numel() - 1
 
 

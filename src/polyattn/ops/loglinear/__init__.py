@@ -8,7 +8,7 @@ from polyattn.ops.common import check_inputs, check_per_token, resolve_impl, res
 from polyattn.ops.loglinear.chunk import loglinear_attn_chunk
 from polyattn.ops.loglinear.naive import loglinear_attn_naive
 from polyattn.ops.loglinear.recurrent import loglinear_attn_recurrent, loglinear_attn_step
-from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, check_loglinear_state, state_positions, widen_levels
+from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, check_loglinear_state, widen_levels
 
 LOGLINEAR_ATTN_FORMS = {
     "naive": loglinear_attn_naive,
@@ -66,8 +66,7 @@ def loglinear_attn(
     L = lam.shape[-1]
     if initial_state is not None:
         check_loglinear_state(initial_state, N, H, L, K, V, q)
-    lengths = [T] * N if cu_seqlens is None else torch.diff(cu_seqlens).tolist()
-    check_lam_levels(L, state_positions(initial_state, N), lengths)
+    check_lam_levels(L, initial_state, T if cu_seqlens is None else torch.diff(cu_seqlens))
     fn = resolve_impl("loglinear_attn", impl, LOGLINEAR_ATTN_FORMS, q)
     scale = resolve_scale(scale, K)
     return run_varlen(_per_sequence(fn), (q, k, v, lam, g, beta), cu_seqlens, initial_state, output_final_state, scale=scale)

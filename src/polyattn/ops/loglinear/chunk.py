@@ -162,8 +162,8 @@ def loglinear_attn_chunk(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
     C = chunk_size
     if C < 1 or C & (C - 1):
         raise ValueError(f"chunk_size: expected a power of two, got {C}")
-    positions = state_positions(initial_state, B)
-    check_lam_levels(L, positions, [T] * B)
+    check_lam_levels(L, initial_state, T)
+    positions = state_positions(initial_state, B)  # on the host: the level grid follows absolute positions
     if B == 0:
         return empty_batch(q, v, L, output_final_state)
     levels0, position = initial_levels(initial_state, B, H, L, K, V, dt, q.device)  # [B, H, L, K, V], [B]

@@ -48,8 +48,8 @@ def loglinear_attn_naive(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
     out_dtype, dt = q.dtype, compute_dtype(q)
     B, T, H, K = q.shape
     V, L = v.shape[-1], lam.shape[-1]
-    positions = state_positions(initial_state, B)
-    check_lam_levels(L, positions, [T] * B)
+    check_lam_levels(L, initial_state, T)
+    positions = state_positions(initial_state, B)  # on the host: the level grid follows absolute positions
     if B == 0:
         return empty_batch(q, v, L, output_final_state)
     S0, position = initial_levels(initial_state, B, H, L, K, V, dt, q.device)  # [B, H, L, K, V], [B]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from polyattn.ops.common import compute_dtype
-from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, fenwick_carry, initial_levels, state_positions
+from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, fenwick_carry, initial_levels
 
 
 def loglinear_attn_step(q, k, v, lam, g, beta, state: LogLinearState, *, scale):
@@ -48,7 +48,7 @@ def loglinear_attn_recurrent(q, k, v, lam, g=None, *, beta=None, scale, initial_
     out_dtype, dt = q.dtype, compute_dtype(q)
     B, T, H, K = q.shape
     V, L = v.shape[-1], lam.shape[-1]
-    check_lam_levels(L, state_positions(initial_state, B), [T] * B)
+    check_lam_levels(L, initial_state, T)
     q, k, v, lam = (x.to(dt) for x in (q, k, v, lam))
     g = None if g is None else g.to(dt)
     beta = None if beta is None else beta.to(dt)

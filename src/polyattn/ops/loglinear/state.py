@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from polyattn.ops.common import check_state, check_value, num_levels
+from polyattn.ops.common import check_state, check_value, compute_dtype, num_levels
 
 
 class LogLinearState(NamedTuple):
@@ -70,15 +70,33 @@ def check_loglinear_state(state, N: int, H: int, L: int, K: int, V: int, q: torc
     check_value(position >= 0, "initial_state.position: expected positions >= 0")
 
 
-def check_lam_levels(L: int, positions: list[int], lengths: list[int]) -> None:
-    """``lam`` needs ``num_levels(position + length)`` levels for the absolute length each sequence reaches."""
-    end = max([p + n for p, n in zip(positions, lengths)] + [0])  # 0: no sequences (B = 0)
-    need = num_levels(end)
-    if L < need:
-        raise ValueError(
-            f"lam: expected at least num_levels({end}) = {need} levels for the absolute length {end} "
+def check_lam_levels(L: int, state: LogLinearState | None, lengths: torch.Tensor | int) -> None:
+    """``lam`` needs ``num_levels(position + length)`` levels for the absolute length each sequence reaches,
+    i.e. ``position + length <= 2**(L - 1)``; ``lengths`` is one length for all or a tensor ``[N]``.
+    Without a state and with one length the check is on the host; else a value check (no host sync)."""
+    if state is None and isinstance(lengths, int):
+        ends = None
+        end = lengths
+    else:
+        ends = lengths + (0 if state is None else state.position)  # [N]
+        if ends.numel() == 0:  # no sequences (B = 0)
+            return
+        end = None
+
+    def message(end):
+        return (
+            f"lam: expected at least num_levels({end}) = {num_levels(end)} levels for the absolute length {end} "
             f"(initial position + tokens), got L = {L}"
         )
+
+    if ends is None:
+        if L < num_levels(end):
+            raise ValueError(message(end))
+        return
+    check_value(
+        ends <= 2 ** (L - 1), f"lam: expected L >= num_levels(position + tokens) for every sequence, got L = {L}",
+        detail=lambda: message(int(ends.max())),
+    )
 
 
 def state_positions(initial_state: LogLinearState | None, N: int) -> list[int]:
@@ -92,7 +110,7 @@ def empty_batch(q: torch.Tensor, v: torch.Tensor, L: int, output_final_state: bo
     o = v.new_zeros(B, T, H, v.shape[-1], dtype=q.dtype)
     if not output_final_state:
         return o, None
-    levels = q.new_zeros(B, H, L, K, v.shape[-1], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    levels = q.new_zeros(B, H, L, K, v.shape[-1], dtype=compute_dtype(q))
     return o, LogLinearState(levels, torch.zeros(B, dtype=torch.int64, device=q.device))
 
 
