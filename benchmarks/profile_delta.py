@@ -18,7 +18,7 @@ from polyattn.ops.triton.plan import get_config, use_config
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--T", type=int, nargs="+", default=[8192])
-    parser.add_argument("--warps", type=int, nargs="+", default=[8])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4])
     parser.add_argument("--block-v", type=int, nargs="+", default=[32])
     parser.add_argument("--fp32-dot", nargs="+", default=["split"])
     parser.add_argument("--out", default=None)

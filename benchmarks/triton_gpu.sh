@@ -37,6 +37,6 @@ if [ "${TUNE_TIMEOUT:-0}" != 0 ]; then
   tail -n 3 "$out/tune_linear.log"
 fi
 if [ "${PROFILE_TIMEOUT:-60}" != 0 ]; then
-  timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/profile_delta.py --T 8192 --warps 8 --block-v 32 --fp32-dot ${PROFILE_DOTS:-split} --out "$out/profile.json" 2>&1 | grep -v -i warn | tail -n 20
+  timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/profile_delta.py --T 8192 --warps 4 --block-v 32 --fp32-dot ${PROFILE_DOTS:-split} --out "$out/profile.json" 2>&1 | grep -v -i warn | tail -n 20
   [ "${PRECISION_TIMEOUT:-60}" != 0 ] && timeout "${PRECISION_TIMEOUT:-60}" python3 benchmarks/delta_precision.py --out "$out/precision.json" 2>&1 | tail -n 4
 fi

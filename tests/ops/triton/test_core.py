@@ -26,25 +26,28 @@ C = 16
 
 
 @triton.jit
-def decay_stages_kernel(g, gc, gs, last, d_causal, d_anti, C: tl.constexpr):
+def decay_stages_kernel(g, gc, gs, last, d_causal, d_anti, C: tl.constexpr, EXACT: tl.constexpr):
     o = tl.arange(0, C)
     b_g, b_gc, b_last = chunk_decay(g, o, o < C, 1, 0, True)
     tl.store(gc + o, b_gc)
-    tl.store(gs + o, chunk_suffix(b_g))
+    tl.store(gs + o, chunk_suffix(b_g, b_gc, b_last, EXACT))
     tl.store(last, b_last)
-    tl.store(d_causal + o[:, None] * C + o[None, :], chunk_segsum(b_g, False))
-    tl.store(d_anti + o[:, None] * C + o[None, :], chunk_segsum(b_g, True))
+    tl.store(d_causal + o[:, None] * C + o[None, :], chunk_segsum(b_g, b_gc, b_last, False, EXACT))
+    tl.store(d_anti + o[:, None] * C + o[None, :], chunk_segsum(b_g, b_gc, b_last, True, EXACT))
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "fast-unless-extreme"])
 @pytest.mark.parametrize("plant", [None, -1e30, float("-inf")], ids=["plain", "huge", "reset"])
-def test_decay_stages_match_twins(plant):
+def test_decay_stages_match_twins(plant, exact):
+    """Both paths of the stages (EXACT, as for fp32 inputs; and the bf16 one, which takes differences in an
+    ordinary chunk and direct sums in one with a huge log-decay or a reset) against the direct-sum twins."""
     g = -0.3 * torch.rand(C, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     if plant is not None:
         g[5] = plant
     g = g.float().to(DEVICE)
     out = [torch.empty(C, device=DEVICE), torch.empty(C, device=DEVICE), torch.empty(1, device=DEVICE),
            torch.empty(C, C, device=DEVICE), torch.empty(C, C, device=DEVICE)]
-    decay_stages_kernel[(1,)](g, *out, C=C)
+    decay_stages_kernel[(1,)](g, *out, C=C, EXACT=exact)
     _, gc_ref, last_ref = chunk_decay_ref(g)
     refs = [gc_ref, chunk_suffix_ref(g), last_ref.reshape(1), chunk_segsum_ref(g, False), chunk_segsum_ref(g, True)]
     for name, got, want in zip(("gc", "suffix", "last", "segsum", "segsum reverse"), out, refs):

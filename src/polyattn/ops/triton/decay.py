@@ -1,8 +1,9 @@
 """Chunk-local decay stages: the log2-decay prefix and suffix sums of one chunk and its [C, C] segment sums.
 
 `chunk_decay`, `chunk_suffix` and `chunk_segsum` run inside every chunked kernel; the `*_ref`
-functions are their PyTorch twins. Every decay is a direct sum of the log-decays it spans, never
-a difference of two cumsums, so a huge log-decay or a reset (`g = -inf`) leaves the rest exact.
+functions are their PyTorch twins. A chunk holding a huge log-decay or a reset (`g = -inf`) gets
+every decay as a direct sum of the log-decays it spans, so the rest stays exact; an ordinary chunk
+(total log2-decay above FAST_LIMIT) takes the cheaper differences of its in-chunk cumsum.
 The weight from key j to query i >= j is exp(g_{j+1} + ... + g_i).
 """
 import torch
@@ -24,41 +25,74 @@ def chunk_decay(g, t, m_t, H, i_h, USE_G: tl.constexpr):
     return b_zero, b_zero, tl.sum(b_zero, axis=0)
 
 
+FAST_LIMIT = tl.constexpr(-64.0)  # log2: chunks decaying by less than 2^-64 take the difference path
+
+
 @triton.jit
-def chunk_suffix(b_g):
-    """[C] log2-decay from each row to the chunk's end, `sum_{s > j} g_s` (log2(e)-prescaled):
-    a direct sum of the log-decays it spans (never `Gc_last - Gc_j`, which is `inf - inf` after a
-    reset and loses every digit next to one huge log-decay)."""
+def exact_suffix(b_g):
+    """`sum_{s > j} g_s` (log2(e)-prescaled) as a direct sum: [C, C] select, row sums."""
     o_t = tl.arange(0, b_g.shape[0])
     return tl.sum(tl.where(o_t[None, :] > o_t[:, None], b_g[None, :], 0.0), axis=1) * LOG2E  # [C, C] -> [C]
 
 
 @triton.jit
-def chunk_segsum(b_g, REVERSE: tl.constexpr):
+def exact_segsum(b_g, REVERSE: tl.constexpr):
+    """[C, C] segment sums by a masked cumsum of the g's in between (causal: `sum_{j < s <= i}`,
+    anticausal: `sum_{i < s <= j}`), before the triangle mask."""
+    o_t = tl.arange(0, b_g.shape[0])
+    if REVERSE:
+        b_m = tl.where(o_t[:, None] < o_t[None, :], b_g[None, :], 0.0)  # [C, C]: g_s for s > i
+        return tl.cumsum(b_m, axis=1) * LOG2E  # [C, C]
+    b_m = tl.where(o_t[:, None] > o_t[None, :], b_g[:, None], 0.0)  # [C, C]: g_s for s > j
+    return tl.cumsum(b_m, axis=0) * LOG2E  # [C, C]
+
+
+@triton.jit
+def chunk_suffix(b_g, b_gc, b_last, EXACT: tl.constexpr):
+    """[C] log2-decay from each row to the chunk's end, `sum_{s > j} g_s`. A chunk whose total
+    log2-decay is above FAST_LIMIT takes `Gc_last - Gc_j` (its rounding, ~|Gc_last| ulp, is far
+    under bf16's); one that holds a huge log-decay or a reset (`g = -inf`, where the difference
+    is `inf - inf`) and every fp32 call (EXACT) sums directly."""
+    if EXACT:
+        b_s = exact_suffix(b_g)
+    elif b_last > FAST_LIMIT:
+        b_s = b_last - b_gc
+    else:
+        b_s = exact_suffix(b_g)
+    return b_s
+
+
+@triton.jit
+def chunk_segsum(b_g, b_gc, b_last, REVERSE: tl.constexpr, EXACT: tl.constexpr):
     """[C, C] log2-decay between rows: causal `sum_{j < s <= i} g_s` (j <= i), anticausal
-    `sum_{i < s <= j} g_s` (j >= i); -inf outside the triangle. Each entry is a masked cumsum of
-    the g's in between, as `ops.common.segsum` does: exact next to a huge log-decay, exactly
-    -inf across a reset (`g = -inf`), and free of the rounding of two long cumsums' difference."""
+    `sum_{i < s <= j} g_s` (j >= i); -inf outside the triangle. The difference `Gc_i - Gc_j`
+    where the chunk's total is above FAST_LIMIT, else (and with EXACT) the masked cumsum of
+    `exact_segsum`: exact next to a huge log-decay, exactly -inf across a reset."""
     o_t = tl.arange(0, b_g.shape[0])
     if REVERSE:
         m_tri = o_t[:, None] <= o_t[None, :]  # [C, C]: j >= i
-        b_m = tl.where(o_t[:, None] < o_t[None, :], b_g[None, :], 0.0)  # [C, C]: g_s for s > i
-        b_d = tl.cumsum(b_m, axis=1) * LOG2E  # [C, C]
     else:
         m_tri = o_t[:, None] >= o_t[None, :]  # [C, C]: j <= i
-        b_m = tl.where(o_t[:, None] > o_t[None, :], b_g[:, None], 0.0)  # [C, C]: g_s for s > j
-        b_d = tl.cumsum(b_m, axis=0) * LOG2E  # [C, C]
+    if EXACT:
+        b_d = exact_segsum(b_g, REVERSE)
+    elif b_last > FAST_LIMIT:
+        if REVERSE:
+            b_d = b_gc[None, :] - b_gc[:, None]  # [C, C]
+        else:
+            b_d = b_gc[:, None] - b_gc[None, :]  # [C, C]
+    else:
+        b_d = exact_segsum(b_g, REVERSE)
     return tl.where(m_tri, b_d, float("-inf"))
 
 
 @triton.jit
-def chunk_side_decays(b_g, b_gc, REVERSE: tl.constexpr):
+def chunk_side_decays(b_g, b_gc, b_last, REVERSE: tl.constexpr, EXACT: tl.constexpr):
     """The two [C] log2-decays of a pass: `(query side, key side)`. Causal: a query reads the
     entering state through `Gc_i` and a key reaches the leaving state through the suffix after
     it; anticausal: the other way round (ops/linear/README.md, "Triton kernels")."""
     if REVERSE:
-        return chunk_suffix(b_g), b_gc
-    return b_gc, chunk_suffix(b_g)
+        return chunk_suffix(b_g, b_gc, b_last, EXACT), b_gc
+    return b_gc, chunk_suffix(b_g, b_gc, b_last, EXACT)
 
 
 def chunk_decay_ref(g: torch.Tensor) -> tuple:

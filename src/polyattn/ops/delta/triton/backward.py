@@ -99,9 +99,9 @@ def delta_grads_kernel(
     b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
     b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
     b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
-    b_g, b_gc, _ = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C]
-    b_d = chunk_segsum(b_g, False)  # [C, C]
-    b_gs = chunk_suffix(b_g)  # [C]
+    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+    b_d = chunk_segsum(b_g, b_gc, b_last, False, F32)  # [C, C]
+    b_gs = chunk_suffix(b_g, b_gc, b_last, F32)  # [C]
     b_egc = tl.exp2(b_gc)  # [C]
     b_p = tl.zeros([C, C], dtype=tl.float32)
     b_e = tl.zeros([C, C], dtype=tl.float32)

@@ -51,8 +51,8 @@ def chunk_rows(q, k, beta, g, t_inv, t, m_t, o_k, m_k, scale, H, i_h, K, C: tl.c
     o_t = tl.arange(0, C)
     b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
     b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-    b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(chunk_segsum(b_g, False)) * scale)  # [C, BK] @ [BK, C] -> [C, C]
-    return b_q, b_k, b_beta, b_tinv, b_att, b_gc, chunk_suffix(b_g), b_last
+    b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32)) * scale)  # [C, BK] @ [BK, C]
+    return b_q, b_k, b_beta, b_tinv, b_att, b_gc, chunk_suffix(b_g, b_gc, b_last, F32), b_last
 
 
 @triton.jit

@@ -98,7 +98,7 @@ class DeltaRuleFunction(torch.autograd.Function):
             qf, kf, vf, bf, gf, dof, chunks[0], hs, dhs, us, drs, dq, dk, dbeta, qdq,
             scale, B * T, H, K, V,
             C=C, BK=BKT, BV=BV, USE_G=gf is not None, F32=F32, FP32_DOT=fp32_dot(config),
-            num_warps=config.delta_num_warps, num_stages=config.num_stages,
+            num_warps=config.delta_grad_warps, num_stages=config.num_stages,
         )
         dbeta = dbeta.sum(0)  # [n_k, B*T, H] -> [B*T, H]
         dg = None

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.decay import chunk_segsum, chunk_suffix
+from polyattn.ops.triton.decay import exact_segsum, exact_suffix
 from polyattn.ops.triton.plan import block
 from polyattn.ops.triton.precision import LOG2E, dot_f32, mma
 
@@ -66,14 +66,14 @@ def gram_block(b_ki, b_beta_i, b_kj, b_d, F32: tl.constexpr):
 def diagonal_decay(b_g):
     """Log2-decays inside one block, strictly below the diagonal (-inf elsewhere)."""
     o = tl.arange(0, b_g.shape[0])
-    return tl.where(o[:, None] > o[None, :], chunk_segsum(b_g, False), float("-inf"))
+    return tl.where(o[:, None] > o[None, :], exact_segsum(b_g, False), float("-inf"))
 
 
 @triton.jit
 def cross_decay(b_gi, b_gj, between):
     """Log2-decays from the rows of an earlier block j to those of block i: the suffix of j after
     each column, the whole blocks in between, the prefix of i up to each row; direct sums only."""
-    return tl.cumsum(b_gi, axis=0)[:, None] * LOG2E + between + chunk_suffix(b_gj)[None, :]
+    return tl.cumsum(b_gi, axis=0)[:, None] * LOG2E + between + exact_suffix(b_gj)[None, :]
 
 
 @triton.jit

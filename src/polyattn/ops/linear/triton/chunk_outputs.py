@@ -9,7 +9,7 @@ per chunk of C tokens, with `Gc` the chunk-local inclusive cumsum of the log2-de
                 R   = exp2(Gc_last) R + (b * exp2(Gc_j))^T @ c
 
 with `D` the in-chunk segment sums and `Gs_j` the suffix sum after row j (ops/triton/decay.py:
-direct sums, exact next to a reset).
+exact next to a huge log-decay and across a reset).
 
 (launch.py states the pass vocabulary). Per-row factors (scale, decays of the query side) are
 applied after the products, in fp32; fp32 operands (the score tile, the state, decayed keys)
@@ -79,9 +79,9 @@ def chunk_outputs_kernel(
         b_b = tl.load(b + row_a, mask=m_ta, other=0.0)  # [C, BA]
         b_v = tl.load(c + row_c, mask=m_tc, other=0.0)  # [C, BC]
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-        b_wq, b_wk = chunk_side_decays(b_g, b_gc, REVERSE)  # [C], [C]
+        b_wq, b_wk = chunk_side_decays(b_g, b_gc, b_last, REVERSE, F32)  # [C], [C]
         b_wa = tl.exp2(b_wq) * scale  # [C]
-        b_d = chunk_segsum(b_g, REVERSE)  # [C, C]
+        b_d = chunk_segsum(b_g, b_gc, b_last, REVERSE, F32)  # [C, C]
         b_att = mma(b_a, tl.trans(b_b), F32)  # [C, BA] @ [BA, C] -> [C, C]
         b_att = b_att * (tl.exp2(b_d) * scale)  # [C, C]
         b_o = mma_left_fp32(b_att, b_v, F32)  # [C, C] @ [C, BC] -> [C, BC]

@@ -70,7 +70,7 @@ def segment_states_kernel(
         b_b = tl.load(b + (t * H + i_h)[:, None] * DA + o_a[None, :], mask=m_t[:, None] & m_a[None, :], other=0.0)  # [C, BA]
         b_v = tl.load(c + (t * H + i_h)[:, None] * DC + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)  # [C, BC]
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-        _, b_wk = chunk_side_decays(b_g, b_gc, REVERSE)  # [C]
+        _, b_wk = chunk_side_decays(b_g, b_gc, b_last, REVERSE, F32)  # [C]
         b_s = b_s * tl.exp2(b_last) + keys_times_values(b_b, b_v, b_wk, USE_G, F32)
         b_total += b_last
     p_s = states + ((i_s * H + i_h) * DA + o_a[:, None]).to(tl.int64) * DC + o_c[None, :]
