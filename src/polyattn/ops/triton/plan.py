@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .precision import check_kernel_inputs
+
 # Segment flags stored in column 3 of the segment table.
 FIRST = 1  # the segment starts its sequence
 LAST = 2  # the segment ends its sequence
@@ -177,3 +179,25 @@ def empty_call(q: torch.Tensor, v: torch.Tensor, initial_state, output_final_sta
     if initial_state is not None:
         return o, initial_state.to(torch.float32, copy=True)
     return o, torch.zeros(len(seq_lens), H, K, v.shape[-1], dtype=torch.float32, device=q.device)
+
+
+def kernel_call(tensors: tuple, g, initial_state, output_final_state: bool, cu_seqlens, *, scale, step, function):
+    """The host front of a Triton form: check the inputs, plan the sequences, answer empty calls,
+    send a one-token call without gradients to the fused `step` (on a copy of the state), and
+    everything else to the autograd `function` of the chunk kernels.
+
+    tensors: `(q, k, v, ...)` per-token inputs before `g`, as both `step(*tokens, g, state, scale=)`
+    and `function.apply(*tensors, g, initial_state, scale, seq_lens, output_final_state)` take them.
+    """
+    q, v = tensors[0], tensors[2]
+    check_kernel_inputs(q)
+    seq_lens = sequence_lengths(cu_seqlens, *q.shape[:2])
+    empty = empty_call(q, v, initial_state, output_final_state, seq_lens)
+    if empty is not None:
+        return empty
+    if one_token_step(q, cu_seqlens, (*tensors, g, initial_state)):
+        state = step_state(initial_state, q, v.shape[-1])
+        o, state = step(*(x[:, 0] for x in tensors), None if g is None else g[:, 0], state, scale=scale)
+        return o[:, None], (state if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
+    o, ht = function.apply(*tensors, g, initial_state, float(scale), seq_lens, output_final_state)
+    return o, (ht if output_final_state else None)

@@ -13,11 +13,8 @@ and dg is its per-sequence reverse cumsum (`G` is the inclusive cumsum of g).
 import torch
 import triton
 
-from polyattn.ops.triton.plan import (
-    block, chunk_table, empty_call, get_config, one_token_step, reverse_cumsum, segment_table,
-    sequence_lengths, step_state,
-)
-from polyattn.ops.triton.precision import FP32_DOTS, check_kernel_inputs, dot_f32
+from polyattn.ops.triton.plan import block, chunk_table, get_config, kernel_call, reverse_cumsum, segment_table
+from polyattn.ops.triton.precision import FP32_DOTS, dot_f32
 
 from .backward import delta_grads_kernel, delta_state_grad_kernel
 from .forward import delta_forward_kernel
@@ -122,15 +119,7 @@ def delta_rule_fused(q, k, v, beta, g=None, *, scale, initial_state=None, output
     without gradients (decoding) runs the fused step on a copy of the state. Returns
     `(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)`.
     """
-    check_kernel_inputs(q)
-    seq_lens = sequence_lengths(cu_seqlens, *q.shape[:2])
-    empty = empty_call(q, v, initial_state, output_final_state, seq_lens)
-    if empty is not None:
-        return empty
-    if one_token_step(q, cu_seqlens, (q, k, v, beta, g, initial_state)):
-        state = step_state(initial_state, q, v.shape[-1])
-        step = (x[:, 0] for x in (q, k, v, beta))
-        o, state = delta_rule_step_inplace(*step, None if g is None else g[:, 0], state, scale=scale)
-        return o[:, None], (state if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
-    o, ht = DeltaRuleFunction.apply(q, k, v, beta, g, initial_state, float(scale), seq_lens, output_final_state)
-    return o, (ht if output_final_state else None)
+    return kernel_call(
+        (q, k, v, beta), g, initial_state, output_final_state, cu_seqlens,
+        scale=scale, step=delta_rule_step_inplace, function=DeltaRuleFunction,
+    )

@@ -17,8 +17,7 @@ every G_s with s >= t.
 """
 import torch
 
-from polyattn.ops.triton.plan import empty_call, one_token_step, reverse_cumsum, sequence_lengths, step_state
-from polyattn.ops.triton.precision import check_kernel_inputs
+from polyattn.ops.triton.plan import kernel_call, reverse_cumsum
 
 from .launch import chunk_pass
 from .step import linear_attn_step_inplace
@@ -95,17 +94,7 @@ def linear_attn_fused(
     sequence without gradients (decoding) runs the fused step on a copy of the state. Returns
     `(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)`.
     """
-    check_kernel_inputs(q)
-    seq_lens = sequence_lengths(cu_seqlens, *q.shape[:2])
-    empty = empty_call(q, v, initial_state, output_final_state, seq_lens)
-    if empty is not None:
-        return empty
-    if one_token_step(q, cu_seqlens, (q, k, v, g, initial_state)):
-        state = step_state(initial_state, q, v.shape[-1])
-        o, state = linear_attn_step_inplace(q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0], state, scale=scale)
-        return o[:, None], (state if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
-    o, ht = LinearAttnFunction.apply(q, k, v, g, initial_state, float(scale), seq_lens, output_final_state)
-    return o, (ht if output_final_state else None)
-
-
-__all__ = ["LinearAttnFunction", "linear_attn_fused"]
+    return kernel_call(
+        (q, k, v), g, initial_state, output_final_state, cu_seqlens,
+        scale=scale, step=linear_attn_step_inplace, function=LinearAttnFunction,
+    )
