@@ -1,9 +1,10 @@
-"""Registers and spills of the linear_attn Triton kernels for Hopper, compiled on a machine without a GPU.
+"""Registers and spills of the Triton kernels for Hopper, compiled on a machine without a GPU.
 
 python benchmarks/triton_spills.py
-Compiles `chunk_outputs_kernel` / `segment_states_kernel` for sm_90a with the installed Triton and runs
-the ptxas that ships with it (`-v`) for several launch configurations: no device time needed. The
-installed Triton may differ from the GPU machine's, so read the numbers as indications.
+Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel`) and the delta rule's
+(`wy_kernel`, the two recurrences, the per-chunk gradient kernel) for sm_90a with the installed Triton
+and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
+The installed Triton may differ from the GPU machine's, so read the numbers as indications.
 """
 import subprocess
 import tempfile
@@ -14,12 +15,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from polyattn.ops.delta.triton.backward import delta_grads_kernel, delta_state_grad_kernel
+from polyattn.ops.delta.triton.forward import delta_forward_kernel
+from polyattn.ops.delta.triton.wy import wy_kernel
 from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
 
 POINTERS = {
     "a": "*bf16", "b": "*bf16", "c": "*bf16", "g": "*fp32", "out": "*bf16", "seg": "*i32", "s_in": "*fp32",
     "h0": "*fp32", "ht": "*fp32", "dot_x": "*bf16", "rowdot": "*fp32", "states": "*fp32", "seg_decay": "*fp32",
+    "q": "*bf16", "k": "*bf16", "v": "*bf16", "do": "*bf16", "dq": "*bf16", "dk": "*bf16", "dv": "*bf16",
+    "beta": "*bf16", "chunks": "*i32", "seqs": "*i32", "cu_chunks": "*i32",
 }
 PASSES = {  # name: (REVERSE, USE_G, ROWDOT)
     "forward": (False, False, False),
@@ -37,7 +43,8 @@ def ptxas() -> Path:
 
 def resources(fn, constexprs: dict, warps: int, stages: int) -> str:
     names = fn.arg_names
-    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "fp32" if n == "scale" else "i32") for n in names}
+    scalars = {"scale": "fp32", "H": "i32", "K": "i32", "V": "i32", "N_tok": "i32", "DA": "i32", "DC": "i32"}
+    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, scalars.get(n, "*fp32")) for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
@@ -63,6 +70,16 @@ def main() -> None:
     for warps in (4, 8):
         constexprs = dict(C=64, BA=128, BC=64, REVERSE=False, USE_G=True, F32=False)
         print(f"segment_states decay C64 BC64 warps{warps}: {resources(segment_states_kernel, constexprs, warps, 2)}")
+    delta = dict(C=64, BK=128, USE_G=True, F32=False)
+    print(f"wy (delta) C64 warps4: {resources(wy_kernel, delta, 4, 2)}")
+    for BV in (32, 64):
+        for warps in (4, 8):
+            rec = dict(delta, BV=BV, FP32_DOT=0)
+            print(f"delta forward    BV{BV} warps{warps}: "
+                  f"{resources(delta_forward_kernel, dict(rec, USE_H0=False, STORE_HT=True, SAVE=True), warps, 2)}")
+            print(f"delta state grad BV{BV} warps{warps}: "
+                  f"{resources(delta_state_grad_kernel, dict(rec, USE_DHT=True, STORE_DH0=False), warps, 2)}")
+            print(f"delta grads BK64 BV{BV} warps{warps}: {resources(delta_grads_kernel, dict(rec, BK=64), warps, 2)}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from polyattn import ops
-from polyattn.bench.kernels import H, TOKENS, inputs
+from polyattn.bench.kernels import TOKENS, inputs
 from polyattn.bench.timing import try_bench
 from polyattn.ops.triton.plan import KernelConfig, use_config
 
