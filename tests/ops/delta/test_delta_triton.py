@@ -82,7 +82,7 @@ def test_stages_match_twins(decay):
     x = {n: None if t is None else t.float() for n, t in _inputs(1, sum(lengths), decay, seed=9).items()}
     q, k, v, beta, g = (_flat(x[n]) for n in ("q", "k", "v", "beta", "g"))
     C = get_config().chunk_size
-    t_inv = wy_solve(k, beta, g, tuple(lengths), chunk_size=C, chunks=chunk_table(tuple(lengths), C, k.device))
+    t_inv = wy_solve(k, beta, g, chunk_size=C, chunks=chunk_table(tuple(lengths), C, k.device))
     t_ref = wy_ref(k, beta, g, tuple(lengths), chunk_size=C)
     assert rel_err(t_inv, t_ref) <= 1e-5, f"t_inv: {rel_err(t_inv, t_ref):.2e}"
 

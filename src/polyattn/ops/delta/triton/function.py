@@ -1,8 +1,8 @@
 """Autograd Function and form function of the Triton `delta_rule`.
 
 Forward: wy.py (per-chunk solve, parallel), then forward.py (the recurrence, state on chip).
-Backward: backward.py's reverse recurrence for the state gradient, then its per-chunk kernel
-for dq, dk, dv, dbeta. The log-decay gradient needs no kernel of its own: writing
+Backward: backward.py's reverse recurrence for the state gradient (and dv, from dR), then its
+per-chunk kernel for dq, dk, dbeta. The log-decay gradient needs no kernel of its own: writing
 `S~_t = exp(-G_t) S_t` turns the gated rule into the ungated one on `q~_t = exp(G_t) q_t` and
 `v~_t = exp(-G_t) v_t` (ops/delta/README.md, "Gradients"), so
 
@@ -42,7 +42,7 @@ class DeltaRuleFunction(torch.autograd.Function):
         N = len(seq_lens)
         chunks = chunk_table(seq_lens, C, q.device)
         seqs, _, _ = segment_table(seq_lens, 1, C, q.device)
-        t_inv = wy_solve(kf, bf, gf, seq_lens, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
+        t_inv = wy_solve(kf, bf, gf, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
         save = any(ctx.needs_input_grad[:6])
         store_ht = output_final_state or save
         o = torch.empty_like(vf)

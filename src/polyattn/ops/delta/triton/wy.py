@@ -137,7 +137,7 @@ def wy_kernel(
     store_block(t_inv, bos, eos, 3, 3, t33, H, i_h, C, BT)
 
 
-def wy_solve(k, beta, g, seq_lens: tuple, *, chunk_size: int, chunks, num_warps: int = 4):
+def wy_solve(k, beta, g, *, chunk_size: int, chunks, num_warps: int = 4):
     """Launch `wy_kernel`. k: [N_tok, H, K]; beta, g: [N_tok, H] (g may be None); chunks: the
     chunk table (ops/triton/plan.py). Returns `t_inv: [N_tok, H, C]` fp32."""
     N_tok, H, K = k.shape
