@@ -74,7 +74,7 @@ def test_stages_match_twins(decay):
     """wy, forward and backward kernels against their PyTorch twins on the same fp32 inputs."""
     from polyattn.ops.delta.triton.backward import delta_backward_ref
     from polyattn.ops.delta.triton.forward import delta_forward_ref
-    from polyattn.ops.delta.triton.function import DeltaRuleFunction
+    from polyattn.ops.delta.triton.function import _apply as delta_rule_kernels
     from polyattn.ops.delta.triton.wy import wy_ref, wy_solve
     from polyattn.ops.triton.plan import chunk_table, get_config
 
@@ -92,7 +92,7 @@ def test_stages_match_twins(decay):
     leaves = [t.clone().requires_grad_() for t in (x["q"], x["k"], x["v"], x["beta"])]
     gl = None if x["g"] is None else x["g"].clone().requires_grad_()
     h0l = h0.clone().requires_grad_()
-    o, ht = DeltaRuleFunction.apply(*leaves, gl, h0l, K**-0.5, tuple(lengths), True)
+    o, ht = delta_rule_kernels(*leaves, gl, h0l, K**-0.5, tuple(lengths), True)
     o_ref, ht_ref, hs_ref, us_ref = delta_forward_ref(q, k, v, beta, g, t_ref, tuple(lengths), scale=K**-0.5, chunk_size=C, initial_state=h0)
     assert rel_err(o.reshape(o_ref.shape), o_ref) <= 1e-5
     assert rel_err(ht, ht_ref) <= 1e-5

@@ -187,7 +187,7 @@ def kernel_call(tensors: tuple, g, initial_state, output_final_state: bool, cu_s
     everything else to the autograd `function` of the chunk kernels.
 
     tensors: `(q, k, v, ...)` per-token inputs before `g`, as both `step(*tokens, g, state, scale=)`
-    and `function.apply(*tensors, g, initial_state, scale, seq_lens, output_final_state)` take them.
+    and `function(*tensors, g, initial_state, scale, seq_lens, output_final_state)` take them.
     """
     q, v = tensors[0], tensors[2]
     check_kernel_inputs(q)
@@ -199,5 +199,11 @@ def kernel_call(tensors: tuple, g, initial_state, output_final_state: bool, cu_s
         state = step_state(initial_state, q, v.shape[-1])
         o, state = step(*(x[:, 0] for x in tensors), None if g is None else g[:, 0], state, scale=scale)
         return o[:, None], (state if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
-    o, ht = function.apply(*tensors, g, initial_state, float(scale), seq_lens, output_final_state)
+    o, ht = function(*tensors, g, initial_state, float(scale), seq_lens, output_final_state)
     return o, (ht if output_final_state else None)
+
+
+def no_output(q: torch.Tensor) -> torch.Tensor:
+    """The stand-in for an output a kernel custom op does not produce this call: a fresh empty fp32
+    tensor (custom-op outputs may not alias one another or an input)."""
+    return q.new_empty(0, dtype=torch.float32)

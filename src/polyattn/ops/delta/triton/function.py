@@ -13,7 +13,7 @@ and dg is its per-sequence reverse cumsum (`G` is the inclusive cumsum of g).
 import torch
 import triton
 
-from polyattn.ops.triton.plan import block, chunk_table, get_config, kernel_call, reverse_cumsum, segment_table
+from polyattn.ops.triton.plan import block, chunk_table, get_config, kernel_call, no_output, reverse_cumsum, segment_table
 from polyattn.ops.triton.precision import FP32_DOTS, dot_f32
 
 from .backward import delta_grads_kernel, delta_state_grad_kernel
@@ -28,87 +28,153 @@ def fp32_dot(config) -> int:
     return FP32_DOTS[config.delta_fp32_dot]
 
 
-class DeltaRuleFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, beta, g, initial_state, scale, seq_lens, output_final_state):
-        config = get_config()
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        C = config.chunk_size
-        qf, kf, vf = (x.reshape(B * T, H, x.shape[-1]).contiguous() for x in (q, k, v))  # [B, T, H, D] -> [B*T, H, D]
-        bf = beta.reshape(B * T, H).contiguous()  # [B, T, H] -> [B*T, H]
-        gf = g.reshape(B * T, H).contiguous() if g is not None else None
-        h0 = initial_state.float().contiguous() if initial_state is not None else None
-        N = len(seq_lens)
-        chunks = chunk_table(seq_lens, C, q.device)
-        seqs, _, _ = segment_table(seq_lens, 1, C, q.device)
-        t_inv = wy_solve(kf, bf, gf, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
-        save = any(ctx.needs_input_grad[:6])
-        store_ht = output_final_state or save
-        o = torch.empty_like(vf)
-        ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if store_ht else None
-        hs = torch.empty(chunks[2], H, K, V, dtype=torch.float32, device=q.device) if save else None
-        us = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device) if save else None
-        BK, BV = block(K), min(block(V), config.delta_block_v)
-        delta_forward_kernel[(triton.cdiv(V, BV), N, H)](
-            qf, kf, vf, bf, gf, t_inv, o, seqs, chunks[1], h0, ht, hs, us,
-            scale, H, K, V,
-            C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_H0=h0 is not None, STORE_HT=store_ht, SAVE=save,
-            F32=dot_f32(q.dtype), FP32_DOT=fp32_dot(config), num_warps=config.delta_num_warps, num_stages=config.num_stages,
-        )
-        ctx.save_for_backward(qf, kf, vf, bf, gf, t_inv, hs, us, ht)
-        ctx.scale, ctx.seq_lens, ctx.shape, ctx.has_h0 = scale, seq_lens, (B, T, H, K, V), h0 is not None
-        return o.view(B, T, H, V), ht  # [B*T, H, V] -> [B, T, H, V]
+def _num_chunks(seq_lens, C: int) -> int:
+    """Rows of the chunk table: every sequence has at least one (plan.chunk_table)."""
+    return sum(max(1, triton.cdiv(n, C)) for n in seq_lens)
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        qf, kf, vf, bf, gf, t_inv, hs, us, ht = ctx.saved_tensors
-        scale, seq_lens = ctx.scale, ctx.seq_lens
-        B, T, H, K, V = ctx.shape
-        config = get_config()
-        C = config.chunk_size
-        N = len(seq_lens)
-        chunks = chunk_table(seq_lens, C, qf.device)
-        seqs, _, _ = segment_table(seq_lens, 1, C, qf.device)
-        dof = do.reshape(B * T, H, V).contiguous()  # [B, T, H, V] -> [B*T, H, V]
-        dht = dht.float().contiguous() if dht is not None else None
-        dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=qf.device) if ctx.has_h0 else None
-        dhs = torch.empty_like(hs)
-        drs = torch.empty_like(us)
-        BK, BV = block(K), min(block(V), config.delta_block_v)
-        n_v = triton.cdiv(V, BV)
-        F32 = dot_f32(qf.dtype)
-        dv = torch.empty_like(vf)
-        vdv = torch.empty(n_v, B * T, H, dtype=torch.float32, device=qf.device)
-        delta_state_grad_kernel[(n_v, N, H)](
-            qf, kf, vf, dof, bf, gf, t_inv, seqs, chunks[1], dht, dh0, dhs, drs, dv, vdv,
-            scale, B * T, H, K, V,
-            C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
-            F32=F32, FP32_DOT=fp32_dot(config), num_warps=config.delta_num_warps, num_stages=config.num_stages,
-        )
-        dq, dk = torch.empty_like(qf), torch.empty_like(kf)
-        BKT = min(BK, 64)
-        n_k = triton.cdiv(K, BKT)
-        dbeta = torch.empty(n_k, B * T, H, dtype=torch.float32, device=qf.device)
-        qdq = torch.empty_like(dbeta)
-        delta_grads_kernel[(chunks[2], H, n_k)](
-            qf, kf, vf, bf, gf, dof, chunks[0], hs, dhs, us, drs, dq, dk, dbeta, qdq,
-            scale, B * T, H, K, V,
-            C=C, BK=BKT, BV=BV, USE_G=gf is not None, F32=F32, FP32_DOT=fp32_dot(config),
-            num_warps=config.delta_grad_warps, num_stages=config.num_stages,
-        )
-        dbeta = dbeta.sum(0)  # [n_k, B*T, H] -> [B*T, H]
-        dg = None
-        if gf is not None and ctx.needs_input_grad[4]:
-            dgterm = qdq.sum(0) - vdv.sum(0)  # q . dq - v . dv, [n, B*T, H] -> [B*T, H]
-            if dht is not None:
-                ends = torch.tensor(seq_lens, device=qf.device).cumsum(0) - 1  # [N]
-                dgterm[ends] += (dht * ht).sum((-1, -2))  # [N, H, K, V] -> [N, H]
-            dg = reverse_cumsum(dgterm, seq_lens).view(B, T, H).to(gf.dtype)  # [B*T, H] -> [B, T, H]
-        return (
-            dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, H, V),
-            dbeta.view(B, T, H).to(bf.dtype), dg, dh0, None, None, None,
-        )
+
+@torch.library.custom_op("polyattn::delta_rule_forward", mutates_args=())
+def delta_rule_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
+    h0: torch.Tensor | None, scale: float, seq_lens: list[int], store_ht: bool, save: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward kernels as a custom op (torch.compile sees one opaque call). Returns `(o [B, T, H, V],
+    ht [N, H, K, V], t_inv [B*T, H, C], hs [NC, H, K, V], us [B*T, H, V])`, fp32 but o; ht without
+    store_ht and hs, us without save are empty [0] tensors."""
+    config = get_config()
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = config.chunk_size
+    seq_lens = tuple(seq_lens)
+    qf, kf, vf = (x.reshape(B * T, H, x.shape[-1]).contiguous() for x in (q, k, v))  # [B, T, H, D] -> [B*T, H, D]
+    bf = beta.reshape(B * T, H).contiguous()  # [B, T, H] -> [B*T, H]
+    gf = g.reshape(B * T, H).contiguous() if g is not None else None
+    h0 = h0.float().contiguous() if h0 is not None else None
+    N = len(seq_lens)
+    chunks = chunk_table(seq_lens, C, q.device)
+    seqs, _, _ = segment_table(seq_lens, 1, C, q.device)
+    t_inv = wy_solve(kf, bf, gf, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
+    o = torch.empty_like(vf)
+    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if store_ht else no_output(q)
+    hs = torch.empty(chunks[2], H, K, V, dtype=torch.float32, device=q.device) if save else no_output(q)
+    us = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device) if save else no_output(q)
+    BK, BV = block(K), min(block(V), config.delta_block_v)
+    delta_forward_kernel[(triton.cdiv(V, BV), N, H)](
+        qf, kf, vf, bf, gf, t_inv, o, seqs, chunks[1], h0, ht, hs, us,
+        scale, H, K, V,
+        C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_H0=h0 is not None, STORE_HT=store_ht, SAVE=save,
+        F32=dot_f32(q.dtype), FP32_DOT=fp32_dot(config), num_warps=config.delta_num_warps, num_stages=config.num_stages,
+    )
+    return o.view(B, T, H, V), ht, t_inv, hs, us  # [B*T, H, V] -> [B, T, H, V]
+
+
+@delta_rule_forward.register_fake
+def _(q, k, v, beta, g, h0, scale, seq_lens, store_ht, save):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = get_config().chunk_size
+    ht = q.new_empty(len(seq_lens), H, K, V, dtype=torch.float32) if store_ht else no_output(q)
+    hs = q.new_empty(_num_chunks(seq_lens, C), H, K, V, dtype=torch.float32) if save else no_output(q)
+    us = q.new_empty(B * T, H, V, dtype=torch.float32) if save else no_output(q)
+    return v.new_empty(B, T, H, V), ht, q.new_empty(B * T, H, C, dtype=torch.float32), hs, us
+
+
+@torch.library.custom_op("polyattn::delta_rule_backward", mutates_args=())
+def delta_rule_backward(
+    do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    beta: torch.Tensor, g: torch.Tensor | None, t_inv: torch.Tensor, hs: torch.Tensor, us: torch.Tensor,
+    ht: torch.Tensor | None, scale: float, seq_lens: list[int], want_dh0: bool, want_dg: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward kernels and dg as a custom op: `(dq, dk, dv, dbeta, dg, dh0)`, dg and dh0 empty
+    [0] tensors when not wanted."""
+    config = get_config()
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = config.chunk_size
+    seq_lens = tuple(seq_lens)
+    qf, kf, vf = (x.reshape(B * T, H, x.shape[-1]).contiguous() for x in (q, k, v))  # [B, T, H, D] -> [B*T, H, D]
+    bf = beta.reshape(B * T, H).contiguous()  # [B, T, H] -> [B*T, H]
+    gf = g.reshape(B * T, H).contiguous() if g is not None else None
+    N = len(seq_lens)
+    chunks = chunk_table(seq_lens, C, qf.device)
+    seqs, _, _ = segment_table(seq_lens, 1, C, qf.device)
+    dof = do.reshape(B * T, H, V).contiguous()  # [B, T, H, V] -> [B*T, H, V]
+    dht = dht.float().contiguous() if dht is not None else None
+    dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=qf.device) if want_dh0 else None
+    dhs = torch.empty_like(hs)
+    drs = torch.empty_like(us)
+    BK, BV = block(K), min(block(V), config.delta_block_v)
+    n_v = triton.cdiv(V, BV)
+    F32 = dot_f32(qf.dtype)
+    dv = torch.empty_like(vf)
+    vdv = torch.empty(n_v, B * T, H, dtype=torch.float32, device=qf.device)
+    delta_state_grad_kernel[(n_v, N, H)](
+        qf, kf, vf, dof, bf, gf, t_inv, seqs, chunks[1], dht, dh0, dhs, drs, dv, vdv,
+        scale, B * T, H, K, V,
+        C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        F32=F32, FP32_DOT=fp32_dot(config), num_warps=config.delta_num_warps, num_stages=config.num_stages,
+    )
+    dq, dk = torch.empty_like(qf), torch.empty_like(kf)
+    BKT = min(BK, 64)
+    n_k = triton.cdiv(K, BKT)
+    dbeta = torch.empty(n_k, B * T, H, dtype=torch.float32, device=qf.device)
+    qdq = torch.empty_like(dbeta)
+    delta_grads_kernel[(chunks[2], H, n_k)](
+        qf, kf, vf, bf, gf, dof, chunks[0], hs, dhs, us, drs, dq, dk, dbeta, qdq,
+        scale, B * T, H, K, V,
+        C=C, BK=BKT, BV=BV, USE_G=gf is not None, F32=F32, FP32_DOT=fp32_dot(config),
+        num_warps=config.delta_grad_warps, num_stages=config.num_stages,
+    )
+    dbeta = dbeta.sum(0)  # [n_k, B*T, H] -> [B*T, H]
+    dg = no_output(q)
+    if want_dg:
+        dgterm = qdq.sum(0) - vdv.sum(0)  # q . dq - v . dv, [n, B*T, H] -> [B*T, H]
+        if dht is not None:
+            ends = torch.tensor(seq_lens, device=qf.device).cumsum(0) - 1  # [N]
+            dgterm[ends] += (dht * ht).sum((-1, -2))  # [N, H, K, V] -> [N, H]
+        dg = reverse_cumsum(dgterm, seq_lens).view(B, T, H).to(g.dtype)  # [B*T, H] -> [B, T, H]
+    return (
+        dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, H, V),
+        dbeta.view(B, T, H).to(beta.dtype), dg, dh0 if dh0 is not None else no_output(q),
+    )
+
+
+@delta_rule_backward.register_fake
+def _(do, dht, q, k, v, beta, g, t_inv, hs, us, ht, scale, seq_lens, want_dh0, want_dg):
+    B, T, H, K = q.shape
+    dg = g.new_empty(g.shape) if want_dg else no_output(q)
+    dh0 = q.new_empty(len(seq_lens), H, K, v.shape[-1], dtype=torch.float32) if want_dh0 else no_output(q)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), beta.new_empty(beta.shape), dg, dh0
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, beta, g, h0, scale, seq_lens, store_ht, save = inputs
+    _, ht, t_inv, hs, us = output
+    ctx.save_for_backward(q, k, v, beta, g, t_inv, hs, us, ht if store_ht else None)
+    ctx.scale, ctx.seq_lens, ctx.has_h0 = scale, seq_lens, h0 is not None
+
+
+def _backward(ctx, do, dht, *_):
+    q, k, v, beta, g, t_inv, hs, us, ht = ctx.saved_tensors
+    want_dh0 = ctx.has_h0 and ctx.needs_input_grad[5]
+    want_dg = g is not None and ctx.needs_input_grad[4]
+    dht = dht if dht is not None and dht.numel() else None
+    dq, dk, dv, dbeta, dg, dh0 = delta_rule_backward(
+        do, dht, q, k, v, beta, g, t_inv, hs, us, ht, ctx.scale, ctx.seq_lens, want_dh0, want_dg,
+    )
+    return dq, dk, dv, dbeta, dg if want_dg else None, dh0 if want_dh0 else None, None, None, None, None
+
+
+delta_rule_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _apply(q, k, v, beta, g, initial_state, scale, seq_lens, output_final_state):
+    """The kernels through the custom ops; the per-chunk states and pseudo-values are kept only
+    when a gradient may be wanted."""
+    save = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, g, initial_state))
+    store_ht = output_final_state or save
+    o, ht, _, _, _ = delta_rule_forward(q, k, v, beta, g, initial_state, scale, list(seq_lens), store_ht, save)
+    return o, (ht if output_final_state else None)
 
 
 def delta_rule_fused(q, k, v, beta, g=None, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None):
@@ -121,5 +187,5 @@ def delta_rule_fused(q, k, v, beta, g=None, *, scale, initial_state=None, output
     """
     return kernel_call(
         (q, k, v, beta), g, initial_state, output_final_state, cu_seqlens,
-        scale=scale, step=delta_rule_step_inplace, function=DeltaRuleFunction,
+        scale=scale, step=delta_rule_step_inplace, function=_apply,
     )

@@ -1,0 +1,70 @@
+"""The Triton forms as `torch.library` custom ops: `torch.compile(fullgraph=True)` traces them as opaque
+calls (no graph break), forward and backward equal eager, and `torch.library.opcheck` accepts the ops'
+schemas, fake functions and autograd registrations. On CPU the kernels run under the interpreter."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polyattn import ops
+from polyattn.layers import build_mixer
+from polyattn.testing import assert_close_rel, seeded_inputs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(op):
+    x = seeded_inputs(1, 70, 2, 8, 12, decay=True, beta=True, seed=0, device=DEVICE, dtype=torch.float32)
+    x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
+    names = ("q", "k", "v", "beta", "g") if op == "delta_rule" else ("q", "k", "v", "g")
+    return [x[n].clone().requires_grad_() for n in names]
+
+
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla"])
+def test_triton_forms_compile_as_one_graph(op):
+    h0 = torch.randn(1, 2, 8, 12, device=DEVICE)
+
+    def loss(*tensors):
+        if op == "hla":
+            o, _ = ops.hla(*tensors, impl="triton")
+            return o.square().sum()
+        o, ht = getattr(ops, op)(*tensors, impl="triton", initial_state=h0, output_final_state=True)
+        return o.square().sum() + ht.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    leaves = _inputs(op)
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close_rel(a, b, 1e-6, f"{op} gradient {i}")
+
+
+@pytest.mark.parametrize("name", ["linear", "gdn"])
+def test_mixer_training_step_compiles_with_triton_forms(name):
+    mixer = build_mixer(name, 16, num_heads=2, impl="triton").to(DEVICE)
+    x = torch.randn(2, 19, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(mixer, fullgraph=True, backend="aot_eager")
+    y, _ = compiled(x)
+    grads = torch.autograd.grad(y.square().sum(), list(mixer.parameters()))
+    y_eager, _ = mixer(x)
+    grads_eager = torch.autograd.grad(y_eager.square().sum(), list(mixer.parameters()))
+    assert_close_rel(y, y_eager, 1e-6, f"{name} output")
+    for a, b in zip(grads, grads_eager):
+        assert_close_rel(a, b, 1e-5, f"{name} parameter gradient")
+
+
+def test_custom_ops_pass_opcheck():
+    import polyattn.ops.delta.triton.function  # noqa: F401  (registers polyattn::delta_rule_*)
+    import polyattn.ops.linear.triton.function  # noqa: F401  (registers polyattn::linear_attn_*)
+
+    q, k, v, beta, g = (t.detach() for t in _inputs("delta_rule"))
+    h0 = torch.randn(1, 2, 8, 12, device=DEVICE)
+    seq_lens = [70]
+    for args in [(q, k, v, g, h0, 0.3, seq_lens, True), (q, k, v, None, None, 0.3, seq_lens, False)]:
+        torch.library.opcheck(torch.ops.polyattn.linear_attn_forward.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+    for args in [(q, k, v, beta, g, h0, 0.3, seq_lens, True, True), (q, k, v, beta, None, None, 0.3, seq_lens, False, False)]:
+        torch.library.opcheck(torch.ops.polyattn.delta_rule_forward.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
