@@ -20,6 +20,18 @@ def combine_decayed(left: tuple[torch.Tensor, torch.Tensor], right: tuple[torch.
     return a_l + a_r, torch.exp(a_r)[..., None, None] * s_l + s_r
 
 
+def carry_decayed(a: torch.Tensor, S: torch.Tensor, initial: torch.Tensor | None = None) -> torch.Tensor:
+    """The sequential form of the same prefix, the chunk-to-chunk carry of every decayed chunk form:
+    ``a: [B, H, N]``, ``S: [B, H, N, ...]`` chunk summaries -> the state after each chunk,
+    ``state_n = exp(a_n) state_{n-1} + S_n`` from ``initial`` (``[B, H, ...]``) or zero: ``[B, H, N, ...]``."""
+    state = torch.zeros_like(S[:, :, 0]) if initial is None else initial.to(S.dtype)
+    after = []
+    for n in range(S.shape[2]):
+        state = torch.exp(a[:, :, n]).reshape(*a.shape[:2], *[1] * (S.dim() - 3)) * state + S[:, :, n]
+        after.append(state)
+    return torch.stack(after, dim=2)  # N x [B, H, ...] -> [B, H, N, ...]
+
+
 def associative_scan(combine: Callable, elems: tuple[torch.Tensor, ...], dim: int) -> tuple[torch.Tensor, ...]:
     """Inclusive prefix scan of ``elems`` along ``dim`` with an associative ``combine(left, right)``.
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import causal_matmul, causal_scores, compute_dtype, exp_segsum, heads_chunks, heads_unchunk
+from polyattn.ops.common import carry_decayed, causal_matmul, causal_scores, compute_dtype, exp_segsum, heads_chunks, heads_unchunk
 from polyattn.ops.kata.feature_maps import make_feature_map
 from polyattn.ops.kata.state import join_state, normalized_read, split_state, with_ones
 
@@ -59,19 +59,10 @@ def prepare(q, k, v, g, *, feature, groups, combine, scale, chunk_size):
     return fmap, dt, chunks
 
 
-def carry_states(decays, summaries):
-    """Sequential prefix of chunk summaries: ``[B,H,n]``, ``[B,H,n,P,W]`` -> the states after each, ``[B,H,n,P,W]``."""
-    state, states = summaries[:, :, 0], [summaries[:, :, 0]]
-    for c in range(1, summaries.shape[2]):
-        state = torch.exp(decays[:, :, c])[..., None, None] * state + summaries[:, :, c]  # (3)
-        states.append(state)
-    return torch.stack(states, dim=2)
-
-
 def kata_chunked(
     q, k, v, g, *, prefix, feature, groups, combine, normalize, eps, scale, initial_state, output_final_state, chunk_size,
 ):
-    """(1)–(3) with the states before each chunk given by ``prefix`` (``carry_states`` or a log-depth scan).
+    """(1)–(3) with the states before each chunk given by ``prefix`` (``common.carry_decayed`` or a log-depth scan).
 
     ``prefix(decays [B,H,NC+1], summaries [B,H,NC+1,P,W])`` gets the initial state as summary 0 (decay 0)
     and returns the inclusive prefix: entry c is the state before chunk c, entry NC the final state.
@@ -98,7 +89,7 @@ def kata_chunk(
 ):
     """(1)–(3) with the state carried chunk by chunk. Returns ``(o [B,T,H,V], KataState | None)``."""
     return kata_chunked(
-        q, k, v, g, prefix=carry_states, feature=feature, groups=groups, combine=combine, normalize=normalize, eps=eps,
+        q, k, v, g, prefix=carry_decayed, feature=feature, groups=groups, combine=combine, normalize=normalize, eps=eps,
         scale=scale, initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size,
     )
 

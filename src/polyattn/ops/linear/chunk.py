@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import causal_matmul, causal_scores, compute_dtype, exp_segsum, heads_chunks, heads_unchunk, suffix_sum
+from polyattn.ops.common import (
+    carry_decayed, causal_matmul, causal_scores, compute_dtype, exp_segsum, heads_chunks, heads_unchunk, suffix_sum,
+)
 
 
 def chunk_inputs(q, k, v, g, scale, C):
@@ -50,11 +52,8 @@ def linear_attn_chunk(q, k, v, g=None, *, scale, initial_state=None, output_fina
     T = q.shape[1]
     qc, kc, vc, gc = chunk_inputs(q, k, v, g, scale, min(chunk_size, T))  # no chunk wider than the sequence
     a, U = chunk_summaries(kc, vc, gc)
-    B, H, N, K, V = U.shape
-    state = torch.zeros(B, H, K, V, dtype=U.dtype, device=U.device) if initial_state is None else initial_state.to(U.dtype)
-    before = []
-    for n in range(N):
-        before.append(state)
-        state = torch.exp(a[..., n])[..., None, None] * state + U[:, :, n]
-    o = chunk_outputs(qc, kc, vc, gc, torch.stack(before, dim=2))  # N x [B, H, K, V] -> [B, H, N, K, V]
-    return heads_unchunk(o, T).to(q.dtype), (state if output_final_state else None)
+    after = carry_decayed(a, U, initial_state)  # [B, H, N, K, V]: the state after each chunk
+    first = torch.zeros_like(U[:, :, :1]) if initial_state is None else initial_state.to(U.dtype)[:, :, None]
+    before = torch.cat([first, after[:, :, :-1]], dim=2)  # [B, H, N, K, V]: the state entering each chunk
+    o = chunk_outputs(qc, kc, vc, gc, before)
+    return heads_unchunk(o, T).to(q.dtype), (after[:, :, -1] if output_final_state else None)
