@@ -33,6 +33,18 @@ def _num_chunks(seq_lens, C: int) -> int:
     return sum(max(1, triton.cdiv(n, C)) for n in seq_lens)
 
 
+def _flatten(q, k, v, beta, g, seq_lens):
+    """What both kernel ops start from: the launch config, the sizes `(B, T, H, K, V, C, N)`, the
+    inputs flattened to tokens (`[B*T, H, ...]`, contiguous), the lengths and the two tables."""
+    config = get_config()
+    B, T, H, K = q.shape
+    C, seq_lens = config.chunk_size, tuple(seq_lens)
+    flat = tuple(x.reshape(B * T, H, x.shape[-1]).contiguous() for x in (q, k, v))  # [B, T, H, D] -> [B*T, H, D]
+    flat += (beta.reshape(B * T, H).contiguous(), g.reshape(B * T, H).contiguous() if g is not None else None)
+    sizes = (B, T, H, K, v.shape[-1], C, len(seq_lens))
+    return config, sizes, flat, seq_lens, chunk_table(seq_lens, C, q.device), segment_table(seq_lens, 1, C, q.device)[0]
+
+
 @torch.library.custom_op("polyattn::delta_rule_forward", mutates_args=())
 def delta_rule_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
@@ -41,18 +53,8 @@ def delta_rule_forward(
     """The forward kernels as a custom op (torch.compile sees one opaque call). Returns `(o [B, T, H, V],
     ht [N, H, K, V], t_inv [B*T, H, C], hs [NC, H, K, V], us [B*T, H, V])`, fp32 but o; ht without
     store_ht and hs, us without save are empty [0] tensors."""
-    config = get_config()
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    C = config.chunk_size
-    seq_lens = tuple(seq_lens)
-    qf, kf, vf = (x.reshape(B * T, H, x.shape[-1]).contiguous() for x in (q, k, v))  # [B, T, H, D] -> [B*T, H, D]
-    bf = beta.reshape(B * T, H).contiguous()  # [B, T, H] -> [B*T, H]
-    gf = g.reshape(B * T, H).contiguous() if g is not None else None
+    config, (B, T, H, K, V, C, N), (qf, kf, vf, bf, gf), seq_lens, chunks, seqs = _flatten(q, k, v, beta, g, seq_lens)
     h0 = h0.float().contiguous() if h0 is not None else None
-    N = len(seq_lens)
-    chunks = chunk_table(seq_lens, C, q.device)
-    seqs, _, _ = segment_table(seq_lens, 1, C, q.device)
     t_inv = wy_solve(kf, bf, gf, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
     o = torch.empty_like(vf)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if store_ht else no_output(q)
@@ -87,17 +89,7 @@ def delta_rule_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward kernels and dg as a custom op: `(dq, dk, dv, dbeta, dg, dh0)`, dg and dh0 empty
     [0] tensors when not wanted."""
-    config = get_config()
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    C = config.chunk_size
-    seq_lens = tuple(seq_lens)
-    qf, kf, vf = (x.reshape(B * T, H, x.shape[-1]).contiguous() for x in (q, k, v))  # [B, T, H, D] -> [B*T, H, D]
-    bf = beta.reshape(B * T, H).contiguous()  # [B, T, H] -> [B*T, H]
-    gf = g.reshape(B * T, H).contiguous() if g is not None else None
-    N = len(seq_lens)
-    chunks = chunk_table(seq_lens, C, qf.device)
-    seqs, _, _ = segment_table(seq_lens, 1, C, qf.device)
+    config, (B, T, H, K, V, C, N), (qf, kf, vf, bf, gf), seq_lens, chunks, seqs = _flatten(q, k, v, beta, g, seq_lens)
     dof = do.reshape(B * T, H, V).contiguous()  # [B, T, H, V] -> [B*T, H, V]
     dht = dht.float().contiguous() if dht is not None else None
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=qf.device) if want_dh0 else None
