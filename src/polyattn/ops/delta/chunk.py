@@ -1,7 +1,7 @@
 """Chunkwise (gated) delta rule in the WY/UT form: one triangular solve per chunk, a K×V state between chunks.
 
 Inside a chunk (local inclusive cumulative log-decay ``gc``, ``D = Γ ⊙ L``, unit-lower ``M`` of
-:func:`polyattn.ops.delta.naive.delta_rule_system`) and with the state ``h`` entering it, equation (2) of
+:func:`polyattn.ops.chunked.delta_rule_system`) and with the state ``h`` entering it, equation (2) of
 the naive spec splits into a state-free part, solved for all chunks at once, and a part linear in h::
 
     W  = M^{-1} diag(β) diag(exp(gc)) K,     Ū = M^{-1} diag(β) V                  (all chunks in parallel)
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.delta.naive import delta_rule_system
+from polyattn.ops.chunked import delta_rule_system
 from polyattn.ops.common import causal_matmul, causal_scores, heads_chunks, heads_unchunk, suffix_sum
-from polyattn.ops.linear.chunk import chunk_inputs
+from polyattn.ops.chunked import chunk_inputs
 
 
 def delta_rule_chunk(q, k, v, beta, g=None, *, scale, initial_state=None, output_final_state=False, chunk_size=64):

@@ -19,15 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import causal_matmul, causal_scores, compute_dtype, exp_segsum
-
-
-def delta_rule_system(k, beta, g):
-    """The pieces of (2) for ``k: [..., T, K]``, ``beta, g: [..., T]``: ``(Γ ⊙ L [..., T, T], unit-lower M [..., T, T])``."""
-    D = exp_segsum(g)  # [..., T, T], Γ ⊙ L
-    kk = (k @ k.transpose(-1, -2)) * D  # [..., T, T]
-    M = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device) + beta[..., :, None] * torch.tril(kk, diagonal=-1)  # tril selects
-    return D, M
+from polyattn.ops.chunked import delta_rule_system
+from polyattn.ops.common import causal_matmul, causal_scores, compute_dtype
 
 
 def delta_rule_attention_matrix(q, k, beta, g=None, *, scale):

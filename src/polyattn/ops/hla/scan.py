@@ -30,7 +30,7 @@ import torch
 
 from polyattn.ops.common import associative_scan, heads_unchunk, scaled_log_decay
 from polyattn.ops.hla.variants import finish_output, prepare
-from polyattn.ops.linear.chunk import chunk_inputs, chunk_outputs, chunk_summaries
+from polyattn.ops.chunked import chunk_inputs, chunk_outputs, chunk_summaries
 
 
 def _rate(a: torch.Tensor, p: int) -> torch.Tensor:

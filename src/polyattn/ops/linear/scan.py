@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from polyattn.ops.common import associative_scan, combine_decayed, heads_unchunk
-from polyattn.ops.linear.chunk import chunk_inputs, chunk_outputs, chunk_summaries
+from polyattn.ops.chunked import chunk_inputs, chunk_outputs, chunk_summaries
 
 
 def linear_attn_scan(q, k, v, g=None, *, scale, initial_state=None, output_final_state=False, chunk_size=64):

@@ -44,8 +44,7 @@ from polyattn.ops.common import (
     level_table,
     suffix_sum,
 )
-from polyattn.ops.delta.naive import delta_rule_system
-from polyattn.ops.linear.chunk import chunk_inputs
+from polyattn.ops.chunked import chunk_inputs, delta_rule_system
 from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, empty_batch, fenwick_carry, initial_levels, state_positions
 
 

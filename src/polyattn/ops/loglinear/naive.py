@@ -34,7 +34,7 @@ import torch
 
 from polyattn.ops.common import causal_matmul, causal_scores, compute_dtype, exp_segsum, level, level_matrix, suffix_sum
 from polyattn.ops.delta import delta_rule_attention_matrix
-from polyattn.ops.delta.naive import delta_rule_system
+from polyattn.ops.chunked import delta_rule_system
 from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, empty_batch, initial_levels, state_positions
 
 
