@@ -62,7 +62,7 @@ def profile(T, warps):
         if e.device_time_total > 0:
             rows[e.key] = e.device_time_total / 5 / 1e3  # ms per call
     print(f"T={T} B={B} num_warps={warps}: total {sum(rows.values()):.3f} ms per fwd+bwd")
-    for name, ms in sorted(rows.items(), key=lambda kv: -kv[1])[:5]:
+    for name, ms in sorted(rows.items(), key=lambda kv: -kv[1])[:8]:
         print(f"  {ms:8.3f} ms  {name[:90]}")
     return rows
 

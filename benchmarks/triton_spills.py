@@ -2,7 +2,7 @@
 
 python benchmarks/triton_spills.py
 Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel`) and the delta rule's
-(`wy_kernel`, the two recurrences, the per-chunk gradient kernel) for sm_90a with the installed Triton
+(`wy_kernel`, `wy_factors_kernel`, the two recurrences, the per-chunk output and gradient kernels) for sm_90a with the installed Triton
 and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
 The installed Triton may differ from the GPU machine's, so read the numbers as indications.
 """
@@ -15,9 +15,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from polyattn.ops.delta.triton.backward import delta_grads_kernel, delta_state_grad_kernel
-from polyattn.ops.delta.triton.forward import delta_forward_kernel
-from polyattn.ops.delta.triton.wy import wy_kernel
+from polyattn.ops.delta.triton.backward import delta_grad_factors_kernel, delta_grads_kernel, delta_state_grad_kernel
+from polyattn.ops.delta.triton.forward import delta_outputs_kernel, delta_states_kernel
+from polyattn.ops.delta.triton.wy import wy_factors_kernel, wy_kernel
 from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
 
@@ -72,11 +72,14 @@ def main() -> None:
         print(f"segment_states decay C64 BC64 warps{warps}: {resources(segment_states_kernel, constexprs, warps, 2)}")
     delta = dict(C=64, BK=128, USE_G=True, F32=False)
     print(f"wy (delta) C64 warps4: {resources(wy_kernel, delta, 4, 2)}")
+    print(f"wy factors BD64 warps4: {resources(wy_factors_kernel, dict(C=64, BD=64, USE_G=True, F32=False), 4, 2)}")
+    print(f"grad factors BD64 warps4: {resources(delta_grad_factors_kernel, dict(delta, BD=64, FP32_DOT=0), 4, 2)}")
     for BV in (32, 64):
         for warps in (4, 8):
             rec = dict(delta, BV=BV, FP32_DOT=0)
-            print(f"delta forward    BV{BV} warps{warps}: "
-                  f"{resources(delta_forward_kernel, dict(rec, USE_H0=False, STORE_HT=True, SAVE=True), warps, 2)}")
+            print(f"delta states     BV{BV} warps{warps}: "
+                  f"{resources(delta_states_kernel, dict(rec, USE_H0=False, STORE_HT=True), warps, 2)}")
+            print(f"delta outputs    BV{BV} warps{warps}: {resources(delta_outputs_kernel, rec, warps, 2)}")
             print(f"delta state grad BV{BV} warps{warps}: "
                   f"{resources(delta_state_grad_kernel, dict(rec, USE_DHT=True, STORE_DH0=False), warps, 2)}")
             print(f"delta grads BK64 BV{BV} warps{warps}: {resources(delta_grads_kernel, dict(rec, BK=64), warps, 2)}")

@@ -71,20 +71,23 @@ def _flat(x):
 
 @pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
 def test_stages_match_twins(decay):
-    """wy, forward and backward kernels against their PyTorch twins on the same fp32 inputs."""
+    """wy, WY factors, forward and backward kernels against their PyTorch twins on the same fp32 inputs."""
     from polyattn.ops.delta.triton.backward import delta_backward_ref
     from polyattn.ops.delta.triton.forward import delta_forward_ref
     from polyattn.ops.delta.triton.function import _apply as delta_rule_kernels
-    from polyattn.ops.delta.triton.wy import wy_ref, wy_solve
+    from polyattn.ops.delta.triton.wy import wy_factors, wy_factors_ref, wy_ref, wy_solve
     from polyattn.ops.triton.plan import chunk_table, get_config
 
     lengths = [70, 5, 64] if not CUDA else [700, 5, 640]
     x = {n: None if t is None else t.float() for n, t in _inputs(1, sum(lengths), decay, seed=9).items()}
     q, k, v, beta, g = (_flat(x[n]) for n in ("q", "k", "v", "beta", "g"))
     C = get_config().chunk_size
-    t_inv = wy_solve(k, beta, g, chunk_size=C, chunks=chunk_table(tuple(lengths), C, k.device))
+    chunks = chunk_table(tuple(lengths), C, k.device)
+    t_inv = wy_solve(k, beta, g, chunk_size=C, chunks=chunks)
     t_ref = wy_ref(k, beta, g, tuple(lengths), chunk_size=C)
     assert rel_err(t_inv, t_ref) <= 1e-5, f"t_inv: {rel_err(t_inv, t_ref):.2e}"
+    for name, got, want in zip(("w", "u_bar"), wy_factors(k, v, beta, g, t_inv, chunks=chunks), wy_factors_ref(k, v, beta, g, t_ref, tuple(lengths), chunk_size=C)):
+        assert rel_err(got, want) <= 1e-5, f"{name}: {rel_err(got, want):.2e}"
 
     h0 = _h0(len(lengths), 5).float()
     do = torch.randn_like(v)

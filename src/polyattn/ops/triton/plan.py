@@ -26,10 +26,11 @@ class KernelConfig:
     chunk_size: tokens per chunk C; block_c: tile of the DC (value) dimension per program of a
     linear-attention pass; programs_per_sm: the segment split aims at this many programs per
     multiprocessor. The delta rule's kernels hold more fp32 tiles per program (the solve matrix,
-    the pseudo-values, their split halves): delta_block_v is their value tile, delta_num_warps the
-    warps of their two recurrences and delta_grad_warps those of the per-chunk gradient kernel
-    (the H200 profile: value tile 32 beat 64 by 1.25x at 4 warps; the gradient kernel spills
-    0.9 KB per thread at 8 warps against 3.6 KB at 4); delta_fp32_dot how their fp32 x fp32
+    the pseudo-values, their split halves): delta_block_v is the value tile of their two recurrences,
+    delta_num_warps their warps (the H200 profile: value tile 32 beat 64 by 1.25x at 4 warps),
+    delta_out_block_v the value tile of the per-chunk output kernel and delta_chunk_warps the warps
+    of the per-chunk output and gradient kernels (the gradient kernel spills 0.9 KB per thread at
+    8 warps against 3.6 KB at 4); delta_fp32_dot how their fp32 x fp32
     products run on bf16/fp16 inputs (`precision.FP32_DOTS`: "split", the default, keeps the
     tests' error bound; "tf32" and "rounded" trade accuracy for fewer tensor-core products and
     are there to be measured).
@@ -43,7 +44,8 @@ class KernelConfig:
     min_segment_chunks: int = 4
     delta_block_v: int = 32
     delta_num_warps: int = 4
-    delta_grad_warps: int = 8
+    delta_out_block_v: int = 64
+    delta_chunk_warps: int = 8
     delta_fp32_dot: str = "split"
 
 

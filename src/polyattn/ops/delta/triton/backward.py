@@ -7,10 +7,12 @@ A_qk = scale Q K^T ⊙ Γ ⊙ L) and dh' the gradient of the state leaving the c
     dR = Tinv^T dU                                                          [C, V]
     dh = exp(gc_last) dh' + (scale Q)^T diag(exp(gc)) dO - K^T diag(beta exp(gc)) dR
 
-`delta_state_grad_kernel` runs this recurrence backward over the chunks of one sequence, head
-and value tile, storing dh' of every chunk (`dhs: [NC, H, K, V]`), dR (`drs: [N_tok, H, V]`), both
-fp32, `dv = diag(beta) dR` and the per-tile `v . dv`.
-`delta_grads_kernel` then, for one chunk and head, sums over value tiles
+so `dR = X + Y dh'` with two state-independent factors, `X = Tinv^T A_qk^T dO` [C, V] and
+`Y = Tinv^T diag(exp(gc_last - gc)) K` [C, K], both fp32, which `delta_grad_factors_kernel` forms
+for every chunk in parallel. `delta_state_grad_kernel` then runs the recurrence backward over the
+chunks of one sequence, head and value tile (three products per chunk), storing dh' of every chunk
+(`dhs: [NC, H, K, V]`) and dR (`drs: [N_tok, H, V]`), both fp32.
+`delta_grads_kernel` then, for one chunk and head, writes `dv = diag(beta) dR` and sums over value tiles
 
     P  = dO U^T,   E = -dR U^T           (dA = strict_lower(E): U = (I + A)^{-1} R)
     dq = scale (P ⊙ Γ ⊙ L) K + scale diag(exp(gc)) dO h^T
@@ -18,7 +20,7 @@ fp32, `dv = diag(beta) dR` and the per-tile `v . dv`.
          + M K + M^T K,  M = diag(beta) (dA ⊙ Γ)
     dbeta = rowsum(dR ⊙ (V - diag(exp(gc)) K h)) + rowsum(dA ⊙ Γ ⊙ K K^T)
 
-and the per-token `q . dq` of the log-decay term `q . dq - v . dv` (function.py turns it into dg).
+and the per-token `q . dq` and `v . dv` of the log-decay term `q . dq - v . dv` (function.py turns it into dg).
 `delta_backward_ref` is the PyTorch twin of both kernels.
 """
 import torch
@@ -28,19 +30,59 @@ import triton.language as tl
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.precision import mma, mma_fp32, mma_left_fp32, mma_right_fp32, to_output
 
-from .forward import chunk_rows, sequence_tile
+from .forward import sequence_tile
+from .wy import factor_tiles
+
+
+@triton.jit
+def chunk_rows(q, k, beta, g, t_inv, t, m_t, o_k, m_k, scale, H, i_h, K, C: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr):
+    """What the backward reads of one chunk: q, k [C, BK], beta [C], Tinv [C, C], the score
+    tile `A_qk = scale Q K^T ⊙ exp2(D)` [C, C] (0 above the diagonal), the query-side and
+    key-side log2-decays `gc`, `gs` [C] and the chunk's total log2-decay."""
+    row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+    o_t = tl.arange(0, C)
+    b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
+    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+    b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32)) * scale)  # [C, BK] @ [BK, C]
+    return b_q, b_k, b_beta, b_tinv, b_att, b_gc, chunk_suffix(b_g, b_gc, b_last, F32), b_last
+
+
+@triton.jit
+def delta_grad_factors_kernel(
+    q, k, do, beta, g, t_inv, chunks, xs, ys, scale, H, K, V,
+    C: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """grid: (num_chunks, H). `X = (Tinv^T A_qk^T) dO` and `Y = (Tinv^T diag(exp(gc_last - gc))) K`
+    of one chunk, in [C, BD] column tiles (fp32 left factors split in two halves)."""
+    i_ch, i_h = tl.program_id(0), tl.program_id(1)
+    bos = tl.load(chunks + i_ch * 4).to(tl.int64)
+    eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
+    o_t = tl.arange(0, C)
+    t = bos + o_t
+    m_t = t < eos
+    b_q, _, _, b_tinv, b_att, _, b_gs, _ = chunk_rows(
+        q, k, beta, g, t_inv, t, m_t, tl.arange(0, BK), tl.arange(0, BK) < K, scale, H, i_h, K, C, USE_G, F32,
+    )
+    b_m = mma_fp32(tl.trans(b_tinv), tl.trans(b_att), b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, C]: Tinv^T A_qk^T
+    factor_tiles(do, b_m, xs, t, m_t, H, i_h, V, C, BD, F32)
+    factor_tiles(k, tl.trans(b_tinv) * tl.exp2(b_gs)[None, :], ys, t, m_t, H, i_h, K, C, BD, F32)
 
 
 @triton.jit
 def delta_state_grad_kernel(
-    q, k, v, do, beta, g, t_inv, seqs, cu_chunks, dht, dh0, dhs, drs, dv, vdv,
-    scale, N_tok, H, K, V,
+    q, k, do, beta, g, xs, ys, seqs, cu_chunks, dht, dh0, dhs, drs,
+    scale, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, F32: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). The fp32 [BK, BV] state gradient stays in registers; the
-    loop walks the sequence's chunks last to first."""
+    loop walks the sequence's chunks last to first: `dR = X + Y dh'`, then dh."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     o_t = tl.arange(0, C)
     if USE_DHT:
@@ -52,23 +94,22 @@ def delta_state_grad_kernel(
         i = n_chunks - 1 - j
         t = bos + i * C + o_t
         m_t = t < eos
-        b_q, b_k, b_beta, b_tinv, b_att, b_gc, b_gs, b_last = chunk_rows(
-            q, k, beta, g, t_inv, t, m_t, o_k, m_k, scale, H, i_h, K, C, USE_G, F32,
-        )
+        tl.store(dhs + ((c0 + i) * H + i_h) * K * V + state_tile, b_dh, mask=m_s)
+        row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+        m_tk = m_t[:, None] & m_k[None, :]
         row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV]
-        tl.store(dhs + ((c0 + i) * H + i_h) * K * V + state_tile, b_dh, mask=m_s)
-        b_du = mma_left_fp32(tl.trans(b_att), b_do, F32)  # [C, C] @ [C, BV] -> [C, BV]
-        b_du += mma_right_fp32(b_k, b_dh, F32) * tl.exp2(b_gs)[:, None]  # [C, BK] @ [BK, BV]
-        b_dr = mma_fp32(tl.trans(b_tinv), b_du, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
+        b_y = tl.load(ys + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
+        b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
+        b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
+        b_dr = tl.load(xs + row_v, mask=m_tv, other=0.0) + mma_fp32(b_y, b_dh, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]
         tl.store(drs + row_v, b_dr, mask=m_tv)
-        b_dv = b_dr * b_beta[:, None]  # [C, BV]
-        tl.store(dv + row_v, to_output(b_dv, dv.dtype.element_ty, F32), mask=m_tv)  # downcast: input dtype
-        b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
-        tl.store(vdv + (tl.program_id(0) * N_tok + t) * H + i_h, tl.sum(b_v * b_dv, axis=1), mask=m_t)
-        b_dow = b_do.to(tl.float32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BV]
-        b_drw = b_dr * (b_beta * tl.exp2(b_gc))[:, None]  # [C, BV]
+        b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV]
+        b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+        b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+        b_egc = tl.exp2(b_gc)  # [C]
+        b_dow = b_do.to(tl.float32) * (b_egc * scale)[:, None]  # [C, BV]
+        b_drw = b_dr * (b_beta * b_egc)[:, None]  # [C, BV]
         b_dh = b_dh * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_q), b_dow, F32) - mma_right_fp32(tl.trans(b_k), b_drw, F32)
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h) * K * V + state_tile, b_dh, mask=m_s)
@@ -76,7 +117,7 @@ def delta_state_grad_kernel(
 
 @triton.jit
 def delta_grads_kernel(
-    q, k, v, beta, g, do, chunks, hs, dhs, us, drs, dq, dk, dbeta, dgterm,
+    q, k, v, beta, g, do, chunks, hs, dhs, us, drs, dq, dk, dv, dbeta, dgterm, vdv,
     scale, N_tok, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
     FP32_DOT: tl.constexpr,
@@ -85,7 +126,8 @@ def delta_grads_kernel(
     the chunk's q, k columns of its tile ([C, BK]) and loops over value tiles, accumulating
     P, E ([C, C], over the whole V: recomputed by each key tile) and the h-side parts of dq, dk
     ([C, BK]) in fp32; writes its dq, dk columns and its share of dbeta and `q . dq` (the
-    per-key-tile shares `dbeta[i_k]`, `dgterm[i_k]` are summed on the host)."""
+    per-key-tile shares `dbeta[i_k]`, `dgterm[i_k]` are summed on the host); the first key tile
+    also writes `dv = diag(beta) dR` and `v . dv`."""
     i_ch, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(chunks + i_ch * 4).to(tl.int64)
     eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
@@ -108,6 +150,7 @@ def delta_grads_kernel(
     b_dq = tl.zeros([C, BK], dtype=tl.float32)
     b_dk = tl.zeros([C, BK], dtype=tl.float32)
     b_db = tl.zeros([C], dtype=tl.float32)
+    b_vdv = tl.zeros([C], dtype=tl.float32)
     p_state = ((i_ch * H + i_h) * K + o_k[None, :]).to(tl.int64) * V  # [1, BK]: row starts of h^T
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -130,6 +173,9 @@ def delta_grads_kernel(
         if i_k == 0:
             b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
             b_db += tl.sum(b_dr * b_v, axis=1)  # [C]
+            b_dv = b_dr * b_beta[:, None]  # [C, BV]
+            b_vdv += tl.sum(b_v * b_dv, axis=1)  # [C]
+            tl.store(dv + row_v, to_output(b_dv, dv.dtype.element_ty, F32), mask=m_tv)  # downcast: input dtype
     b_gamma = tl.exp2(b_d)  # [C, C], 0 above the diagonal
     b_ds = b_p * b_gamma * scale  # [C, C]
     b_dq = mma_left_fp32(b_ds, b_k, F32) + b_dq * (b_egc * scale)[:, None]  # [C, C] @ [C, BK]
@@ -143,10 +189,12 @@ def delta_grads_kernel(
     tl.store(dk + row_k, to_output(b_dk, dk.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
     tl.store(dbeta + (i_k * N_tok + t) * H + i_h, b_db, mask=m_t)
     tl.store(dgterm + (i_k * N_tok + t) * H + i_h, tl.sum(b_q.to(tl.float32) * b_dq, axis=1), mask=m_t)  # q . dq
+    if i_k == 0:
+        tl.store(vdv + t * H + i_h, b_vdv, mask=m_t)
 
 
 def delta_backward_ref(q, k, v, beta, g, t_inv, do, dht, hs, us, seq_lens: tuple, *, scale, chunk_size):
-    """PyTorch twin of both kernels (float64): `(dq, dk, dv, dbeta, dgterm, dh0, dhs, drs)` from
+    """PyTorch twin of the three kernels (float64): `(dq, dk, dv, dbeta, dgterm, dh0, dhs, drs)` from
     the forward's saved `t_inv, hs, us`, the output gradient `do` and `dht` (or None)."""
     N_tok, H, K = q.shape
     V = v.shape[-1]

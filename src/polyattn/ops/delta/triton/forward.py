@@ -1,17 +1,19 @@
-"""Stage 2 of the delta rule forward: the chunk-to-chunk recurrence with the state on chip.
+"""Stages 2 and 3 of the delta rule forward: the chunk-to-chunk recurrence, then the outputs.
 
-`delta_forward_kernel` implements `delta_rule_chunk` (ops/delta/chunk.py) for one sequence, head
-and value tile. Per chunk, with `gc` the chunk-local cumulative log-decay, `Tinv` from wy.py and
-h the [K, BV] fp32 state entering the chunk (ops/delta/README.md, "Chunk form"):
+Together they implement `delta_rule_chunk` (ops/delta/chunk.py). Per chunk, with `gc` the
+chunk-local cumulative log-decay, W and Ū the WY factors of wy.py and h the [K, V] fp32 state
+entering the chunk (ops/delta/README.md, "Chunk form"):
 
-    U  = Tinv diag(beta) (V - diag(exp(gc)) K h)                         pseudo-values [C, BV]
-    O  = (scale Q K^T ⊙ Γ ⊙ L) U + diag(exp(gc)) (scale Q) h
+    U  = Ū - W h                                                          pseudo-values [C, V]
     h' = exp(gc_last) h + K^T diag(exp(gc_last - gc)) U
+    O  = (scale Q K^T ⊙ Γ ⊙ L) U + diag(exp(gc)) (scale Q) h
 
-With SAVE (a backward will run) it stores the state entering every chunk (`hs: [NC, H, K, V]`,
-fp32) and U (`us: [N_tok, H, V]`, fp32). Every fp32 operand (state, Tinv, R, U, the score tile)
-enters the tensor cores split in input-dtype halves, exact to ~2^-16: rounding R or U to bf16
-instead doubles the output error against the float64 spec (measured under the test bounds). `delta_forward_ref` is the PyTorch twin.
+`delta_states_kernel` runs the first two lines, one program per sequence, head and value tile
+with the state on chip, and stores h entering every chunk (`hs: [NC, H, K, V]`) and U
+(`us: [N_tok, H, V]`), both fp32; only two products per chunk sit on its dependent path.
+`delta_outputs_kernel` then forms O for every chunk in parallel. Every fp32 operand (state, W,
+U, the score tile) enters the tensor cores split in input-dtype halves, exact to ~2^-16
+(`KernelConfig.delta_fp32_dot` picks other modes). `delta_forward_ref` is the PyTorch twin of both.
 """
 import torch
 import triton
@@ -39,34 +41,14 @@ def sequence_tile(seqs, cu_chunks, K, V, BK: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
-def chunk_rows(q, k, beta, g, t_inv, t, m_t, o_k, m_k, scale, H, i_h, K, C: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr):
-    """What both recurrences read of one chunk: q, k [C, BK], beta [C], Tinv [C, C], the score
-    tile `A_qk = scale Q K^T ⊙ exp2(D)` [C, C] (0 above the diagonal), the query-side and
-    key-side log2-decays `gc`, `gs` [C] and the chunk's total log2-decay."""
-    row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
-    b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
-    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
-    o_t = tl.arange(0, C)
-    b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
-    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-    b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32)) * scale)  # [C, BK] @ [BK, C]
-    return b_q, b_k, b_beta, b_tinv, b_att, b_gc, chunk_suffix(b_g, b_gc, b_last, F32), b_last
-
-
-@triton.jit
-def delta_forward_kernel(
-    q, k, v, beta, g, t_inv, out, seqs, cu_chunks, h0, ht, hs, us,
-    scale, H, K, V,
+def delta_states_kernel(
+    k, g, w, u_bar, seqs, cu_chunks, h0, ht, hs, us, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE: tl.constexpr, F32: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """grid: (cdiv(V, BV), N, H). Tiling: q, k rows of the full K (padded to BK), v / o columns
-    [BV]; the fp32 state [BK, BV] stays in registers for the whole sequence. Loop: the
-    sequence's chunks in order; per chunk the products `K h`, `Tinv R`, `Q K^T`, `A U`, `Q h`
-    and `K^T U` (fp32 operands split in two input-dtype halves on bf16/fp16 tensor cores)."""
+    """grid: (cdiv(V, BV), N, H). The fp32 state tile [BK, BV] stays in registers for the whole
+    sequence; per chunk two products on the dependent path, `W h` and `K^T U`, and the state
+    entering the chunk (`hs`) and U (`us`) stored for the output stage and the backward."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     o_t = tl.arange(0, C)
     if USE_H0:
@@ -76,30 +58,56 @@ def delta_forward_kernel(
     for i in range(0, tl.cdiv(eos - bos, C)):
         t = bos + i * C + o_t
         m_t = t < eos
-        b_q, b_k, b_beta, b_tinv, b_att, b_gc, b_gs, b_last = chunk_rows(
-            q, k, beta, g, t_inv, t, m_t, o_k, m_k, scale, H, i_h, K, C, USE_G, F32,
-        )
+        tl.store(hs + ((c0 + i) * H + i_h) * K * V + state_tile, b_h, mask=m_s)
+        row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_w = tl.load(w + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
+        b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
         row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_v = tl.load(v + row_v, mask=m_tv, other=0.0)  # [C, BV]
-        if SAVE:
-            tl.store(hs + ((c0 + i) * H + i_h) * K * V + state_tile, b_h, mask=m_s)
-        b_kh = mma_right_fp32(b_k, b_h, F32)  # [C, BK] @ [BK, BV] -> [C, BV]
-        b_r = b_beta[:, None] * (b_v.to(tl.float32) - tl.exp2(b_gc)[:, None] * b_kh)  # [C, BV]
-        b_u = mma_fp32(b_tinv, b_r, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
-        if SAVE:
-            tl.store(us + row_v, b_u, mask=m_tv)
-        b_o = mma_fp32(b_att, b_u, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
-        b_o += mma_right_fp32(b_q, b_h, F32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BK] @ [BK, BV] -> [C, BV]
-        b_w = tl.exp2(b_gs)  # [C]
+        b_u = tl.load(u_bar + row_v, mask=m_tv, other=0.0) - mma_fp32(b_w, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]
+        tl.store(us + row_v, b_u, mask=m_tv)
+        b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+        b_w = tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: exp(gc_last - gc)
         b_h = b_h * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_k), b_u * b_w[:, None], F32)  # [BK, C] @ [C, BV]
-        tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h) * K * V + state_tile, b_h, mask=m_s)
 
 
+@triton.jit
+def delta_outputs_kernel(
+    q, k, g, us, hs, out, chunks, scale, H, K, V,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """grid: (num_chunks, H, cdiv(V, BV)). `O = A_qk U + diag(exp(gc)) (scale Q) h` for one chunk,
+    head and value tile, from the stored U and entering state h: every chunk in parallel."""
+    i_ch, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(chunks + i_ch * 4).to(tl.int64)
+    eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
+    t = bos + tl.arange(0, C)
+    m_t = t < eos
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+    b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32)) * scale)  # [C, BK] @ [BK, C]
+    row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_u = tl.load(us + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
+    b_h = tl.load(hs + (i_ch * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+    b_o = mma_fp32(b_att, b_u, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
+    b_o += mma_right_fp32(b_q, b_h, F32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BK] @ [BK, BV] -> [C, BV]
+    tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
+
+
 def delta_forward_ref(q, k, v, beta, g, t_inv, seq_lens: tuple, *, scale, chunk_size, initial_state=None):
-    """PyTorch twin of `delta_forward_kernel` (float64): `(o [N_tok, H, V], ht [N, H, K, V],
+    """PyTorch twin of `delta_states_kernel` and `delta_outputs_kernel` (float64): `(o [N_tok, H, V], ht [N, H, K, V],
     hs [NC, H, K, V], us [N_tok, H, V])` from the kernel's inputs, `t_inv` included."""
     N_tok, H, K = q.shape
     V = v.shape[-1]

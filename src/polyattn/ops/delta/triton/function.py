@@ -1,8 +1,9 @@
 """Autograd Function and form function of the Triton `delta_rule`.
 
-Forward: wy.py (per-chunk solve, parallel), then forward.py (the recurrence, state on chip).
-Backward: backward.py's reverse recurrence for the state gradient (and dv, from dR), then its
-per-chunk kernel for dq, dk, dbeta. The log-decay gradient needs no kernel of its own: writing
+Forward: wy.py (per-chunk solve and WY factors, parallel), then forward.py (the recurrence with
+the state on chip, then the outputs of every chunk in parallel).
+Backward: backward.py's per-chunk factors of dR, its reverse recurrence for the state gradient,
+then its per-chunk kernel for dq, dk, dv, dbeta. The log-decay gradient needs no kernel of its own: writing
 `S~_t = exp(-G_t) S_t` turns the gated rule into the ungated one on `q~_t = exp(G_t) q_t` and
 `v~_t = exp(-G_t) v_t` (ops/delta/README.md, "Gradients"), so
 
@@ -16,10 +17,10 @@ import triton
 from polyattn.ops.triton.plan import block, chunk_table, get_config, kernel_call, no_output, reverse_cumsum, segment_table
 from polyattn.ops.triton.precision import FP32_DOTS, dot_f32
 
-from .backward import delta_grads_kernel, delta_state_grad_kernel
-from .forward import delta_forward_kernel
+from .backward import delta_grad_factors_kernel, delta_grads_kernel, delta_state_grad_kernel
+from .forward import delta_outputs_kernel, delta_states_kernel
 from .step import delta_rule_step_inplace
-from .wy import wy_solve
+from .wy import wy_factors, wy_solve
 
 
 def fp32_dot(config) -> int:
@@ -56,17 +57,26 @@ def delta_rule_forward(
     config, (B, T, H, K, V, C, N), (qf, kf, vf, bf, gf), seq_lens, chunks, seqs = _flatten(q, k, v, beta, g, seq_lens)
     h0 = h0.float().contiguous() if h0 is not None else None
     t_inv = wy_solve(kf, bf, gf, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
-    o = torch.empty_like(vf)
+    w, u_bar = wy_factors(kf, vf, bf, gf, t_inv, chunks=chunks, num_warps=config.num_warps)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if store_ht else no_output(q)
-    hs = torch.empty(chunks[2], H, K, V, dtype=torch.float32, device=q.device) if save else no_output(q)
-    us = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device) if save else no_output(q)
+    hs = torch.empty(chunks[2], H, K, V, dtype=torch.float32, device=q.device)
+    us = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device)
     BK, BV = block(K), min(block(V), config.delta_block_v)
-    delta_forward_kernel[(triton.cdiv(V, BV), N, H)](
-        qf, kf, vf, bf, gf, t_inv, o, seqs, chunks[1], h0, ht, hs, us,
-        scale, H, K, V,
-        C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_H0=h0 is not None, STORE_HT=store_ht, SAVE=save,
-        F32=dot_f32(q.dtype), FP32_DOT=fp32_dot(config), num_warps=config.delta_num_warps, num_stages=config.num_stages,
+    F32, FP32_DOT, USE_G = dot_f32(q.dtype), fp32_dot(config), gf is not None
+    delta_states_kernel[(triton.cdiv(V, BV), N, H)](
+        kf, gf, w, u_bar, seqs, chunks[1], h0, ht, hs, us, H, K, V,
+        C=C, BK=BK, BV=BV, USE_G=USE_G, USE_H0=h0 is not None, STORE_HT=store_ht, F32=F32, FP32_DOT=FP32_DOT,
+        num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
+    o = torch.empty_like(vf)
+    BVO = min(block(V), config.delta_out_block_v)
+    delta_outputs_kernel[(chunks[2], H, triton.cdiv(V, BVO))](
+        qf, kf, gf, us, hs, o, chunks[0], scale, H, K, V,
+        C=C, BK=BK, BV=BVO, USE_G=USE_G, F32=F32, FP32_DOT=FP32_DOT,
+        num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
+    )
+    if not save:
+        hs, us = no_output(q), no_output(q)
     return o.view(B, T, H, V), ht, t_inv, hs, us  # [B*T, H, V] -> [B, T, H, V]
 
 
@@ -98,29 +108,34 @@ def delta_rule_backward(
     BK, BV = block(K), min(block(V), config.delta_block_v)
     n_v = triton.cdiv(V, BV)
     F32 = dot_f32(qf.dtype)
-    dv = torch.empty_like(vf)
-    vdv = torch.empty(n_v, B * T, H, dtype=torch.float32, device=qf.device)
+    xs, ys = torch.empty_like(us), torch.empty(B * T, H, K, dtype=torch.float32, device=qf.device)
+    delta_grad_factors_kernel[(chunks[2], H)](
+        qf, kf, dof, bf, gf, t_inv, chunks[0], xs, ys, scale, H, K, V,
+        C=C, BK=BK, BD=64, USE_G=gf is not None, F32=F32, FP32_DOT=fp32_dot(config), num_warps=config.num_warps,
+    )
     delta_state_grad_kernel[(n_v, N, H)](
-        qf, kf, vf, dof, bf, gf, t_inv, seqs, chunks[1], dht, dh0, dhs, drs, dv, vdv,
-        scale, B * T, H, K, V,
+        qf, kf, dof, bf, gf, xs, ys, seqs, chunks[1], dht, dh0, dhs, drs,
+        scale, H, K, V,
         C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
         F32=F32, FP32_DOT=fp32_dot(config), num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
-    dq, dk = torch.empty_like(qf), torch.empty_like(kf)
+    del xs, ys
+    dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
+    vdv = torch.empty(B * T, H, dtype=torch.float32, device=qf.device)
     BKT = min(BK, 64)
     n_k = triton.cdiv(K, BKT)
     dbeta = torch.empty(n_k, B * T, H, dtype=torch.float32, device=qf.device)
     qdq = torch.empty_like(dbeta)
     delta_grads_kernel[(chunks[2], H, n_k)](
-        qf, kf, vf, bf, gf, dof, chunks[0], hs, dhs, us, drs, dq, dk, dbeta, qdq,
+        qf, kf, vf, bf, gf, dof, chunks[0], hs, dhs, us, drs, dq, dk, dv, dbeta, qdq, vdv,
         scale, B * T, H, K, V,
         C=C, BK=BKT, BV=BV, USE_G=gf is not None, F32=F32, FP32_DOT=fp32_dot(config),
-        num_warps=config.delta_grad_warps, num_stages=config.num_stages,
+        num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
     )
     dbeta = dbeta.sum(0)  # [n_k, B*T, H] -> [B*T, H]
     dg = no_output(q)
     if want_dg:
-        dgterm = qdq.sum(0) - vdv.sum(0)  # q . dq - v . dv, [n, B*T, H] -> [B*T, H]
+        dgterm = qdq.sum(0) - vdv  # q . dq - v . dv, [n_k, B*T, H] -> [B*T, H]
         if dht is not None:
             ends = torch.tensor(seq_lens, device=qf.device).cumsum(0) - 1  # [N]
             dgterm[ends] += (dht * ht).sum((-1, -2))  # [N, H, K, V] -> [N, H]

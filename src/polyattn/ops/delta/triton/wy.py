@@ -1,21 +1,26 @@
-"""Stage 1 of the delta rule: the per-chunk UT solve, every chunk in parallel.
+"""Stage 1 of the delta rule: the per-chunk UT solve and the WY factors, every chunk in parallel.
 
 `wy_kernel` implements, for one chunk of C = 64 tokens of one head (ops/delta/README.md, "Chunk form"),
 
     A    = strict_lower(diag(beta) (K K^T ⊙ Γ))       Γ[i, j] = exp(gc_i - gc_j)
     Tinv = (I + A)^{-1}                                 unit lower triangular, fp32
 
-and stores row i of `Tinv` at token i: `t_inv: [N_tok, H, C]` fp32. The chunk's pseudo-values
-then follow from the entering state h as `U = Tinv diag(beta) (V - diag(exp(gc)) K h)`, which
-the sequential stage (forward.py) applies. `wy_ref` is the PyTorch twin.
+and stores row i of `Tinv` at token i: `t_inv: [N_tok, H, C]` fp32. `wy_factors_kernel` then
+forms the two state-independent factors of the chunk's pseudo-values,
+
+    W = Tinv diag(beta exp(gc)) K    [C, K] fp32,      Ū = Tinv diag(beta) V    [C, V] fp32,
+
+so that from the entering state h the recurrence (forward.py) needs one product per chunk for
+them: `U = Tinv diag(beta) (V - diag(exp(gc)) K h) = Ū - W h`. `wy_ref` and `wy_factors_ref`
+are the PyTorch twins.
 """
 import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.decay import exact_segsum, exact_suffix
+from polyattn.ops.triton.decay import chunk_decay, exact_segsum, exact_suffix
 from polyattn.ops.triton.plan import block
-from polyattn.ops.triton.precision import LOG2E, dot_f32, mma
+from polyattn.ops.triton.precision import LOG2E, dot_f32, mma, mma_left_fp32
 
 
 @triton.jit
@@ -150,6 +155,69 @@ def wy_solve(k, beta, g, *, chunk_size: int, chunks, num_warps: int = 4):
         C=chunk_size, BK=block(K), USE_G=g is not None, F32=dot_f32(k.dtype), num_warps=num_warps,
     )
     return t_inv
+
+
+@triton.jit
+def factor_tiles(x, b_left, out, t, m_t, H, i_h, D, C: tl.constexpr, BD: tl.constexpr, F32: tl.constexpr):
+    """`out = b_left @ x` over the rows `t` of one chunk, in [C, BD] column tiles of the D columns
+    (`b_left` fp32 [C, C], `x` in the input dtype, `out` fp32)."""
+    for i_d in range(0, tl.cdiv(D, BD)):
+        o_d = i_d * BD + tl.arange(0, BD)
+        rows = (t * H + i_h)[:, None] * D + o_d[None, :]  # [C, BD]
+        m = m_t[:, None] & (o_d < D)[None, :]
+        b_x = tl.load(x + rows, mask=m, other=0.0)  # [C, BD]
+        tl.store(out + rows, mma_left_fp32(b_left, b_x, F32), mask=m)  # [C, C] @ [C, BD] -> [C, BD]
+
+
+@triton.jit
+def wy_factors_kernel(
+    k, v, beta, g, t_inv, w, u_bar, chunks, H, K, V,
+    C: tl.constexpr, BD: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
+):
+    """grid: (num_chunks, H). `W = (Tinv diag(beta exp(gc))) K` and `Ū = (Tinv diag(beta)) V`:
+    the fp32 left factors scale Tinv's columns, the products keep them split in two halves."""
+    i_ch, i_h = tl.program_id(0), tl.program_id(1)
+    bos = tl.load(chunks + i_ch * 4).to(tl.int64)
+    eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
+    o_t = tl.arange(0, C)
+    t = bos + o_t
+    m_t = t < eos
+    b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
+    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+    _, b_gc, _ = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C]
+    b_tb = b_tinv * b_beta[None, :]  # Tinv diag(beta): [C, C]
+    factor_tiles(k, b_tb * tl.exp2(b_gc)[None, :], w, t, m_t, H, i_h, K, C, BD, F32)
+    factor_tiles(v, b_tb, u_bar, t, m_t, H, i_h, V, C, BD, F32)
+
+
+def wy_factors(k, v, beta, g, t_inv, *, chunks, num_warps: int = 4):
+    """Launch `wy_factors_kernel`: `(w [N_tok, H, K], u_bar [N_tok, H, V])`, fp32."""
+    N_tok, H, K = k.shape
+    V = v.shape[-1]
+    w = torch.empty(N_tok, H, K, dtype=torch.float32, device=k.device)
+    u_bar = torch.empty(N_tok, H, V, dtype=torch.float32, device=k.device)
+    wy_factors_kernel[(chunks[2], H)](
+        k, v, beta, g, t_inv, w, u_bar, chunks[0], H, K, V,
+        C=t_inv.shape[-1], BD=64, USE_G=g is not None, F32=dot_f32(k.dtype), num_warps=num_warps,
+    )
+    return w, u_bar
+
+
+def wy_factors_ref(k, v, beta, g, t_inv, seq_lens: tuple, *, chunk_size: int):
+    """PyTorch twin of `wy_factors_kernel` (float64): `(w [N_tok, H, K], u_bar [N_tok, H, V])`."""
+    k, v, beta, t_inv = (x.double() for x in (k, v, beta, t_inv))
+    w, u_bar = torch.zeros_like(k), torch.zeros_like(v)
+    bos = 0
+    for length in seq_lens:
+        for s in range(bos, bos + length, chunk_size):
+            e = min(s + chunk_size, bos + length)
+            tinv = t_inv[s:e, :, : e - s].transpose(0, 1)  # [n, H, n] -> [H, n, n]
+            bc = beta[s:e].t()  # [H, n]
+            gc = torch.zeros_like(bc) if g is None else torch.cumsum(g[s:e].double().t(), -1)  # [H, n]
+            w[s:e] = (tinv @ ((bc * torch.exp(gc))[..., None] * k[s:e].transpose(0, 1))).transpose(0, 1)
+            u_bar[s:e] = (tinv @ (bc[..., None] * v[s:e].transpose(0, 1))).transpose(0, 1)
+        bos += length
+    return w, u_bar
 
 
 def wy_ref(k, beta, g, seq_lens: tuple, *, chunk_size: int) -> torch.Tensor:
