@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from polyattn.layers import MIXERS, build_mixer
+from polyattn.layers import MIXERS, build_mixer, mixer_form
 from polyattn.ops.common import num_levels
 from polyattn.testing import assert_close_rel
 
@@ -219,3 +219,16 @@ def test_mixers_run_under_bf16_autocast(name):
         y_step, _ = mixer(x[:, 8:], state, use_cache=True)
     assert y.dtype == y_step.dtype == torch.bfloat16
     assert bool(torch.isfinite(y).all()) and bool(torch.isfinite(y_step).all())
+
+
+def test_mixer_form_names_the_form_a_call_runs():
+    assert mixer_form("softmax", "auto") == "sdpa"
+    assert [mixer_form("gdn", "auto", T) for T in (1, 64)] == ["recurrent", "chunk"]
+    assert mixer_form("hla2", "triton", 1) == "triton"
+    assert mixer_form("kata-m1", "scan") == "scan"
+    with pytest.raises(NotImplementedError, match="DeltaKATA has no impl='scan'"):
+        mixer_form("deltakata-m1", "scan")
+    with pytest.raises(NotImplementedError, match="kata has no impl='triton'"):
+        mixer_form("kata-m2", "triton", 1)
+    with pytest.raises(ValueError, match="unknown mixer"):
+        mixer_form("nope", "auto")

@@ -8,6 +8,8 @@ packed documents and ``forward(x, attention_mask=...)`` padded rows, each exactl
 (`polyattn.layers.common`).
 """
 
+import torch
+
 from polyattn import ops
 from polyattn.layers.common import Mixer, MixerConfig, MixerState, RMSNorm, map_state, pack_rows
 from polyattn.layers.gdn import GatedDeltaNet, GDNConfig, LogLinearGatedDeltaNet, LogLinearGDNConfig
@@ -16,6 +18,12 @@ from polyattn.layers.kata import DeltaKataM1, KataConfig, KataM2, KataS2, Kernel
 from polyattn.layers.linear import LinearAttention, LinearConfig
 from polyattn.layers.mamba2 import LogLinearMamba2, LogLinearMamba2Config, Mamba2, Mamba2Config
 from polyattn.layers.softmax import KVCache, SoftmaxAttention, SoftmaxConfig
+from polyattn.ops.common import resolve_impl
+from polyattn.ops.delta import DELTA_RULE_FORMS
+from polyattn.ops.hla import HLA_FORMS
+from polyattn.ops.kata import DELTAKATA_FORMS, KATA_FORMS
+from polyattn.ops.linear import LINEAR_ATTN_FORMS
+from polyattn.ops.loglinear import LOGLINEAR_ATTN_FORMS
 
 MIXERS = {
     cls.registry_name: cls
@@ -53,6 +61,25 @@ MIXER_OPS = {
 }
 
 
+# the forms of that op the mixer chooses from (DeltaKATA: the kata op with beta)
+OP_FORMS = {"linear_attn": LINEAR_ATTN_FORMS, "delta_rule": DELTA_RULE_FORMS, "hla": HLA_FORMS,
+            "loglinear_attn": LOGLINEAR_ATTN_FORMS, "kata": KATA_FORMS}
+
+
+def mixer_form(name, impl, T=2, device="cpu", dtype=torch.float32):
+    """The form of its op that mixer `name` runs on a call of T tokens with ``impl`` (``"auto"`` resolved
+    for inputs on `device` in `dtype`; one token: the ``decode_impl``); ``"sdpa"`` for softmax."""
+    if name not in MIXERS:
+        raise ValueError(f"unknown mixer {name!r}: expected one of {list(MIXERS)}")
+    if name not in MIXER_OPS:
+        return "sdpa"
+    op, forms = MIXER_OPS[name], OP_FORMS[MIXER_OPS[name]]
+    if issubclass(MIXERS[name], DeltaKataM1):
+        op, forms = "DeltaKATA", DELTAKATA_FORMS
+    chosen = resolve_impl(op, impl, forms, torch.empty(1, T, 1, 1, device=device, dtype=dtype))  # [B, T, H, K]
+    return next(form for form, fn in forms.items() if fn is chosen)
+
+
 def available_mixers():
     """Registered mixers whose op this installation provides."""
     return [name for name in MIXERS if name not in MIXER_OPS or hasattr(ops, MIXER_OPS[name])]
@@ -70,6 +97,7 @@ def build_mixer(name, d_model, **config):
 __all__ = [
     "MIXERS",
     "MIXER_OPS",
+    "OP_FORMS",
     "AsymmetricHLA",
     "DeltaKataM1",
     "GDNConfig",
@@ -99,5 +127,6 @@ __all__ = [
     "available_mixers",
     "build_mixer",
     "map_state",
+    "mixer_form",
     "pack_rows",
 ]
