@@ -1,0 +1,83 @@
+"""The GPU benchmark scripts at toy sizes (on CPU the Triton forms run under the interpreter): `train_step.py`
+finds one graph with the custom ops in it and equal losses, and reports a graph break as a failure;
+`hf_generate.py` counts the fused decoding steps and reports a mismatch as a failure."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyattn.models import CausalLM
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TOY_TRAIN = ["--device", DEVICE, "--backend", "aot_eager", "--d-model", "16", "--layers", "1", "--heads", "2",
+             "--batch", "1", "--seqlen", "8", "--warmup", "0", "--steps", "1"]
+TOY_GENERATE = ["--device", DEVICE, "--hidden", "16", "--layers", "1", "--heads", "2", "--batch-sizes", "2",
+                "--prompt", "5", "--new-tokens", "3", "--repeat", "1"]
+
+
+def test_train_step_compiles_the_triton_custom_ops_and_matches_eager(tmp_path):
+    train_step = load("train_step")
+    out = tmp_path / "train.json"
+    assert train_step.main([*TOY_TRAIN, "--impl", "triton", "--mixers", "linear", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["custom_ops"] == ["polyattn.linear_attn_forward.default"]
+    assert row["form"] == "triton" and row["failures"] == []
+    assert (row["graph_count"], row["graph_break_count"]) == (1, 0)
+    assert len(row["eager_losses"]) == len(row["compiled_losses"]) == 1 and math.isfinite(row["eager_losses"][0])
+    assert row["max_loss_rel_diff"] <= row["loss_rtol"] and row["compiled_ms"] > 0
+
+
+def test_train_step_reports_a_graph_break(tmp_path, monkeypatch):
+    train_step = load("train_step")
+    logits = CausalLM.logits
+
+    def broken(self, hidden):
+        torch._dynamo.graph_break()
+        return logits(self, hidden)
+
+    monkeypatch.setattr(CausalLM, "logits", broken)
+    out = tmp_path / "train.json"
+    assert train_step.main([*TOY_TRAIN, "--mixers", "softmax", "--out", str(out)]) == 1
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["graph_break_count"] >= 1 and row["break_reasons"]
+    assert row["failures"] == [f"{row['graph_count']} graphs, {row['graph_break_count']} breaks: {row['break_reasons']}"]
+
+
+def test_hf_generate_counts_fused_steps(tmp_path):
+    hf_generate = load("hf_generate")
+    out = tmp_path / "generate.json"
+    assert hf_generate.main([*TOY_GENERATE, "--mixers", "linear,gdn,kata-m2", "--decode-impls", "triton,recurrent",
+                             "--out", str(out)]) == 1  # kata-m2 has no Triton form
+    rows = {(row["mixer"], row["decode_impl"]): row for row in json.loads(out.read_text())["rows"]}
+    assert rows["linear", "triton"]["fused_steps_B2"] == {"linear_attn_step_inplace": 2}  # 1 layer, 2 one-token calls
+    assert rows["gdn", "triton"]["fused_steps_B2"] == {"delta_rule_step_inplace": 2}
+    for key in [("linear", "recurrent"), ("gdn", "recurrent"), ("kata-m2", "recurrent")]:
+        assert rows[key]["decode_form"] == "recurrent" and rows[key]["fused_steps_B2"] == {} and rows[key]["failures"] == []
+        assert rows[key]["B2"] > 0
+    assert "NotImplementedError" in rows["kata-m2", "triton"]["failures"][0]
+
+
+@pytest.mark.parametrize("claimed", ["triton", "recurrent"])
+def test_hf_generate_reports_steps_that_do_not_match_the_form(tmp_path, monkeypatch, claimed):
+    hf_generate = load("hf_generate")
+    monkeypatch.setattr(hf_generate, "mixer_form", lambda *args: claimed)
+    decode_impl = "recurrent" if claimed == "triton" else "triton"
+    out = tmp_path / "generate.json"
+    assert hf_generate.main([*TOY_GENERATE, "--mixers", "linear", "--decode-impls", decode_impl,
+                             "--out", str(out)]) == 1
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "fused steps" in row["failures"][0]
