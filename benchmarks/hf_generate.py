@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import json
 import pkgutil
-import platform
 import time
 from unittest import mock
 
@@ -33,6 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import polyattn.hf  # noqa: F401  (registers model_type "polyattn")
 import polyattn.ops
+from polyattn.bench.timing import environment, error_entry, parse_sized_args, synchronize, write_json
 from polyattn.layers import mixer_form
 
 FAMILIES = ["softmax", "linear", "mamba2", "gdn", "hla2", "loglinear-gdn", "kata-m2", "deltakata-m1"]
@@ -69,11 +68,6 @@ def counting_fused_steps():
 
             stack.enter_context(mock.patch.object(module, name, counted))
         yield counts
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def tokens_per_second(model, batch, args, device, autocast):
@@ -118,7 +112,6 @@ def measure(mixer, decode_impl, batches, args, device, autocast):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mixers", default=",".join(FAMILIES))
     parser.add_argument("--decode-impls", default="auto,recurrent")
     parser.add_argument("--batch-sizes", default="1,16")
@@ -126,16 +119,10 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=256)
-    for name, value in SIZES["cuda"].items():
-        parser.add_argument(f"--{name}", type=int, default=None, help=f"default {value} on CUDA, {SIZES['cpu'][name]} on CPU")
     parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=None,
                         help="bf16 autocast (default: on CUDA only)")
     parser.add_argument("--out", default=None, help="JSON file for the results")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    for name, value in SIZES["cuda" if device.type == "cuda" else "cpu"].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    args, device = parse_sized_args(parser, argv, SIZES)
     if args.autocast is None:
         args.autocast = device.type == "cuda"
     if args.new_tokens < 2 or args.repeat < 1:
@@ -146,8 +133,7 @@ def main(argv=None):
         return torch.autocast(device.type, dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
 
     result = dict(
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        platform=platform.platform(), torch=torch.__version__, autocast_bf16=args.autocast,
+        **environment(device), autocast_bf16=args.autocast,
         config={name: getattr(args, name) for name in ("vocab", *SIZES["cuda"], "prompt", "new_tokens", "repeat")}, rows=[],
     )
     print(f"{result['device']}, torch {torch.__version__}: " + ", ".join(f"{k} {v}" for k, v in result["config"].items()), flush=True)
@@ -156,8 +142,7 @@ def main(argv=None):
             try:
                 row = measure(mixer, decode_impl, batches, args, device, autocast)
             except Exception as exc:  # noqa: BLE001 -- one mixer's failure is its row; the others still run
-                row = dict(mixer=mixer, decode_impl=decode_impl,
-                           failures=[f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"])
+                row = dict(mixer=mixer, decode_impl=decode_impl, failures=[error_entry(exc)])
             result["rows"].append(row)
             if f"B{batches[-1]}" in row:
                 steps = sum(row[f"fused_steps_B{batches[0]}"].values())
@@ -166,9 +151,7 @@ def main(argv=None):
                       flush=True)
             print(f"{mixer:<14} {decode_impl:<9} {'FAIL: ' + '; '.join(row['failures']) if row['failures'] else 'ok'}", flush=True)
             if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(result, f, indent=1)
-                    f.write("\n")
+                write_json(result, args.out)
     if args.out:
         print(f"wrote {args.out}")
     return 1 if any(row["failures"] for row in result["rows"]) else 0

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import platform
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from polyattn.bench.timing import environment, error_entry, parse_sized_args, synchronize, write_json
 from polyattn.layers import mixer_form
 from polyattn.models import CausalLM, LMConfig
 
@@ -45,11 +44,6 @@ def lm_loss(model, ids, device_type):
     with torch.autocast(device_type, dtype=torch.bfloat16):
         logits, _ = model(ids[:, :-1])  # [B, T, vocab]
     return F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_arm(model, loss_of, batches, warmup, device):
@@ -123,25 +117,16 @@ def measure(mixer, args, device):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mixers", default=",".join(FAMILIES))
     parser.add_argument("--impl", default="auto", help="the op form of every mixer (auto: Triton on CUDA where it exists)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: no code generation)")
     parser.add_argument("--vocab", type=int, default=256)
-    for name, value in SIZES["cuda"].items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {value} on CUDA, "
-                            f"{SIZES['cpu'][name]} on CPU")
     parser.add_argument("--out", default=None, help="JSON file for the results")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    for name, value in SIZES["cuda" if device.type == "cuda" else "cpu"].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    args, device = parse_sized_args(parser, argv, SIZES)
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"expected --warmup >= 0 and --steps >= 1, got {args.warmup}, {args.steps}")
     result = dict(
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        platform=platform.platform(), torch=torch.__version__, backend=args.backend, impl=args.impl,
+        **environment(device), backend=args.backend, impl=args.impl,
         config={name: getattr(args, name) for name in ("vocab", *SIZES["cuda"])}, rows=[],
     )
     print(f"{result['device']}, torch {torch.__version__}, backend {args.backend}: " +
@@ -150,7 +135,7 @@ def main(argv=None):
         try:
             row = measure(mixer, args, device)
         except Exception as exc:  # noqa: BLE001 -- one mixer's failure is its row; the others still run
-            row = dict(mixer=mixer, failures=[f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"])
+            row = dict(mixer=mixer, failures=[error_entry(exc)])
         result["rows"].append(row)
         if "compiled_ms" in row:
             print(f"{mixer:<14} {row['form']:<7} graphs {row['graph_count']} breaks {row['graph_break_count']} "
@@ -159,9 +144,7 @@ def main(argv=None):
                   f"loss rel diff {row['max_loss_rel_diff']:.1e}", flush=True)
         print(f"{mixer:<14} {'FAIL: ' + '; '.join(row['failures']) if row['failures'] else 'ok'}", flush=True)
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
-                f.write("\n")
+            write_json(result, args.out)
         del row
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -39,3 +39,38 @@ def device_line() -> str:
     import triton
 
     return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA), so host timers measure it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def parse_sized_args(parser, argv, sizes: dict[str, dict[str, int]]):
+    """Add ``--device`` and one integer option per entry of ``sizes["cuda"]`` (default: that value on
+    CUDA, ``sizes["cpu"]``'s elsewhere), parse ``argv``; returns ``(args, device)``."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    for name, value in sizes["cuda"].items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                            help=f"default {value} on CUDA, {sizes['cpu'][name]} on CPU")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    for name, value in sizes["cuda" if device.type == "cuda" else "cpu"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args, device
+
+
+def environment(device: torch.device) -> dict:
+    """The device, platform and torch version for a results file."""
+    import platform
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return dict(device=name, platform=platform.platform(), torch=torch.__version__)
+
+
+def write_json(obj, path) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
