@@ -77,9 +77,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    from polyattn.train.commands import add_train_arguments
+    from polyattn.train.commands import add_single_run_arguments
 
-    add_train_arguments(parser)
+    add_single_run_arguments(parser)
 
 
 def _add_sweep_arguments(parser: argparse.ArgumentParser) -> None:

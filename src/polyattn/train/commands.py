@@ -2,12 +2,14 @@
 
 import functools
 import json
+import os
 import sys
 from dataclasses import replace
 
 from polyattn.layers import MIXERS
 from polyattn.tasks import TASKS
 from polyattn.train.config import TrainConfig
+from polyattn.train.distributed import PARALLEL
 
 
 def reports_errors(fn):
@@ -81,6 +83,19 @@ def add_train_arguments(parser):
     parser.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
     parser.add_argument("--no-checkpoint", action="store_true")
     parser.add_argument("--out", default=None, help="directory for results.json, PNGs and the checkpoint")
+    parser.add_argument("--parallel", default=d.parallel, choices=PARALLEL,
+                        help="none: one process; ddp or fsdp (FSDP2, fully_shard per block): one rank of a torchrun launch")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="torch.compile every block (backend: inductor unless named)")
+
+
+def add_single_run_arguments(parser):
+    """`polyattn train` only: the training state of one run."""
+    add_train_arguments(parser)
+    parser.add_argument("--save-every", type=int, default=None, metavar="N",
+                        help="write the sharded training state to OUT/train_state/step-N every N steps and at the end")
+    parser.add_argument("--resume", default=None, metavar="DIR",
+                        help="continue from a training state (a step-N folder, or an output folder: its latest)")
 
 
 def config_from_args(args):
@@ -107,6 +122,10 @@ def config_from_args(args):
         bf16=not args.no_bf16,
         out_dir=args.out,
         checkpoint=not args.no_checkpoint,
+        parallel=args.parallel,
+        compile=args.compile,
+        save_every=getattr(args, "save_every", None),
+        resume=getattr(args, "resume", None),
     )
 
 
@@ -125,9 +144,10 @@ def run_train(args):
     check_mixers([config.mixer])
     check_runnable(config)  # every argument, and the output folder created, before any work
     result, _ = train(config)
-    print(format_table([result]))
-    for path in result.get("files", []):
-        print(f"wrote {path}")
+    if int(os.environ.get("RANK", 0)) == 0 or config.parallel == "none":  # under torchrun: rank 0 prints
+        print(format_table([result]))
+        for path in result.get("files", []):
+            print(f"wrote {path}")
     return 0
 
 

@@ -2,7 +2,10 @@
 
 from dataclasses import dataclass, field
 
+import torch
+
 from polyattn.tasks import TASKS, Segment
+from polyattn.train.distributed import PARALLEL
 
 
 def as_segment(s):
@@ -40,6 +43,13 @@ class TrainConfig:
     ``warmup`` of the steps, then cosine to 0 (AdamW, weight decay off for norms, biases and gates).
     ``early_stop``: stop once the mean train-batch accuracy of the last 20 steps reaches it (batches are
     fresh samples, so this tracks held-out accuracy at no extra cost).
+
+    ``parallel``: ``"none"`` (one process), ``"ddp"`` or ``"fsdp"`` (one rank of a ``torchrun`` launch; each rank
+    trains on ``batch_size / world_size`` rows of the same global batch). ``compile``: a ``torch.compile``
+    backend applied to every block (``"inductor"``), or None. ``save_every``: write the sharded training state
+    (model, optimizer, schedule, data order) to ``out_dir/train_state/step-N`` every N steps and at the end;
+    ``resume``: continue from such a state (a ``step-N`` folder, or an output folder: its latest), written by
+    a run of the same configuration on any number of processes.
     """
 
     task: str = "mqar"
@@ -65,6 +75,10 @@ class TrainConfig:
     early_stop: float | None = None
     out_dir: str | None = None
     checkpoint: bool = True
+    parallel: str = "none"
+    compile: str | None = None
+    save_every: int | None = None
+    resume: str | None = None
 
     def __post_init__(self):
         """Every field checked on its own (ValueError naming it); :func:`check_runnable` checks how they combine."""
@@ -90,8 +104,17 @@ class TrainConfig:
         for name in ("bf16", "checkpoint"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
-        if self.out_dir is not None and not isinstance(self.out_dir, str):
-            raise ValueError(f"out_dir: expected a path string or None, got {self.out_dir!r}")
+        for name in ("out_dir", "resume"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}: expected a path string or None, got {getattr(self, name)!r}")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"parallel: expected one of {list(PARALLEL)}, got {self.parallel!r}")
+        if self.compile is not None and self.compile not in torch.compiler.list_backends(exclude_tags=()):
+            raise ValueError(f"compile: expected a torch.compile backend {torch.compiler.list_backends()} or None, got {self.compile!r}")
+        if self.save_every is not None:
+            _check_number("save_every", self.save_every, 1, integer=True)
+            if self.out_dir is None:
+                raise ValueError("save_every: the training state is written under out_dir; expected an out_dir, got None")
 
     @property
     def max_train_len(self):

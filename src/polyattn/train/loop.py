@@ -1,5 +1,6 @@
 """The training loop: data, AdamW with warmup + cosine, grad clipping, bf16 autocast on CUDA, evaluation
-sliced by (length, pairs) with the loss at every position, JSON results, PNG plots and a checkpoint."""
+sliced by (length, pairs) with the loss at every position, JSON results, PNG plots and a checkpoint; on one
+process or on several (DDP or FSDP2, `polyattn.train.distributed`), with resumable sharded training states."""
 
 import inspect
 import json
@@ -13,10 +14,21 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm.auto import tqdm
 
 from polyattn.models import CausalLM, LMConfig
 from polyattn.tasks import IGNORE_INDEX, TASKS, concat_data, make_task
+from polyattn.train.distributed import (
+    Ranks,
+    check_parallel,
+    find_train_state,
+    full_model_state,
+    load_train_state,
+    parallelize,
+    process_group,
+    save_train_state,
+)
 
 TEST_SEED_OFFSET = 1_000_003
 EARLY_STOP_WINDOW = 20
@@ -54,8 +66,8 @@ def prepare_out_dir(path):
 
 def check_runnable(config):
     """What can fail before training, checked first: the device, the op form, every model and mixer option
-    (the model is built on the meta device, no memory), the task options (one example per segment) and the
-    output folder (created). Returns the device."""
+    (the model is built on the meta device, no memory), the task options (one example per segment), the
+    multi-process launch, the training state to resume from and the output folder (created). Returns the device."""
     from polyattn.ops.common import FORMS
 
     device = resolve_device(config.device)
@@ -71,6 +83,9 @@ def check_runnable(config):
             make_task(config.task, 1, seg.seq_len, seg.num_pairs, seed=0, **config.task_options)
         except TypeError as err:
             raise ValueError(f"task_options: {err}") from err
+    check_parallel(config, device)
+    if config.resume:
+        find_train_state(config.resume)
     if config.out_dir:
         prepare_out_dir(config.out_dir)
     return device
@@ -111,11 +126,17 @@ def build_model(config):
     return CausalLM(lm)
 
 
-def param_groups(model, weight_decay):
-    """Weight decay on matrices only: not on norms, biases, gate/λ parameters (``_no_weight_decay``)."""
+def no_weight_decay(model):
+    """Names of the parameters without weight decay: norms, biases, gate/λ parameters (``_no_weight_decay``)."""
+    return {name for name, p in model.named_parameters() if p.ndim < 2 or getattr(p, "_no_weight_decay", False)}
+
+
+def param_groups(model, weight_decay, exempt):
+    """Weight decay on matrices only, none on the parameters named in ``exempt`` (`no_weight_decay`, taken
+    before FSDP replaces the parameters: its sharded ones lose the ``_no_weight_decay`` mark)."""
     decay, no_decay = [], []
-    for p in model.parameters():
-        (no_decay if p.ndim < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
+    for name, p in model.named_parameters():
+        (no_decay if name in exempt else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -135,111 +156,163 @@ def autocast(device, bf16):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and bf16 else nullcontext()
 
 
-def scored_logits(model, inputs, labels):
-    """Logits and targets on scored positions only (the head runs on those rows only), and their mask."""
-    hidden, _ = model.hidden_states(inputs)  # [B, T, d]
-    mask = labels != IGNORE_INDEX  # [B, T]
-    return model.logits(hidden[mask]).float(), labels[mask], mask  # [n, d] -> [n, vocab]; [n]; [B, T]
+class ScoredLoss(nn.Module):
+    """The model and its objective in one forward (what DDP and FSDP wrap, so every parameter use is inside
+    the wrapped call): ``(inputs [B, T], labels [B, T]) -> (losses [n], hits [n], mask [B, T])``, the
+    cross-entropy and correctness of each scored position (the head runs on those rows only) and where they are."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, inputs, labels):
+        hidden, _ = self.lm.hidden_states(inputs)  # [B, T, d]
+        mask = labels != IGNORE_INDEX  # [B, T]
+        logits = self.lm.logits(hidden[mask])  # [n, d] -> [n, vocab]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 autocast: the loss in fp32
+        target = labels[mask]  # [n]
+        return F.cross_entropy(logits, target, reduction="none"), logits.argmax(-1) == target, mask
 
 
-def scored_loss(model, inputs, labels):
-    """Cross-entropy and correct count on scored positions only."""
-    logits, target, _ = scored_logits(model, inputs, labels)
-    return F.cross_entropy(logits, target), (logits.argmax(-1) == target).sum(), target.numel()
+def eval_rows(n, batch_size, ranks):
+    """This rank's batches of ``n`` rows as ``(start, stop)``: contiguous shares of ``ceil(n / world)`` rows,
+    the same number of batches on every rank (FSDP's collectives run in lockstep); an empty batch
+    (``start == stop``) at the end of a short share."""
+    share = -(-n // ranks.world_size)
+    first = min(ranks.rank * share, n)
+    last = min(first + share, n)
+    return [(min(first + i, last), min(first + i + batch_size, last)) for i in range(0, share, batch_size)]
 
 
 @torch.no_grad()
-def evaluate(model, test, batch_size, device, bf16=True, quiet=True):
+def evaluate(model, test, batch_size, device, bf16=True, quiet=True, ranks=Ranks()):
     """Per slice, on scored positions: accuracy, mean loss and the mean loss at each position t (None where
-    nothing is scored): ``[{"length", "pairs", "accuracy", "loss", "loss_by_position", "examples"}]``."""
-    model.eval()
+    nothing is scored): ``[{"length", "pairs", "accuracy", "loss", "loss_by_position", "examples"}]``.
+    ``model``: a `CausalLM`, or the (DDP- or FSDP-wrapped) `ScoredLoss` of a run; under several ranks each
+    evaluates its share of every slice and the sums are reduced across ranks."""
+    objective = ScoredLoss(model) if isinstance(model, CausalLM) else model
+    objective.eval()
     rows = []
-    batches = sum(-(-len(data) // batch_size) for data in test)
-    progress = tqdm(total=batches, desc="eval", unit="batch", disable=quiet, file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
-    for data in test:
-        loss_sum = torch.zeros(data.length, dtype=torch.float64)
-        count = torch.zeros(data.length, dtype=torch.float64)
-        correct = 0
-        for i in range(0, len(data), batch_size):
-            inputs = data.inputs[i : i + batch_size].to(device)
-            labels = data.labels[i : i + batch_size].to(device)
+    batches = [eval_rows(len(data), batch_size, ranks) for data in test]
+    progress = tqdm(total=sum(map(len, batches)), desc="eval", unit="batch", disable=quiet or not ranks.main, file=sys.stderr,
+                    mininterval=1.0, dynamic_ncols=True)
+    for data, spans in zip(test, batches):
+        sums = torch.zeros(2 * data.length + 1, dtype=torch.float64, device=device)  # loss sums, counts per t; hits
+        for start, stop in spans:
+            idle = start == stop  # this rank's share ran out: a forward all the same (lockstep), nothing counted
+            chosen = slice(0, 1) if idle else slice(start, stop)
             with autocast(device, bf16):
-                logits, target, mask = scored_logits(model, inputs, labels)
-            losses = F.cross_entropy(logits, target, reduction="none").double().cpu()  # [n]
-            position = mask.nonzero()[:, 1].cpu()  # [n] the t of each scored token
-            loss_sum.index_add_(0, position, losses)
-            count += torch.bincount(position, minlength=data.length).double()
-            correct += int((logits.argmax(-1) == target).sum())
+                losses, hits, mask = objective(data.inputs[chosen].to(device), data.labels[chosen].to(device))
+            if not idle:
+                position = mask.nonzero()[:, 1]  # [n] the t of each scored token
+                sums[: data.length].index_add_(0, position, losses.double())
+                sums[data.length : 2 * data.length] += torch.bincount(position, minlength=data.length).double()
+                sums[-1] += hits.sum()
             progress.update()
+        loss_sum, count, correct = ranks.sum(sums).cpu().split([data.length, data.length, 1])
         total = int(count.sum())
         by_position = [s / c if c else None for s, c in zip(loss_sum.tolist(), count.tolist())]
         rows.append({
-            "length": data.length, "pairs": data.pairs, "accuracy": correct / max(total, 1),
+            "length": data.length, "pairs": data.pairs, "accuracy": int(correct) / max(total, 1),
             "loss": float(loss_sum.sum()) / max(total, 1), "loss_by_position": by_position, "examples": len(data),
         })
     progress.close()
-    model.train()
+    objective.train()
     return rows
 
 
 def train(config, quiet=False, label=None):
-    """Train one model; returns the results dict (and writes JSON/PNG/checkpoint under `out_dir`)."""
+    """Train one model; returns the results dict (and writes JSON/PNG/checkpoint under `out_dir`) and the model.
+
+    ``config.parallel`` ``"ddp"`` or ``"fsdp"``: one rank of a ``torchrun`` launch (or of a process group the
+    caller created); progress and files on rank 0 only, the results identical on every rank, the returned
+    `CausalLM` sharded under FSDP. ``config.resume``: continue from a training state written by a run of the
+    same configuration (any world size)."""
     device = check_runnable(config)
+    with process_group(config, device) as (device, ranks):
+        return train_on(config, device, ranks, quiet, label)
+
+
+def train_on(config, device, ranks, quiet, label):
+    """`train` inside the process group: ``device`` this rank's device."""
     torch.manual_seed(config.seed)
     train_data, test_data = build_data(config)
     model = build_model(config).to(device)
-    opt = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98))
+    exempt = no_weight_decay(model)
+    objective = parallelize(ScoredLoss(model), config, device, ranks)
+    opt = torch.optim.AdamW(param_groups(model, config.weight_decay, exempt), lr=config.lr, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(config.steps, config.warmup))
     gen = torch.Generator().manual_seed(config.seed)
+    progress = {"step": 0, "tokens": 0, "seconds": 0.0, "history": [], "generator": gen.get_state()}
+    if config.resume:
+        progress = load_train_state(find_train_state(config.resume), objective, opt, sched, progress)
+        gen.set_state(progress["generator"])
+    history, states = progress["history"], []
     weights = torch.tensor([float(len(d)) for d in train_data])
-    progress = tqdm(total=config.steps, desc=label or f"{config.mixer} lr={config.lr:g}", unit="step", disable=quiet,
-                    file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
-    history, tokens, train_seconds, step = [], 0, 0.0, 0
-    for step in range(1, config.steps + 1):
+    bar = tqdm(total=config.steps, initial=progress["step"], desc=label or f"{config.mixer} lr={config.lr:g}", unit="step",
+               disable=quiet or not ranks.main, file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
+    for step in range(progress["step"] + 1, config.steps + 1):
         t0 = time.perf_counter()
         data = train_data[int(torch.multinomial(weights, 1, generator=gen))]
-        idx = torch.randint(len(data), (config.batch_size,), generator=gen)
+        idx = torch.randint(len(data), (config.batch_size,), generator=gen)  # the global batch, the same on every rank
+        scored = int((data.labels[idx] != IGNORE_INDEX).sum())  # scored tokens in the global batch
+        idx = idx[ranks.rows(config.batch_size)]  # this rank's rows
         inputs, labels = data.inputs[idx].to(device), data.labels[idx].to(device)
         with autocast(device, config.bf16):
-            loss, correct, n = scored_loss(model, inputs, labels)
+            losses, hits, _ = objective(inputs, labels)
+        loss = losses.sum() * (ranks.world_size / max(scored, 1))  # ranks average gradients: the global mean's
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         opt.step()
         sched.step()
+        totals = ranks.sum(torch.stack([losses.detach().sum(), hits.sum()]).double()).tolist()  # global loss sum, hits
         if device.type == "cuda":
             torch.cuda.synchronize()
-        train_seconds += time.perf_counter() - t0
-        tokens += inputs.numel()
-        acc = int(correct) / max(n, 1)
-        history.append({"step": step, "loss": loss.item(), "accuracy": acc})
-        progress.set_postfix(loss=f"{history[-1]['loss']:.4g}", acc=f"{acc:.3f}", tok_s=f"{tokens / train_seconds:,.0f}", refresh=False)
-        progress.update()
+        progress["seconds"] += time.perf_counter() - t0
+        progress["tokens"] += config.batch_size * data.length
+        progress["step"] = step
+        acc = totals[1] / max(scored, 1)
+        history.append({"step": step, "loss": totals[0] / max(scored, 1), "accuracy": acc})
+        bar.set_postfix(loss=f"{history[-1]['loss']:.4g}", acc=f"{acc:.3f}", tok_s=f"{progress['tokens'] / progress['seconds']:,.0f}",
+                        refresh=False)
+        bar.update()
         window = history[-EARLY_STOP_WINDOW:]
-        if config.early_stop is not None and len(window) == EARLY_STOP_WINDOW:
-            if sum(h["accuracy"] for h in window) / EARLY_STOP_WINDOW >= config.early_stop:
-                break
-    progress.close()
+        stop = config.early_stop is not None and len(window) == EARLY_STOP_WINDOW and \
+            sum(h["accuracy"] for h in window) / EARLY_STOP_WINDOW >= config.early_stop
+        if config.save_every and (step % config.save_every == 0 or step == config.steps or stop):
+            states.append(save_train_state(config.out_dir, objective, opt, sched, progress, gen))
+        if stop:
+            break
+    bar.close()
     results = {
         "config": asdict(config),
         "mixer": config.mixer,
         "params": model.num_parameters(),
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "world_size": ranks.world_size,
         "torch": torch.__version__,
         "train": {
-            "steps": step,
-            "tokens": tokens,
-            "seconds": train_seconds,
-            "tokens_per_s": tokens / max(train_seconds, 1e-9),
+            "steps": progress["step"],
+            "tokens": progress["tokens"],
+            "seconds": progress["seconds"],
+            "tokens_per_s": progress["tokens"] / max(progress["seconds"], 1e-9),
             "final_loss": history[-1]["loss"],
             "history": history,
         },
-        "eval": evaluate(model, test_data, config.eval_batch_size, device, config.bf16, quiet),
+        "eval": evaluate(objective, test_data, config.eval_batch_size, device, config.bf16, quiet, ranks),
         "state_floats": {str(s.seq_len): model.state_size(s.seq_len) for s in config.test_segments},
         "max_train_len": config.max_train_len,
     }
     if config.out_dir:
-        results["files"] = write_results(model, results, config)
+        lm = model
+        if config.parallel == "fsdp" and config.checkpoint:  # the whole model, gathered on rank 0 (a collective)
+            state = full_model_state(model)
+            lm = build_model(config) if ranks.main else None
+            if ranks.main:
+                lm.load_state_dict(state)
+        if ranks.main:
+            results["files"] = write_results(lm, results, config) + [str(path) for path in states]
     return results, model
 
 
