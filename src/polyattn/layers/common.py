@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from polyattn.ops.common import FORMS, check_cu_seqlens, check_flag, check_positive, compute_dtype
+from polyattn.ops.common import FORMS, check_cu_seqlens, check_flag, check_positive, check_value, compute_dtype
 
 
 class MixerState(NamedTuple):
@@ -105,8 +105,8 @@ def pack_rows(x, attention_mask):
         raise ValueError(f"attention_mask: expected shape {tuple(x.shape[:2])} ([B, T]), got {tuple(attention_mask.shape)}")
     keep = attention_mask.to(device=x.device) != 0  # [B, T]
     lengths = keep.sum(1)  # [B]
-    if not bool((lengths > 0).all()):
-        raise ValueError(f"attention_mask: expected at least one token (a nonzero entry) in every row, got lengths {lengths.tolist()}")
+    message = "attention_mask: expected at least one token (a nonzero entry) in every row"
+    check_value(lengths > 0, message, detail=lambda: f"{message}, got lengths {lengths.tolist()}")
     cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))  # [B + 1]
     return x[keep][None], cu_seqlens, keep  # [B, T, ...] -> [1, total, ...]
 
@@ -316,8 +316,7 @@ class Mixer(nn.Module):
         if cu_seqlens is not None:
             raise ValueError("expected attention_mask (padded rows) or cu_seqlens (packed documents), got both")
         if state is not None:
-            if not bool((attention_mask != 0).all()):
-                raise ValueError("attention_mask: expected all ones with a state (padding belongs to the prompt), got zeros")
+            check_value(attention_mask != 0, "attention_mask: expected all ones with a state (padding belongs to the prompt), got zeros")
             return self(x, state, use_cache)
         packed, cu_seqlens, keep = pack_rows(x, attention_mask)  # [B, T, d_model] -> [1, total, d_model]
         y_packed, state = self(packed, use_cache=use_cache, cu_seqlens=cu_seqlens)
@@ -330,7 +329,8 @@ class QKVMixer(Mixer):
     """The common shell (fla's linear-attention layer; ops/kata/README.md, "Layer shell"): bias-free q/k/v
     projections, optional short conv (SiLU) over [q|k|v], a per-head output RMSNorm (gated by
     ``silu(g_proj x)`` when the config has ``output_gate=True``) and an output projection.
-    Subclasses implement `mix(q, k, v, x, core_state, use_cache, cu_seqlens) -> (o [B,T,H,dv], core_state)`."""
+    Subclasses implement `mix(q, k, v, x, core_state, use_cache, cu_seqlens, position) -> (o [B,T,H,dv],
+    core_state)`, ``position`` the steps the state has run (`MixerState.position`, 0 without a state)."""
 
     output_norm = True
 
@@ -358,12 +358,12 @@ class QKVMixer(Mixer):
         q, k, v = qkv.split([H * dk, H * dk, H * self.dv], dim=-1)
         q, k, v = (split_heads(t, H) for t in (q, k, v))  # [B, T, H*D] -> [B, T, H, D]
         core = None if state is None else state.core
-        o, core = self.mix(q, k, v, x, core, use_cache, cu_seqlens)  # [B, T, H, dv]
+        position = 0 if state is None else state.position
+        o, core = self.mix(q, k, v, x, core, use_cache, cu_seqlens, position)  # [B, T, H, dv]
         if self.o_norm is not None:
             o = self.o_norm(o, None if self.g_proj is None else split_heads(self.g_proj(x), H))
         o = o.flatten(-2)  # [B, T, H, dv] -> [B, T, H*dv]
         y = self.o_proj(o.to(x.dtype))
         if not use_cache:
             return y, None
-        position = x.shape[1] + (0 if state is None else state.position)
-        return y, MixerState(conv_cache, cast_state(core, x), position)
+        return y, MixerState(conv_cache, cast_state(core, x), position + x.shape[1])

@@ -54,7 +54,7 @@ class SoftmaxAttention(QKVMixer):
     config_class = SoftmaxConfig
     output_norm = False
 
-    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None):
+    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None, position=0):
         if cu_seqlens is not None:
             return self.packed_mix(q, k, v, use_cache, cu_seqlens)
         B, T = q.shape[:2]
