@@ -290,6 +290,22 @@ class Mixer(nn.Module):
     def name(self):
         return getattr(type(self), "registry_name", type(self).__name__)
 
+    def check_forward(self, x, state, use_cache):
+        """The checks every forward starts with: ``x [B, T, d_model]`` floating, ``use_cache`` a bool, and
+        ``state`` a `MixerState` whose tensors all lead with B (what a call with ``use_cache=True`` returned)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model or not x.is_floating_point():
+            got = f"shape {tuple(x.shape)}, dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x: expected a floating tensor [B, T, d_model] with d_model = {self.d_model}, got {got}")
+        check_flag("use_cache", use_cache)
+        if state is None:
+            return
+        if not isinstance(state, MixerState):
+            raise ValueError(f"state: expected the MixerState of a call with use_cache=True, got {type(state).__name__}")
+        rows = []
+        map_state(state, lambda t: rows.append(t.shape[0] if t.dim() else None))
+        if any(n != x.shape[0] for n in rows):
+            raise ValueError(f"state: expected every tensor to lead with the batch size B = {x.shape[0]} of x, got {rows}")
+
     def impl_for(self, T):
         """The op form for a call on T tokens."""
         return self.config.decode_impl if T == 1 else self.config.impl
@@ -346,6 +362,7 @@ class QKVMixer(Mixer):
         self.o_proj = nn.Linear(H * dv, d_model, bias=False)
 
     def forward(self, x, state=None, use_cache=False, attention_mask=None, cu_seqlens=None):
+        self.check_forward(x, state, use_cache)
         if attention_mask is not None:
             return self.padded_forward(x, attention_mask, state, use_cache, cu_seqlens)
         if cu_seqlens is not None:

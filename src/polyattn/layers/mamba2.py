@@ -85,6 +85,7 @@ class Mamba2(Mixer):
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
 
     def forward(self, x, state=None, use_cache=False, attention_mask=None, cu_seqlens=None):
+        self.check_forward(x, state, use_cache)
         if attention_mask is not None:
             return self.padded_forward(x, attention_mask, state, use_cache, cu_seqlens)
         if cu_seqlens is not None:
