@@ -2,7 +2,8 @@
 
 A NaN or Inf planted in `q`, `k`, `v` (or `beta`) at position p leaves every output before p
 bit-identical to a clean run of the same shape, on a chunk's first token and inside a chunk, also when
-the sequence is cut into segments; the plant in `k` or `v` reaches the outputs at and after p. On CPU
+the sequence is cut into segments; the plant in `k` or `v` reaches the outputs at and after p. A plant
+in one packed sequence (`cu_seqlens`) leaves the other sequences bit-identical. On CPU
 the kernels run under TRITON_INTERPRET=1 at tiny shapes; with CUDA at real shapes in fp32 and bf16.
 """
 from __future__ import annotations
@@ -32,22 +33,22 @@ HLA = {"hla2": dict(order=2), "ahla": dict(order=2, asymmetric=True), "hla3": di
 OPS = ["linear_attn", *HLA, *(["delta_rule"] if DELTA_TRITON_CAUSAL else [])]
 
 
-def _inputs(dtype):
-    x = seeded_inputs(1, T, H, K, V, decay=True, beta=True, seed=21, device=DEVICE)
+def _inputs(dtype, length=T, seed=21):
+    x = seeded_inputs(1, length, H, K, V, decay=True, beta=True, seed=seed, device=DEVICE)
     x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
     return {n: t.to(dtype) for n, t in x.items()}
 
 
-def _call(op, x):
+def _call(op, x, **kwargs):
     q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
     if op == "linear_attn":
-        return ops.linear_attn(q, k, v, g, impl="triton")[0]
+        return ops.linear_attn(q, k, v, g, impl="triton", **kwargs)[0]
     if op == "delta_rule":
-        return ops.delta_rule(q, k, v, beta, g, impl="triton")[0]
+        return ops.delta_rule(q, k, v, beta, g, impl="triton", **kwargs)[0]
     options = HLA[op]
     if options.get("normalize"):  # normalized HLA needs nonnegative features
         q, k = q.abs(), k.abs()
-    return ops.hla(q, k, v, g, impl="triton", **options)[0]
+    return ops.hla(q, k, v, g, impl="triton", **options, **kwargs)[0]
 
 
 def _fields(op):
@@ -79,3 +80,20 @@ def test_future_nonfinite_leaves_earlier_outputs_bit_identical(op, dtype, config
                     assert torch.equal(o[:, :p], o_clean[:, :p]), f"{field}={value} at {p} changed an earlier output"
                     if field in ("k", "v"):
                         assert not bool(torch.isfinite(o[:, p:, 0]).all()), f"{field}={value} at {p} never reached an output"
+
+
+@pytest.mark.parametrize("op", OPS if CUDA else [op for op in OPS if op in ("linear_attn", "hla3", "delta_rule")])
+def test_nonfinite_stays_in_its_packed_sequence(op):
+    """Packed sequences (`cu_seqlens`): a NaN in the middle one leaves the other two and its own earlier
+    tokens bit-identical."""
+    lengths = [37, 64, 49] if not CUDA else [1000, 1500, 700]
+    bounds = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+    clean = _inputs(torch.float32, sum(lengths), seed=22)
+    o_clean = _call(op, clean, cu_seqlens=bounds)
+    p = lengths[0] + lengths[1] // 2
+    for field in _fields(op):
+        x = {n: t.clone() for n, t in clean.items()}
+        x[field][:, p, 0] = float("nan")
+        o = _call(op, x, cu_seqlens=bounds)
+        assert torch.equal(o[:, :p], o_clean[:, :p]), f"{field}: the earlier tokens changed"
+        assert torch.equal(o[:, bounds[2]:], o_clean[:, bounds[2]:]), f"{field}: the next sequence changed"
