@@ -2,8 +2,8 @@
 
 No positional encoding: the short convolution over q/k/v (on by default) gives tokens their local
 order, as Zoology's BaseConv does. Causal for any input (`causal_attention`): a NaN or Inf in a token's
-key or value never changes an earlier output, though SDPA's masked weights are exact zeros (``0 · nan``). State after T tokens: the K and V caches, ``H·(dk + dv)·T`` floats,
-and which cached keys hold a token (packed runs cache each document in a row of the longest length).
+key or value never changes an earlier output. State after T tokens: the K and V caches, ``H·(dk + dv)·T``
+floats, and which cached keys hold a token (packed runs cache each document in a row of the longest length).
 """
 
 from dataclasses import dataclass
@@ -27,14 +27,16 @@ class SoftmaxConfig(MixerConfig):
 
 
 def causal_attention(qh, kh, vh, *, attn_mask=None, doc_start=None):
-    """Causal SDPA over ``qh: [B, H, T, dk]``, ``kh: [B, H, S, dk]``, ``vh: [B, H, S, dv]`` (the last T of S
-    positions are the queries) whose outputs never see a later key's NaN or Inf.
+    """Causal SDPA over ``qh: [B, H, T, dk]``, ``kh: [B, H, S, dk]``, ``vh: [B, H, S, dv]`` (the queries
+    are the last T of S positions) whose outputs never see a later key's NaN or Inf.
 
-    A masked weight is an exact 0, but ``0 · nan = nan`` inside SDPA's products (and a boolean mask
-    is added as ``-inf``, which leaves a NaN score NaN): non-finite keys and values enter as zeros, and
-    the output entries that the exact softmax makes non-finite are NaN — column c of every query at or
-    after a non-finite value in column c, every column of every query at or after a non-finite key. ``attn_mask [.., T, S]`` (None: ``is_causal``); ``doc_start [S]``: each position's first
-    position in its document (packed documents: nothing before it is reached)."""
+    A masked weight is an exact 0, but ``0 · nan = nan`` inside SDPA's products (and a boolean mask is
+    added as ``-inf``, which leaves a NaN score NaN): non-finite keys and values enter as zeros, and the
+    output entries that the exact softmax makes non-finite are NaN — column c of every query at or after
+    a non-finite value in column c, every column of every query at or after a non-finite key.
+    ``attn_mask [.., T, S]``: None for ``is_causal``; ``doc_start [S]``: each position's document start
+    (packed documents: nothing before it is reached). The extra tensors are 1-byte masks, and int32
+    counts on the packed path."""
     T, S = qh.shape[-2], kh.shape[-2]
     bad_k = ~torch.isfinite(kh).all(-1, keepdim=True)  # [B, H, S, 1]
     bad_v = ~torch.isfinite(vh)  # [B, H, S, dv]
@@ -43,10 +45,14 @@ def causal_attention(qh, kh, vh, *, attn_mask=None, doc_start=None):
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)  # [B, H, T, dv]
     else:
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask)  # [B, H, T, dv]
-    seen = (bad_k | bad_v).cumsum(-2)  # [B, H, S, dv]: non-finite entries up to each position
-    if doc_start is not None:
-        seen = seen - F.pad(seen, (0, 0, 1, 0))[..., doc_start, :]  # [B, H, S, dv]: since the document's start
-    return torch.where(seen[..., S - T :, :] > 0, torch.nan, o)  # [B, H, T, dv]
+    bad = bad_k | bad_v  # [B, H, S, dv]
+    if doc_start is None:
+        first = torch.where(bad.any(-2, keepdim=True), bad.to(torch.uint8).argmax(-2, keepdim=True), S)  # [B, H, 1, dv]
+        reached = torch.arange(S - T, S, device=o.device)[:, None] >= first  # [B, H, T, dv]
+    else:
+        seen = bad.cumsum(-2, dtype=torch.int32)  # [B, H, S, dv]: non-finite entries up to each position
+        reached = (seen - F.pad(seen, (0, 0, 1, 0))[..., doc_start, :] > 0)[..., S - T :, :]  # since the document's start
+    return torch.where(reached, torch.nan, o)  # [B, H, T, dv]
 
 
 class SoftmaxAttention(QKVMixer):
