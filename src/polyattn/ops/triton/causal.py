@@ -36,7 +36,11 @@ def causal_product(b_att, b_v, REVERSE: tl.constexpr, F32: tl.constexpr):
     else:
         b_bad = b_nf != 0.0  # [C, BC]
         b_o = mma_left_fp32(b_att, tl.where(b_bad, 0.0, b_v).to(b_v.dtype), F32)  # [C, C] @ [C, BC] -> [C, BC]
-        b_hit = tl.cumsum(b_bad.to(tl.int32), axis=0, reverse=REVERSE) > 0  # [C, BC]
+        o_t = tl.arange(0, b_v.shape[0])
+        if REVERSE:  # rows at or before the last non-finite row of each column
+            b_hit = o_t[:, None] <= tl.max(tl.where(b_bad, o_t[:, None], -1), axis=0)[None, :]  # [C, BC]
+        else:  # rows at or after the first one
+            b_hit = o_t[:, None] >= tl.min(tl.where(b_bad, o_t[:, None], b_v.shape[0]), axis=0)[None, :]  # [C, BC]
         b_o = tl.where(b_hit, float("nan"), b_o)
     return b_o
 
