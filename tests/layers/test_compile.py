@@ -1,6 +1,7 @@
 """`torch.compile(fullgraph=True)` of every mixer on CPU: one graph (no breaks), equal to eager forward and
 backward; an inductor-compiled mixer, forward and backward, equals eager to rounding; compiled decay
-checks still fire; a decoding step compiles without breaks too."""
+checks still fire; a decoding step (log-linear included) and a packed forward (all but log-linear) compile
+without breaks too."""
 
 import pytest
 import torch
@@ -8,9 +9,6 @@ import torch
 from polyattn import ops
 from polyattn.layers import MIXERS, build_mixer
 from polyattn.testing import assert_close_rel
-
-POSITIONAL = ("loglinear-mamba2", "loglinear-gdn")  # decoding reads Fenwick positions on the host
-
 
 def make(name):
     torch.manual_seed(0)
@@ -63,7 +61,7 @@ def test_compiled_decay_check_still_fires():
         compiled(q, g.abs() + 0.1)
 
 
-@pytest.mark.parametrize("name", [n for n in MIXERS if n not in POSITIONAL])
+@pytest.mark.parametrize("name", list(MIXERS))
 def test_decode_step_compiles_without_graph_breaks(name):
     mixer = make(name)
     x = torch.randn(2, 11, 16, generator=torch.Generator().manual_seed(1))
@@ -72,3 +70,17 @@ def test_decode_step_compiles_without_graph_breaks(name):
     compiled = torch.compile(mixer, fullgraph=True, backend="eager")
     y, _ = compiled(x[:, 10:], state, use_cache=True)
     assert torch.equal(y, mixer(x[:, 10:], state, use_cache=True)[0])
+
+
+POSITIONAL = ("loglinear-mamba2", "loglinear-gdn")  # packed documents run one by one, from host offsets
+
+
+@pytest.mark.parametrize("name", [n for n in MIXERS if n not in POSITIONAL])
+def test_packed_forward_compiles_without_graph_breaks(name):
+    """Packed documents without a state (training): the offsets stay on the device, one graph."""
+    mixer = make(name)
+    x = torch.randn(1, 19, 16, generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, 5, 12, 19])
+    torch._dynamo.reset()
+    y, _ = torch.compile(mixer, fullgraph=True, backend="eager")(x, cu_seqlens=cu)
+    assert torch.equal(y, mixer(x, cu_seqlens=cu)[0])

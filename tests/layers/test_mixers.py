@@ -232,3 +232,29 @@ def test_mixer_form_names_the_form_a_call_runs():
         mixer_form("kata-m2", "triton", 1)
     with pytest.raises(ValueError, match="unknown mixer"):
         mixer_form("nope", "auto")
+
+
+FORWARD_ERRORS = {
+    "x-2d": (lambda m, x: m(x[0]), r"x: expected a floating tensor \[B, T, d_model\] with d_model = 16"),
+    "x-width": (lambda m, x: m(x[..., :15]), r"x: expected .* d_model = 16, got shape \(2, 9, 15\)"),
+    "x-int": (lambda m, x: m(x.long()), r"x: expected a floating tensor"),
+    "x-list": (lambda m, x: m(x.tolist()), r"x: expected .* got list"),
+    "use_cache-int": (lambda m, x: m(x, use_cache=1), r"use_cache: expected a bool"),
+    "state-str": (lambda m, x: m(x, "s"), r"state: expected the MixerState"),
+    "state-tensor": (lambda m, x: m(x, torch.zeros(3)), r"state: expected the MixerState"),
+    "state-batch": (lambda m, x: m(x[:1], m(x, use_cache=True)[1]), r"state: expected every tensor to lead with the batch size B = 1"),
+    "mask-shape": (lambda m, x: m(x, attention_mask=torch.ones(2, 5)), r"attention_mask: expected shape \(2, 9\)"),
+    "mask-empty-row": (lambda m, x: m(x, attention_mask=torch.ones(2, 9).index_fill(0, torch.tensor([1]), 0)), r"at least one token"),
+    "mask-and-cu": (lambda m, x: m(x[:1], attention_mask=torch.ones(1, 9), cu_seqlens=torch.tensor([0, 9])), r"got both"),
+    "cu-B2": (lambda m, x: m(x, cu_seqlens=torch.tensor([0, 9])), r"cu_seqlens: expected batch size B = 1"),
+    "cu-order": (lambda m, x: m(x[:1], cu_seqlens=torch.tensor([0, 5, 3, 9])), r"strictly increasing"),
+}
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_bad_forward_input_raises_value_error(name):
+    mixer = build_mixer(name, D_MODEL, num_heads=2)
+    x = torch.randn(2, 9, D_MODEL, generator=torch.Generator().manual_seed(0))
+    for call, message in FORWARD_ERRORS.values():
+        with pytest.raises(ValueError, match=message):
+            call(mixer, x)

@@ -39,13 +39,17 @@ class OpCase:
     positive: bool = False
     positional: bool = False  # log-linear: an empty state at position r continues a cut at r
 
-    def call(self, x: dict, impl: str, **kwargs):
+    def inputs(self, x: dict) -> dict:
+        """``x`` with this case's q and k (nonnegative, unit keys), the keywords of ``run``."""
         q, k = x["q"], x["k"]
         if self.positive:
             q, k = q.abs(), k.abs()
         if self.unit_keys:
             k = torch.nn.functional.normalize(k, dim=-1)
-        return self.run(q, k, x["v"], x["g"], x["beta"], x["lam"], impl=impl, **kwargs)
+        return {**x, "q": q, "k": k}
+
+    def call(self, x: dict, impl: str, **kwargs):
+        return self.run(**self.inputs(x), impl=impl, **kwargs)
 
     def restart(self, x: dict, r: int, impl: str, **kwargs):
         """The same op on tokens ``r:`` from an empty state (what an exact reset at r leaves)."""

@@ -43,6 +43,60 @@ def test_shared_options_rejected(case, option):
         case.call(_small(), impl, **kwargs)
 
 
+def _with(field, make):
+    return lambda x: {**x, field: make(x[field])}
+
+
+INPUT_ERRORS = {  # (change of the inputs, or None; keyword arguments; message)
+    "q-rank": (_with("q", lambda q: q[0]), {}, r"q: expected a 4-D tensor"),
+    "q-list": (_with("q", lambda q: q.tolist()), {}, r"q: expected a torch.Tensor, got list"),
+    "v-dtype": (_with("v", lambda v: v.float()), {}, r"q, k, v: expected one dtype"),
+    "int-dtype": (lambda x: {**x, **{n: x[n].long() for n in ("q", "k", "v")}}, {}, r"expected a floating dtype"),
+    "k-device": (_with("k", lambda k: k.to("meta")), {}, r"k: expected device cpu"),
+    "v-length": (_with("v", lambda v: v[:, :5]), {}, r"v: expected shape \[B, T, H, V\]"),
+    "g-positive": (_with("g", lambda g: g.abs() + 0.1), {}, r"g: expected a log-decay g <= 0"),
+    "g-nan": (_with("g", lambda g: g.masked_fill(g < -0.05, float("nan"))), {}, r"g: expected a log-decay g <= 0 .* or NaN"),
+    "g-shape": (_with("g", lambda g: g[..., None]), {}, r"g: expected shape \[B, T, H\]"),
+    "g-device": (_with("g", lambda g: g.to("meta")), {}, r"g: expected device cpu"),
+    "cu-list": (None, dict(cu_seqlens=[0, 6]), r"cu_seqlens: expected an int64 tensor"),
+    "cu-float": (None, dict(cu_seqlens=torch.tensor([0.0, 6.0])), r"cu_seqlens: expected dtype int64"),
+    "cu-2d": (None, dict(cu_seqlens=torch.tensor([[0, 6]])), r"cu_seqlens: expected a 1-D tensor"),
+    "cu-end": (None, dict(cu_seqlens=torch.tensor([0, 4])), r"cu_seqlens: expected to start at 0 and end at T = 6"),
+    "cu-empty-sequence": (None, dict(cu_seqlens=torch.tensor([0, 3, 3, 6])), r"strictly increasing"),
+    "cu-B2": (lambda x: {n: torch.cat([t, t]) for n, t in x.items()}, dict(cu_seqlens=torch.tensor([0, 6])), r"batch size B = 1"),
+    "state-str": (None, dict(initial_state="h0"), r"initial_state"),
+    "state-shape": (None, dict(initial_state=torch.zeros(1, 2, 3, 3, dtype=torch.float64)), r"initial_state"),
+    "state-device": (None, dict(initial_state=torch.zeros(1, 2, 4, 3, device="meta")), r"initial_state"),
+}
+
+
+@pytest.mark.parametrize("error", list(INPUT_ERRORS))
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_inputs_rejected(case, error):
+    """Every op, the same bad tensors and layouts: a ValueError that names the argument."""
+    change, kwargs, message = INPUT_ERRORS[error]
+    x = case.inputs(_small())
+    with pytest.raises(ValueError, match=message):
+        case.run(**(change(x) if change else x), impl="chunk" if "chunk" in case.impls else case.impls[0], **kwargs)
+
+
+PER_TOKEN_ERRORS = {
+    "beta": [(lambda b: b[..., None], r"beta: expected shape \[B, T, H\]"), (lambda b: b.to("meta"), r"beta: expected device cpu")],
+    "lam": [(lambda lam: lam[:, :5], r"lam: expected shape \[B, T, H, L\]"), (lambda lam: lam[..., :1], r"lam: expected at least num_levels")],
+}
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name.startswith(("delta", "loglinear"))], ids=lambda c: c.name)
+def test_bad_beta_and_lam_rejected(case):
+    for field, errors in PER_TOKEN_ERRORS.items():
+        if field == "lam" and not case.name.startswith("loglinear") or field == "beta" and case.name == "loglinear-mamba2":
+            continue
+        for make, message in errors:
+            x = case.inputs(_small())
+            with pytest.raises(ValueError, match=message):
+                case.run(**{**x, field: make(x[field])}, impl="chunk")
+
+
 HLA_ERRORS = {
     "eps-negative": (dict(eps=-1.0), r"eps: expected a positive float"),
     "eps-str": (dict(eps="x"), r"eps: expected a positive float"),

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from polyattn.ops.common import FORMS, check_cu_seqlens, check_flag, check_positive, compute_dtype
+from polyattn.ops.common import FORMS, check_cu_seqlens, check_flag, check_positive, check_value, compute_dtype
 
 
 class MixerState(NamedTuple):
@@ -105,8 +105,8 @@ def pack_rows(x, attention_mask):
         raise ValueError(f"attention_mask: expected shape {tuple(x.shape[:2])} ([B, T]), got {tuple(attention_mask.shape)}")
     keep = attention_mask.to(device=x.device) != 0  # [B, T]
     lengths = keep.sum(1)  # [B]
-    if not bool((lengths > 0).all()):
-        raise ValueError(f"attention_mask: expected at least one token (a nonzero entry) in every row, got lengths {lengths.tolist()}")
+    message = "attention_mask: expected at least one token (a nonzero entry) in every row"
+    check_value(lengths > 0, message, detail=lambda: f"{message}, got lengths {lengths.tolist()}")
     cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))  # [B + 1]
     return x[keep][None], cu_seqlens, keep  # [B, T, ...] -> [1, total, ...]
 
@@ -290,6 +290,22 @@ class Mixer(nn.Module):
     def name(self):
         return getattr(type(self), "registry_name", type(self).__name__)
 
+    def check_forward(self, x, state, use_cache):
+        """The checks every forward starts with: ``x [B, T, d_model]`` floating, ``use_cache`` a bool, and
+        ``state`` a `MixerState` whose tensors all lead with B (what a call with ``use_cache=True`` returned)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model or not x.is_floating_point():
+            got = f"shape {tuple(x.shape)}, dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x: expected a floating tensor [B, T, d_model] with d_model = {self.d_model}, got {got}")
+        check_flag("use_cache", use_cache)
+        if state is None:
+            return
+        if not isinstance(state, MixerState):
+            raise ValueError(f"state: expected the MixerState of a call with use_cache=True, got {type(state).__name__}")
+        rows = []
+        map_state(state, lambda t: rows.append(t.shape[0] if t.dim() else None))
+        if any(n != x.shape[0] for n in rows):
+            raise ValueError(f"state: expected every tensor to lead with the batch size B = {x.shape[0]} of x, got {rows}")
+
     def impl_for(self, T):
         """The op form for a call on T tokens."""
         return self.config.decode_impl if T == 1 else self.config.impl
@@ -316,8 +332,7 @@ class Mixer(nn.Module):
         if cu_seqlens is not None:
             raise ValueError("expected attention_mask (padded rows) or cu_seqlens (packed documents), got both")
         if state is not None:
-            if not bool((attention_mask != 0).all()):
-                raise ValueError("attention_mask: expected all ones with a state (padding belongs to the prompt), got zeros")
+            check_value(attention_mask != 0, "attention_mask: expected all ones with a state (padding belongs to the prompt), got zeros")
             return self(x, state, use_cache)
         packed, cu_seqlens, keep = pack_rows(x, attention_mask)  # [B, T, d_model] -> [1, total, d_model]
         y_packed, state = self(packed, use_cache=use_cache, cu_seqlens=cu_seqlens)
@@ -330,7 +345,8 @@ class QKVMixer(Mixer):
     """The common shell (fla's linear-attention layer; ops/kata/README.md, "Layer shell"): bias-free q/k/v
     projections, optional short conv (SiLU) over [q|k|v], a per-head output RMSNorm (gated by
     ``silu(g_proj x)`` when the config has ``output_gate=True``) and an output projection.
-    Subclasses implement `mix(q, k, v, x, core_state, use_cache, cu_seqlens) -> (o [B,T,H,dv], core_state)`."""
+    Subclasses implement `mix(q, k, v, x, core_state, use_cache, cu_seqlens, position) -> (o [B,T,H,dv],
+    core_state)`, ``position`` the steps the state has run (`MixerState.position`, 0 without a state)."""
 
     output_norm = True
 
@@ -346,6 +362,7 @@ class QKVMixer(Mixer):
         self.o_proj = nn.Linear(H * dv, d_model, bias=False)
 
     def forward(self, x, state=None, use_cache=False, attention_mask=None, cu_seqlens=None):
+        self.check_forward(x, state, use_cache)
         if attention_mask is not None:
             return self.padded_forward(x, attention_mask, state, use_cache, cu_seqlens)
         if cu_seqlens is not None:
@@ -358,12 +375,12 @@ class QKVMixer(Mixer):
         q, k, v = qkv.split([H * dk, H * dk, H * self.dv], dim=-1)
         q, k, v = (split_heads(t, H) for t in (q, k, v))  # [B, T, H*D] -> [B, T, H, D]
         core = None if state is None else state.core
-        o, core = self.mix(q, k, v, x, core, use_cache, cu_seqlens)  # [B, T, H, dv]
+        position = 0 if state is None else state.position
+        o, core = self.mix(q, k, v, x, core, use_cache, cu_seqlens, position)  # [B, T, H, dv]
         if self.o_norm is not None:
             o = self.o_norm(o, None if self.g_proj is None else split_heads(self.g_proj(x), H))
         o = o.flatten(-2)  # [B, T, H, dv] -> [B, T, H*dv]
         y = self.o_proj(o.to(x.dtype))
         if not use_cache:
             return y, None
-        position = x.shape[1] + (0 if state is None else state.position)
-        return y, MixerState(conv_cache, cast_state(core, x), position)
+        return y, MixerState(conv_cache, cast_state(core, x), position + x.shape[1])

@@ -45,7 +45,7 @@ class GatedDeltaNet(QKVMixer):
     def gates(self, x):
         return torch.sigmoid(self.b_proj(x).to(compute_dtype(x))), self.decay(x)  # beta, g: [B, T, H] fp32
 
-    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None):
+    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None, position=0):
         beta, g = self.gates(x)
         q, k = l2_normalize(q), l2_normalize(k)
         return ops.delta_rule(
@@ -65,10 +65,10 @@ class LogLinearGatedDeltaNet(GatedDeltaNet):
         super().__init__(d_model, **config)
         self.lam = LevelScales(d_model, self.heads, self.config.max_levels)
 
-    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None):
+    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None, position=0):
         beta, g = self.gates(x)
         q, k = l2_normalize(q), l2_normalize(k)
-        lam, core = widen_levels(self.lam(x), core, q.shape[1])  # [B, T, H, L] fp32; more levels past 2**(L-1) tokens
+        lam, core = widen_levels(self.lam(x), core, q.shape[1], position=position)  # [B, T, H, L] fp32; more levels past 2**(L-1) tokens
         return ops.loglinear_attn(
             q, k, v, lam, g, beta=beta, scale=1.0,
             initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens, impl=self.impl_for(q.shape[1]),

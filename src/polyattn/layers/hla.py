@@ -78,7 +78,7 @@ class HigherOrderLinearAttention(QKVMixer):
         rate = cfg.order if cfg.outer_decay and not cfg.asymmetric else 1  # the fastest composed decay is rate·g
         self.decay = DecayGate(d_model, self.heads, a_max=16.0 / rate) if cfg.decay else None
 
-    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None):
+    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None, position=0):
         cfg = self.config
         phi = FEATURE_MAPS[cfg.feature_map]
         q, k = phi(self.qk_norm(q)), phi(self.qk_norm(k))

@@ -56,7 +56,7 @@ class KernelizedAttention(QKVMixer):
         self.decay = DecayGate(d_model, self.heads) if cfg.decay else None
         self.b_proj = nn.Linear(d_model, self.heads, bias=False) if cfg.delta else None
 
-    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None):
+    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None, position=0):
         cfg = self.config
         q, k = self.qk_norm(q), self.qk_norm(k)
         g = None if self.decay is None else self.decay(x)

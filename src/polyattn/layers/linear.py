@@ -25,7 +25,7 @@ class LinearAttention(QKVMixer):
         check_option("feature_map", self.config.feature_map, FEATURE_MAPS)
         self.qk_norm = QKNorm(self.config.qk_norm, self.dk)
 
-    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None):
+    def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None, position=0):
         phi = FEATURE_MAPS[self.config.feature_map]
         q, k = phi(self.qk_norm(q)), phi(self.qk_norm(k))
         return ops.linear_attn(

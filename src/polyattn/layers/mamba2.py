@@ -85,6 +85,7 @@ class Mamba2(Mixer):
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
 
     def forward(self, x, state=None, use_cache=False, attention_mask=None, cu_seqlens=None):
+        self.check_forward(x, state, use_cache)
         if attention_mask is not None:
             return self.padded_forward(x, attention_mask, state, use_cache, cu_seqlens)
         if cu_seqlens is not None:
@@ -100,8 +101,8 @@ class Mamba2(Mixer):
         q = Cm[:, :, None].expand(-1, -1, H, -1)  # [B, T, N] -> [B, T, H, N]
         k = Bm[:, :, None].expand(-1, -1, H, -1)  # [B, T, N] -> [B, T, H, N]
         v = (xs * dt[..., None]).to(xs.dtype)  # [B, T, H, P]
-        core = None if state is None else state.core
-        y, core = self.ssd(q, k, v, g, x, core, use_cache, cu_seqlens)  # [B, T, H, P]
+        core, position = (None, 0) if state is None else (state.core, state.position)
+        y, core = self.ssd(q, k, v, g, x, core, use_cache, cu_seqlens, position)  # [B, T, H, P]
         if self.D is not None:
             y = y + self.D.to(y.dtype)[:, None] * xs
         y = y.flatten(-2)  # [B, T, H, P] -> [B, T, H*P]
@@ -109,10 +110,9 @@ class Mamba2(Mixer):
         out = self.out_proj(y.to(x.dtype))
         if not use_cache:
             return out, None
-        position = x.shape[1] + (0 if state is None else state.position)
-        return out, MixerState(conv_cache, cast_state(core, x), position)
+        return out, MixerState(conv_cache, cast_state(core, x), position + x.shape[1])
 
-    def ssd(self, q, k, v, g, x, core, use_cache, cu_seqlens=None):
+    def ssd(self, q, k, v, g, x, core, use_cache, cu_seqlens=None, position=0):
         return ops.linear_attn(
             q, k, v, g, scale=1.0, initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens,
             impl=self.impl_for(q.shape[1]),
@@ -130,8 +130,8 @@ class LogLinearMamba2(Mamba2):
         super().__init__(d_model, **config)
         self.lam = LevelScales(d_model, self.heads, self.config.max_levels)
 
-    def ssd(self, q, k, v, g, x, core, use_cache, cu_seqlens=None):
-        lam, core = widen_levels(self.lam(x), core, q.shape[1])  # past 2**(max_levels - 1) tokens: more levels
+    def ssd(self, q, k, v, g, x, core, use_cache, cu_seqlens=None, position=0):
+        lam, core = widen_levels(self.lam(x), core, q.shape[1], position=position)  # past 2**(max_levels - 1) tokens: more levels
         return ops.loglinear_attn(
             q, k, v, lam, g, scale=1.0, initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens,
             impl=self.impl_for(q.shape[1]),

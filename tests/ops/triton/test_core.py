@@ -1,9 +1,11 @@
 """The shared kernel core against its PyTorch twins, and the Triton forms under extreme gates.
 
 Decay stages run inside a small test kernel on the same chunk of log-decays as their twins,
-including a huge finite log-decay and a reset (`g = -inf`). The Triton forms of `linear_attn`
-and `delta_rule` (fp32) then match the float64 spec when one token's log-decay is -1e4, -1e30,
-two adjacent `finfo(float32).min`, or -inf, at a chunk's first token and inside a chunk.
+including a huge finite log-decay and a reset (`g = -inf`); so do the causal score and product
+stages, on tiles holding NaN and Inf. The Triton forms of `linear_attn`, `delta_rule` and HLA
+(orders 2 and 3; fp32) then match the float64 spec (within 1e-5, or twice the PyTorch chunk form's
+error) when one token's log-decay is -1e4, -1e30, two adjacent `finfo(float32).min`, or -inf, at a
+chunk's first token and inside a chunk; with CUDA at real shapes.
 """
 from __future__ import annotations
 
@@ -12,10 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.delta import delta_rule_naive
+from polyattn.ops.common import causal_matmul
+from polyattn.ops.delta import delta_rule_chunk, delta_rule_naive
 from polyattn.ops.delta.triton import delta_rule_triton
-from polyattn.ops.linear import linear_attn_naive
+from polyattn.ops.hla import hla_chunk, hla_naive
+from polyattn.ops.hla.triton import hla_triton
+from polyattn.ops.linear import linear_attn_chunk, linear_attn_naive
 from polyattn.ops.linear.triton import linear_attn_triton
+from polyattn.ops.triton.causal import causal_product, causal_scores
 from polyattn.ops.triton.decay import (
     chunk_decay, chunk_decay_ref, chunk_segsum, chunk_segsum_ref, chunk_suffix, chunk_suffix_ref,
 )
@@ -57,29 +63,72 @@ def test_decay_stages_match_twins(plant, exact):
         assert torch.allclose(got[finite], want[finite].to(got.dtype), rtol=1e-6, atol=1e-6), f"{name} differs"
 
 
+@triton.jit
+def causal_stages_kernel(att, d, v, scores, out, scale, C: tl.constexpr, W: tl.constexpr, REVERSE: tl.constexpr):
+    o, o_w = tl.arange(0, C), tl.arange(0, W)
+    b_att = causal_scores(tl.load(att + o[:, None] * C + o[None, :]), tl.load(d + o[:, None] * C + o[None, :]), scale)
+    tl.store(scores + o[:, None] * C + o[None, :], b_att)
+    tl.store(out + o[:, None] * W + o_w[None, :], causal_product(b_att, tl.load(v + o[:, None] * W + o_w[None, :]), REVERSE, True))
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["causal", "anticausal"])
+@pytest.mark.parametrize("plant", [None, "nan", "inf"], ids=["finite", "nan", "inf"])
+def test_causal_stages_match_twins(plant, reverse):
+    """`causal_scores` and `causal_product` against `ops.common.causal_scores` / `causal_matmul` (mirrored
+    for the anticausal pass) on a tile whose scores and values hold non-finite entries off the triangle."""
+    W = 16
+    gen = torch.Generator().manual_seed(1)
+    att, v = torch.randn(C, C, generator=gen), torch.randn(C, W, generator=gen)
+    d = chunk_segsum_ref(-0.3 * torch.rand(C, generator=gen), reverse)  # -inf off the triangle
+    if plant is not None:
+        att[:, 9] = att[3, :] = float(plant)  # a non-finite key column and query row
+        v[9, 2] = v[4, 5] = float(plant)
+    got_scores, got = torch.empty(C, C, device=DEVICE), torch.empty(C, W, device=DEVICE)
+    causal_stages_kernel[(1,)](att.to(DEVICE), d.to(DEVICE), v.to(DEVICE), got_scores, got, 0.5, C=C, W=W, REVERSE=reverse)
+    flip = (lambda x: x.flip(0, 1)) if reverse else (lambda x: x)
+    want_scores = flip(torch.where(torch.tril(torch.ones(C, C, dtype=torch.bool)), flip(att * torch.exp2(d) * 0.5), 0.0))
+    want = causal_matmul(flip(want_scores), v.flip(0) if reverse else v)
+    want = want.flip(0) if reverse else want
+    for name, a, b in (("scores", got_scores.cpu(), want_scores), ("product", got.cpu(), want)):
+        assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.isinf(a), torch.isinf(b)), f"{name}: non-finite entries differ"
+        finite = torch.isfinite(b)
+        assert torch.allclose(a[finite], b[finite], rtol=1e-6, atol=1e-6), f"{name} differs"
+
+
 RESETS = {"-1e4": [-1e4], "-1e30": [-1e30], "finfo.min x2": [torch.finfo(torch.float32).min] * 2, "-inf": [float("-inf")]}
 
 
 @pytest.mark.parametrize("position", [64, 100], ids=["chunk-start", "inside"])
 @pytest.mark.parametrize("reset", list(RESETS), ids=list(RESETS))
-@pytest.mark.parametrize("op", ["linear_attn", "delta_rule"])
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla2", "hla3"])
 def test_triton_forms_exact_under_extreme_gates(op, reset, position):
-    H, K, V = (2, 8, 12) if DEVICE == "cpu" else (4, 64, 64)
-    x = seeded_inputs(1, 150, H, K, V, decay=True, beta=True, seed=3, device=DEVICE)
+    T, H, K, V = (150, 2, 8, 12) if DEVICE == "cpu" else (1000, 16, 128, 96)  # with CUDA: real shapes
+    x = seeded_inputs(1, T, H, K, V, decay=True, beta=True, seed=3, device=DEVICE)
     for i, value in enumerate(RESETS[reset]):
         x["g"][:, position + i] = value
     h0 = torch.randn(1, H, K, V, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(DEVICE)
-    if op == "linear_attn":
-        args, naive, fast = (x["q"], x["k"], x["v"], x["g"]), linear_attn_naive, linear_attn_triton
-    else:
-        k = torch.nn.functional.normalize(x["k"], dim=-1)
-        args, naive, fast = (x["q"], k, x["v"], x["beta"], x["g"]), delta_rule_naive, delta_rule_triton
     kw = dict(scale=K**-0.5, output_final_state=True)
-    o_ref, ht_ref = naive(*args, initial_state=h0, **kw)
-    o, ht = fast(*(t.float() for t in args), initial_state=h0.float(), **kw)
-    assert bool(torch.isfinite(o).all()) and bool(torch.isfinite(ht).all())
-    assert rel_err(o, o_ref) <= 1e-5, f"o: {rel_err(o, o_ref):.2e}"
-    assert rel_err(ht, ht_ref) <= 1e-5, f"final state: {rel_err(ht, ht_ref):.2e}"
+    if op == "linear_attn":
+        args, forms = (x["q"], x["k"], x["v"], x["g"]), (linear_attn_naive, linear_attn_chunk, linear_attn_triton)
+    elif op == "delta_rule":
+        k = torch.nn.functional.normalize(x["k"], dim=-1)
+        args, forms = (x["q"], k, x["v"], x["beta"], x["g"]), (delta_rule_naive, delta_rule_chunk, delta_rule_triton)
+    else:  # HLA: the Triton linear_attn composed, its decays 2g and 3g (ops/hla/triton)
+        args, forms, h0 = (x["q"], x["k"], x["v"], x["g"]), (hla_naive, hla_chunk, hla_triton), None
+        kw["order"] = int(op[-1])
+    naive, chunk, fast = forms
+    want = naive(*args, initial_state=h0, **kw)
+    args, h0 = tuple(t.float() for t in args), None if h0 is None else h0.float()
+    base, got = chunk(*args, initial_state=h0, **kw), fast(*args, initial_state=h0, **kw)
+
+    def fields(out):
+        return [out[0], *(out[1] if h0 is None else [out[1]])]  # HLA: one state per composed call
+
+    for i, (a, b, w) in enumerate(zip(fields(got), fields(base), fields(want))):
+        name = "o" if i == 0 else f"final state {i - 1}"
+        bound = max(1e-5, 2 * rel_err(b, w))  # fp32: 2x the PyTorch chunk form's error, or 1e-5
+        assert bool(torch.isfinite(a).all()), f"{name}: non-finite"
+        assert rel_err(a, w) <= bound, f"{name}: {rel_err(a, w):.2e} > {bound:.2e}"
 
 
 @pytest.mark.parametrize("shape", [(0, 5, 2), (2, 5, 0), (2, 0, 2), (0, 1, 2)], ids=["B0", "H0", "T0", "B0-T1"])

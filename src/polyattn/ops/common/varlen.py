@@ -74,9 +74,9 @@ def run_varlen(
         return fn(*tensors, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens, **kwargs)
     if cu_seqlens is None:
         return fn(*tensors, initial_state=initial_state, output_final_state=output_final_state, **kwargs)
-    bounds = cu_seqlens.tolist()  # the host needs the layout to cut or pad the batch
     if decay_index is not None and initial_state is None and not output_final_state:
-        return run_with_resets(fn, tensors, bounds, decay_index, **kwargs)
+        return run_with_resets(fn, tensors, cu_seqlens, decay_index, **kwargs)
+    bounds = cu_seqlens.tolist()  # the host needs the layout to cut or pad the batch
     if neutral_padding:
         return run_padded_batches(fn, tensors, bounds, initial_state, output_final_state, **kwargs)
     outputs, finals = [], []
@@ -89,9 +89,10 @@ def run_varlen(
     return o, (state_cat(finals) if output_final_state else None)
 
 
-def run_with_resets(fn, tensors, bounds: list[int], decay_index: int, **kwargs):
-    """Packed sequences (offsets ``bounds``, zero initial states, no final state) as one sequence whose
-    log-decay is ``-inf`` on every sequence's first token: an exact reset, nothing crosses a boundary.
+def run_with_resets(fn, tensors, cu_seqlens: torch.Tensor, decay_index: int, **kwargs):
+    """Packed sequences (zero initial states, no final state) as one sequence whose log-decay is ``-inf``
+    on every sequence's first token: an exact reset, nothing crosses a boundary. The offsets stay on the
+    device (no host read).
 
     A non-finite input, which poisons its own sequence from there on, here also poisons the sequences
     packed after it (a reset multiplies the state by 0, and 0 · nan = nan).
@@ -100,9 +101,8 @@ def run_with_resets(fn, tensors, bounds: list[int], decay_index: int, **kwargs):
     g = tensors[decay_index]
     if g is None:
         g = ref.new_zeros(ref.shape[:3])  # [1, T, H]
-    starts = torch.tensor(bounds[:-1], device=ref.device)  # [N]
     pieces = list(tensors)
-    pieces[decay_index] = g.index_fill(1, starts, float("-inf"))  # [1, T, H]: a reset at every first token
+    pieces[decay_index] = g.index_fill(1, cu_seqlens[:-1].long(), float("-inf"))  # [1, T, H]: a reset at every first token
     o, _ = fn(*pieces, initial_state=None, output_final_state=False, **kwargs)
     return o, None
 

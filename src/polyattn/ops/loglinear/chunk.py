@@ -41,6 +41,7 @@ from polyattn.ops.common import (
     exp_segsum,
     heads_chunks,
     heads_unchunk,
+    level,
     level_table,
     suffix_sum,
 )
@@ -142,7 +143,7 @@ def _chunk_at(q, k, v, lam, g, beta, levels0, P, *, scale, C, output_final_state
     final_low = torch.einsum("bhck,bhcv,cl->bhlkv", carried_keys, vc[:, :, -1], onehot)  # [B, H, c + 1, K, V]
     if has_low and N == 1:
         carried = _carry_through(low, decay[:, :, 0], Kdec[:, :, 0], w_last)  # [B, H, c + 1, K, V]
-        to_level = torch.arange(c + 1, device=q.device).clamp(min=int(lut[last_row, r0 - 1]))  # [c + 1]
+        to_level = torch.arange(c + 1, device=q.device).clamp(min=level(last_row, r0 - 1))  # [c + 1]: lut[last_row, r0 - 1], on the host
         final_low = final_low.index_add(2, to_level, carried)
     final_high = _carry_through(Hs, decay[:, :, -1], Kdec[:, :, -1], w_last)  # [B, H, Lc, K, V]
     final = torch.cat([final_low, final_high], dim=2)[:, :, :L]  # [B, H, Lp, K, V] -> [B, H, L, K, V]

@@ -87,7 +87,8 @@ def loglinear_attn_naive(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
         qt = torch.exp(G[b])[..., None] * (scale * q[b])  # [H, T, K]
         if beta is not None:
             qt = qt - causal_matmul(W[b], torch.exp(G[b])[..., None] * k[b])  # (2): [H, T, T] @ [H, T, K] -> [H, T, K]
-        m = torch.tensor(_level_of_previous(P, T), device=q.device)  # [T]
+        previous = _level_of_previous(P, T)  # host ints
+        m = torch.tensor(previous, device=q.device)  # [T]
         group_level = torch.maximum(torch.arange(L, device=q.device)[None, :], m[:, None])  # [T, L]
         lam_groups = torch.gather(lam[b], -1, group_level.expand(H, T, L))  # [H, T, L]
         reads = torch.einsum("htk,hlkv->htlv", qt, S0[b])  # [H, T, L, V]
@@ -96,7 +97,7 @@ def loglinear_attn_naive(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
         if beta is not None:
             carry_all = carry_all - F[b] @ (torch.exp(G[b])[..., None] * k[b])  # [H, K, T] @ [H, T, K] -> [H, K, K]
         carried = carry_all[:, None] @ S0[b]  # [H, 1, K, K] @ [H, L, K, V] -> [H, L, K, V]
-        to_level = torch.clamp(torch.arange(L, device=q.device), min=m[-1].item())  # [L]: max(l', level(P+T-1, P-1))
+        to_level = torch.clamp(torch.arange(L, device=q.device), min=previous[-1])  # [L]: max(l', level(P+T-1, P-1))
         final[b] = final[b].index_add(1, to_level, carried)  # (4), initial groups
     o = o.transpose(1, 2).to(out_dtype)  # [B, H, T, V] -> [B, T, H, V]
     if not output_final_state:

@@ -114,19 +114,22 @@ def empty_batch(q: torch.Tensor, v: torch.Tensor, L: int, output_final_state: bo
     return o, LogLinearState(levels, torch.zeros(B, dtype=torch.int64, device=q.device))
 
 
-def widen_levels(lam: torch.Tensor, state: LogLinearState | None, T: int):
+def widen_levels(lam: torch.Tensor, state: LogLinearState | None, T: int, *, position: int | None = None):
     """``lam [B, T, H, L]`` and ``state`` widened to the levels a call of ``T`` tokens reaches, for models
     that learn a fixed number L of level weights and must still serve any length.
 
     Levels past lam's last share its weight (the last column is repeated); the state gains empty levels.
-    Returns ``(lam, state)`` unchanged while ``L`` suffices (``position + T <= 2**(L - 1)``). With a state,
-    the largest position is read on the host (one sync; the PyTorch forms read positions anyway).
+    Returns ``(lam, state)`` unchanged while ``L`` suffices (``position + T <= 2**(L - 1)``). ``position``:
+    a host bound of the state's positions (a mixer's count of the steps it has run), so nothing is read
+    from the device; without it, the largest position is read on the host (one sync).
     """
     L = lam.shape[-1]
     end = T
     if state is not None:
         L = max(L, state.levels.shape[2])
-        end += int(state.position.max()) if state.position.numel() else 0
+        if position is None:
+            position = int(state.position.max()) if state.position.numel() else 0
+        end += position
     need = max(L, num_levels(end))
     if need > lam.shape[-1]:
         lam = torch.cat([lam, lam[..., -1:].expand(*lam.shape[:-1], need - lam.shape[-1])], dim=-1)  # [B, T, H, need]

@@ -146,7 +146,7 @@ def reverse_cumsum(x: torch.Tensor, seq_lens: tuple) -> torch.Tensor:
     total = x64.cumsum(-1)  # [H, N_tok]
     lengths = torch.tensor(seq_lens, device=x.device)
     ends = lengths.cumsum(0) - 1  # [N] last token of each sequence
-    end_of = total[:, torch.repeat_interleave(ends, lengths)]  # [H, N_tok]
+    end_of = total[:, torch.repeat_interleave(ends, lengths, output_size=x.shape[0])]  # [H, N_tok]; size given: no host read
     return (end_of - total + x64).t().float()  # [H, N_tok] -> [N_tok, H]
 
 
