@@ -1,8 +1,7 @@
 """The shared kernel core against its PyTorch twins, and the Triton forms under extreme gates.
 
 Decay stages run inside a small test kernel on the same chunk of log-decays as their twins,
-including a huge finite log-decay and a reset (`g = -inf`); so do the causal score and product
-stages, on tiles holding NaN and Inf. The Triton forms of `linear_attn`, `delta_rule` and HLA
+including a huge finite log-decay and a reset (`g = -inf`). The Triton forms of `linear_attn`, `delta_rule` and HLA
 (orders 2 and 3; fp32) then match the float64 spec (within 1e-5, or twice the PyTorch chunk form's
 error) when one token's log-decay is -1e4, -1e30, two adjacent `finfo(float32).min`, or -inf, at a
 chunk's first token and inside a chunk; with CUDA at real shapes.
@@ -14,14 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.common import causal_matmul
 from polyattn.ops.delta import delta_rule_chunk, delta_rule_naive
 from polyattn.ops.delta.triton import delta_rule_triton
 from polyattn.ops.hla import hla_chunk, hla_naive
 from polyattn.ops.hla.triton import hla_triton
 from polyattn.ops.linear import linear_attn_chunk, linear_attn_naive
 from polyattn.ops.linear.triton import linear_attn_triton
-from polyattn.ops.triton.causal import causal_product, causal_scores
 from polyattn.ops.triton.decay import (
     chunk_decay, chunk_decay_ref, chunk_segsum, chunk_segsum_ref, chunk_suffix, chunk_suffix_ref,
 )
@@ -61,38 +58,6 @@ def test_decay_stages_match_twins(plant, exact):
         finite = torch.isfinite(want)
         assert same_inf, f"{name}: infinities differ"
         assert torch.allclose(got[finite], want[finite].to(got.dtype), rtol=1e-6, atol=1e-6), f"{name} differs"
-
-
-@triton.jit
-def causal_stages_kernel(att, d, v, scores, out, scale, C: tl.constexpr, W: tl.constexpr, REVERSE: tl.constexpr):
-    o, o_w = tl.arange(0, C), tl.arange(0, W)
-    b_att = causal_scores(tl.load(att + o[:, None] * C + o[None, :]), tl.load(d + o[:, None] * C + o[None, :]), scale)
-    tl.store(scores + o[:, None] * C + o[None, :], b_att)
-    tl.store(out + o[:, None] * W + o_w[None, :], causal_product(b_att, tl.load(v + o[:, None] * W + o_w[None, :]), REVERSE, True))
-
-
-@pytest.mark.parametrize("reverse", [False, True], ids=["causal", "anticausal"])
-@pytest.mark.parametrize("plant", [None, "nan", "inf"], ids=["finite", "nan", "inf"])
-def test_causal_stages_match_twins(plant, reverse):
-    """`causal_scores` and `causal_product` against `ops.common.causal_scores` / `causal_matmul` (mirrored
-    for the anticausal pass) on a tile whose scores and values hold non-finite entries off the triangle."""
-    W = 16
-    gen = torch.Generator().manual_seed(1)
-    att, v = torch.randn(C, C, generator=gen), torch.randn(C, W, generator=gen)
-    d = chunk_segsum_ref(-0.3 * torch.rand(C, generator=gen), reverse)  # -inf off the triangle
-    if plant is not None:
-        att[:, 9] = att[3, :] = float(plant)  # a non-finite key column and query row
-        v[9, 2] = v[4, 5] = float(plant)
-    got_scores, got = torch.empty(C, C, device=DEVICE), torch.empty(C, W, device=DEVICE)
-    causal_stages_kernel[(1,)](att.to(DEVICE), d.to(DEVICE), v.to(DEVICE), got_scores, got, 0.5, C=C, W=W, REVERSE=reverse)
-    flip = (lambda x: x.flip(0, 1)) if reverse else (lambda x: x)
-    want_scores = flip(torch.where(torch.tril(torch.ones(C, C, dtype=torch.bool)), flip(att * torch.exp2(d) * 0.5), 0.0))
-    want = causal_matmul(flip(want_scores), v.flip(0) if reverse else v)
-    want = want.flip(0) if reverse else want
-    for name, a, b in (("scores", got_scores.cpu(), want_scores), ("product", got.cpu(), want)):
-        assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.isinf(a), torch.isinf(b)), f"{name}: non-finite entries differ"
-        finite = torch.isfinite(b)
-        assert torch.allclose(a[finite], b[finite], rtol=1e-6, atol=1e-6), f"{name} differs"
 
 
 RESETS = {"-1e4": [-1e4], "-1e30": [-1e30], "finfo.min x2": [torch.finfo(torch.float32).min] * 2, "-inf": [float("-inf")]}

@@ -20,9 +20,8 @@ log-decay gradient.
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.causal import causal_product, causal_scores
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays
-from polyattn.ops.triton.precision import mma, mma_right_fp32, to_output
+from polyattn.ops.triton.precision import mma, mma_left_fp32, mma_right_fp32, to_output
 
 from .chunk_states import keys_times_values
 
@@ -83,8 +82,9 @@ def chunk_outputs_kernel(
         b_wq, b_wk = chunk_side_decays(b_g, b_gc, b_last, REVERSE, F32)  # [C], [C]
         b_wa = tl.exp2(b_wq) * scale  # [C]
         b_d = chunk_segsum(b_g, b_gc, b_last, REVERSE, F32)  # [C, C]
-        b_att = causal_scores(mma(b_a, tl.trans(b_b), F32), b_d, scale)  # [C, BA] @ [BA, C] -> [C, C]
-        b_o = causal_product(b_att, b_v, REVERSE, F32)  # [C, C] @ [C, BC] -> [C, BC]
+        b_att = mma(b_a, tl.trans(b_b), F32)  # [C, BA] @ [BA, C] -> [C, C]
+        b_att = b_att * (tl.exp2(b_d) * scale)  # [C, C]
+        b_o = mma_left_fp32(b_att, b_v, F32)  # [C, C] @ [C, BC] -> [C, BC]
         b_o += mma_right_fp32(b_a, b_s, F32) * b_wa[:, None]  # [C, BA] @ [BA, BC] -> [C, BC]
         b_s = b_s * tl.exp2(b_last) + keys_times_values(b_b, b_v, b_wk, USE_G, F32)
         tl.store(out + row_c, to_output(b_o, out.dtype.element_ty, F32), mask=m_tc)  # downcast: output dtype
