@@ -78,7 +78,7 @@ def main() -> None:
         for warps in (4, 8):
             rec = dict(delta, BV=BV, FP32_DOT=0)
             print(f"delta states     BV{BV} warps{warps}: "
-                  f"{resources(delta_states_kernel, dict(rec, USE_H0=False, STORE_HT=True, OUTPUT=False), warps, 2)}")
+                  f"{resources(delta_states_kernel, dict(rec, USE_H0=False, STORE_HT=True), warps, 2)}")
             print(f"delta outputs    BV{BV} warps{warps}: {resources(delta_outputs_kernel, rec, warps, 2)}")
             print(f"delta state grad BV{BV} warps{warps}: "
                   f"{resources(delta_state_grad_kernel, dict(rec, USE_DHT=True, STORE_DH0=False), warps, 2)}")

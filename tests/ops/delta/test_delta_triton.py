@@ -122,8 +122,8 @@ def test_one_token_call_runs_the_step(decay):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_forward_without_backward(dtype):
-    """Without gradients the outputs are formed inside the recurrence (nothing per chunk stored):
-    the same o and final state as the path a backward follows, on packed sequences with states."""
+    """Without gradients (nothing kept for a backward): the same o and final state as the path a
+    backward follows, on packed sequences with states."""
     lengths = [1, 64, 37, 130] if not CUDA else [1, 64, 1000, 130]
     x = {n: None if t is None else t.to(dtype) for n, t in _inputs(1, sum(lengths), True, seed=21).items()}
     h0 = _h0(len(lengths), 22).float()

@@ -9,10 +9,9 @@ entering the chunk (ops/delta/README.md, "Chunk form"):
     O  = (scale Q K^T ⊙ Γ ⊙ L) U + diag(exp(gc)) (scale Q) h
 
 `delta_states_kernel` runs the first two lines, one program per sequence, head and value tile
-with the state on chip; only two products per chunk sit on its dependent path. When a backward
-will run it stores h entering every chunk (`hs: [NC, H, K, V]`) and U (`us: [N_tok, H, V]`),
-both fp32, and `delta_outputs_kernel` then forms O for every chunk in parallel; without one it
-forms O in its loop and stores nothing per chunk. Every fp32 operand (state, W,
+with the state on chip, and stores h entering every chunk (`hs: [NC, H, K, V]`) and U
+(`us: [N_tok, H, V]`), both fp32; only two products per chunk sit on its dependent path.
+`delta_outputs_kernel` then forms O for every chunk in parallel. Every fp32 operand (state, W,
 U, the score tile) enters the tensor cores split in input-dtype halves, exact to ~2^-16
 (`KernelConfig.delta_fp32_dot` picks other modes). `delta_forward_ref` is the PyTorch twin of both.
 """
@@ -42,26 +41,14 @@ def sequence_tile(seqs, cu_chunks, K, V, BK: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
-def chunk_output(b_q, b_k, b_u, b_h, b_g, b_gc, b_last, scale, F32: tl.constexpr, FP32_DOT: tl.constexpr):
-    """`O = A_qk U + diag(exp(gc)) (scale Q) h` of one chunk: [C, BV] fp32 from q, k [C, BK],
-    U [C, BV] and the entering state h [BK, BV]."""
-    b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32)) * scale)  # [C, BK] @ [BK, C]
-    b_o = mma_fp32(b_att, b_u, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
-    return b_o + mma_right_fp32(b_q, b_h, F32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BK] @ [BK, BV] -> [C, BV]
-
-
-@triton.jit
 def delta_states_kernel(
-    q, k, g, w, u_bar, out, seqs, cu_chunks, h0, ht, hs, us, scale, H, K, V,
+    k, g, w, u_bar, seqs, cu_chunks, h0, ht, hs, us, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, OUTPUT: tl.constexpr,
-    F32: tl.constexpr, FP32_DOT: tl.constexpr,
+    USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). The fp32 state tile [BK, BV] stays in registers for the whole
-    sequence; per chunk two products on the dependent path, `W h` and `K^T U`. Without OUTPUT the
-    state entering the chunk (`hs`) and U (`us`) are stored for the output stage and the
-    backward; with OUTPUT (no backward to come) the chunk's outputs are formed here instead and
-    nothing per chunk is stored."""
+    sequence; per chunk two products on the dependent path, `W h` and `K^T U`, and the state
+    entering the chunk (`hs`) and U (`us`) stored for the output stage and the backward."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     o_t = tl.arange(0, C)
     if USE_H0:
@@ -71,8 +58,7 @@ def delta_states_kernel(
     for i in range(0, tl.cdiv(eos - bos, C)):
         t = bos + i * C + o_t
         m_t = t < eos
-        if not OUTPUT:
-            tl.store(hs + ((c0 + i) * H + i_h) * K * V + state_tile, b_h, mask=m_s)
+        tl.store(hs + ((c0 + i) * H + i_h) * K * V + state_tile, b_h, mask=m_s)
         row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
         m_tk = m_t[:, None] & m_k[None, :]
         b_w = tl.load(w + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
@@ -80,13 +66,8 @@ def delta_states_kernel(
         row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
         m_tv = m_t[:, None] & m_v[None, :]
         b_u = tl.load(u_bar + row_v, mask=m_tv, other=0.0) - mma_fp32(b_w, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]
+        tl.store(us + row_v, b_u, mask=m_tv)
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-        if OUTPUT:
-            b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
-            b_o = chunk_output(b_q, b_k, b_u, b_h, b_g, b_gc, b_last, scale, F32, FP32_DOT)  # [C, BV]
-            tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
-        else:
-            tl.store(us + row_v, b_u, mask=m_tv)
         b_w = tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: exp(gc_last - gc)
         b_h = b_h * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_k), b_u * b_w[:, None], F32)  # [BK, C] @ [C, BV]
     if STORE_HT:
@@ -115,11 +96,13 @@ def delta_outputs_kernel(
     b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
     b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
     b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+    b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32)) * scale)  # [C, BK] @ [BK, C]
     row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
     m_tv = m_t[:, None] & m_v[None, :]
     b_u = tl.load(us + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
     b_h = tl.load(hs + (i_ch * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-    b_o = chunk_output(b_q, b_k, b_u, b_h, b_g, b_gc, b_last, scale, F32, FP32_DOT)  # [C, BV]
+    b_o = mma_fp32(b_att, b_u, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
+    b_o += mma_right_fp32(b_q, b_h, F32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BK] @ [BK, BV] -> [C, BV]
     tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
 
 

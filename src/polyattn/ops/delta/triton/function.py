@@ -59,23 +59,24 @@ def delta_rule_forward(
     t_inv = wy_solve(kf, bf, gf, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
     w, u_bar = wy_factors(kf, vf, bf, gf, t_inv, chunks=chunks, num_warps=config.num_warps)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if store_ht else no_output(q)
-    hs = torch.empty(chunks[2], H, K, V, dtype=torch.float32, device=q.device) if save else no_output(q)
-    us = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device) if save else no_output(q)
-    o = torch.empty_like(vf)
+    hs = torch.empty(chunks[2], H, K, V, dtype=torch.float32, device=q.device)
+    us = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device)
     BK, BV = block(K), min(block(V), config.delta_block_v)
     F32, FP32_DOT, USE_G = dot_f32(q.dtype), fp32_dot(config), gf is not None
     delta_states_kernel[(triton.cdiv(V, BV), N, H)](
-        qf, kf, gf, w, u_bar, o, seqs, chunks[1], h0, ht, hs, us, scale, H, K, V,
-        C=C, BK=BK, BV=BV, USE_G=USE_G, USE_H0=h0 is not None, STORE_HT=store_ht, OUTPUT=not save,
-        F32=F32, FP32_DOT=FP32_DOT, num_warps=config.delta_num_warps, num_stages=config.num_stages,
+        kf, gf, w, u_bar, seqs, chunks[1], h0, ht, hs, us, H, K, V,
+        C=C, BK=BK, BV=BV, USE_G=USE_G, USE_H0=h0 is not None, STORE_HT=store_ht, F32=F32, FP32_DOT=FP32_DOT,
+        num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
-    if save:
-        BVO = min(block(V), config.delta_out_block_v)
-        delta_outputs_kernel[(chunks[2], H, triton.cdiv(V, BVO))](
-            qf, kf, gf, us, hs, o, chunks[0], scale, H, K, V,
-            C=C, BK=BK, BV=BVO, USE_G=USE_G, F32=F32, FP32_DOT=FP32_DOT,
-            num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
-        )
+    o = torch.empty_like(vf)
+    BVO = min(block(V), config.delta_out_block_v)
+    delta_outputs_kernel[(chunks[2], H, triton.cdiv(V, BVO))](
+        qf, kf, gf, us, hs, o, chunks[0], scale, H, K, V,
+        C=C, BK=BK, BV=BVO, USE_G=USE_G, F32=F32, FP32_DOT=FP32_DOT,
+        num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
+    )
+    if not save:
+        hs, us = no_output(q), no_output(q)
     return o.view(B, T, H, V), ht, t_inv, hs, us  # [B*T, H, V] -> [B, T, H, V]
 
 
