@@ -1,0 +1,194 @@
+"""Tile stages shared by KATA's quadratic kernels: grouped loads, squared group scores, their gradient, decay tiles.
+
+A program owns a *row tile* of R rows (queries in the forward and dq kernels, keys in the dk/dv
+kernel) and loops over *column tiles* of the other side. Heads are split into G groups of width E
+(K = G·E); a group-major row tile `[G·R, BE]` holds row `t` of group `i` at `i·R + t`, so for
+KATA-Σg one `[G·R, BE] @ [BE, G·C]` product gives every group pair's dot product, and for KATA-Mg
+a batched `[G, R, BE] @ [G, BE, C]` product gives the dot products within each group:
+
+    Mg:  κ[t, s] = Σ_i u_i[t, s]²,       u_i = q_i k_iᵀ           (G products of width E)
+    Σg:  κ[t, s] = Σ_{i,j} u_ij[t, s]²,  u_ij = q_i k_jᵀ          (G² products of width E)
+
+(G = 1 is both). For a score gradient `w = ∂L/∂κ` the dot products' gradient is `2 w ⊙ u` per group
+(pair), and the row gradient is that times the other side's groups (`group_grad`, `grad_dot`).
+
+Decay tiles (log2, ops/triton/decay.py's conventions): the weight from key s to query t >= s is
+`exp2(Σ_{s<u<=t} g_u · log2 e)`. On the diagonal, where the column tile lies inside the row tile,
+it is a difference of the row tile's in-tile cumsums where the core's fast path allows it (the
+row tile's total above FAST_LIMIT) and else a masked cumsum of the g's in between, exact next to
+a huge log-decay and -inf across a reset (`query_diagonal_decay`, `key_diagonal_decay`). Off the
+diagonal the tiles are disjoint and the log-weight is a sum of parts that are each ≤ 0, never a
+difference: the query's in-tile cumsum + the tiles in between + the key's in-tile suffix sum.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from polyattn.ops.triton.decay import FAST_LIMIT
+from polyattn.ops.triton.plan import block
+from polyattn.ops.triton.precision import LOG2E, mma, mma_left_fp32, to_output
+
+
+@triton.jit
+def load_rows(x, base, end, H, i_h, D, R: tl.constexpr, BD: tl.constexpr):
+    """Rows `base .. base + R` of head `i_h` of a `[N_tok, H, D]` tensor as `[R, BD]` (0 past `end`, past D)."""
+    t = base + tl.arange(0, R)
+    o_d = tl.arange(0, BD)
+    p = x + (t.to(tl.int64) * H + i_h)[:, None] * D + o_d[None, :]
+    return tl.load(p, mask=(t < end)[:, None] & (o_d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def group_offsets(base, end, H, i_h, K, E, G: tl.constexpr, R: tl.constexpr, BE: tl.constexpr):
+    """Offsets and mask of a group-major `[G·R, BE]` tile of a `[N_tok, H, K]` tensor."""
+    o_r = tl.arange(0, G * R)
+    t = base + o_r % R
+    o_e = tl.arange(0, BE)
+    offsets = (t.to(tl.int64) * H + i_h)[:, None] * K + ((o_r // R) * E)[:, None] + o_e[None, :]
+    return offsets, (t < end)[:, None] & (o_e < E)[None, :]
+
+
+@triton.jit
+def load_groups(x, base, end, H, i_h, K, E, G: tl.constexpr, R: tl.constexpr, BE: tl.constexpr):
+    """Group-major `[G·R, BE]` tile of rows `base .. base + R` (0 past `end`)."""
+    offsets, mask = group_offsets(base, end, H, i_h, K, E, G, R, BE)
+    return tl.load(x + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_groups(x, value, base, end, H, i_h, K, E, G: tl.constexpr, R: tl.constexpr, BE: tl.constexpr, F32: tl.constexpr):
+    """Store a group-major `[G·R, BE]` tile (downcast: x's dtype)."""
+    offsets, mask = group_offsets(base, end, H, i_h, K, E, G, R, BE)
+    tl.store(x + offsets, to_output(value, x.dtype.element_ty, F32), mask=mask)
+
+
+@triton.jit
+def group_rowdot(x, y, G: tl.constexpr, R: tl.constexpr):
+    """`Σ_{i, e} x[i·R + t, e] y[i·R + t, e]` for group-major fp32 tiles: `[G·R, BE] -> [R]`."""
+    rows = tl.sum(x * y, axis=1)  # [G·R]
+    if G == 1:
+        return rows
+    return tl.sum(tl.reshape(rows, (G, R)), axis=0)
+
+
+@triton.jit
+def pair_dots(a, b, G: tl.constexpr, SUM: tl.constexpr, F32: tl.constexpr):
+    """Group dot products of two group-major tiles `a: [G·R, BE]`, `b: [G·C, BE]`:
+    Σg (or G = 1) all pairs `[G·R, G·C]`; Mg per group `[G, R, C]` (fp32)."""
+    if SUM or G == 1:
+        return mma(a, tl.trans(b), F32)  # [G·R, BE] @ [BE, G·C] -> [G·R, G·C]
+    a3 = tl.reshape(a, (G, a.shape[0] // G, a.shape[1]))  # [G, R, BE]
+    b3 = tl.reshape(b, (G, b.shape[0] // G, b.shape[1]))  # [G, C, BE]
+    return mma(a3, tl.permute(b3, (0, 2, 1)), F32)  # [G, R, BE] @ [G, BE, C] -> [G, R, C]
+
+
+@triton.jit
+def square_sum(u, G: tl.constexpr, SUM: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """κ = the sum of the squared group dot products of `pair_dots`: `-> [R, C]`."""
+    if G == 1:
+        return u * u
+    if SUM:
+        return tl.sum(tl.sum(tl.reshape(u * u, (G, R, G, C)), axis=2), axis=0)  # [G, R, G, C] -> [R, C]
+    return tl.sum(u * u, axis=0)  # [G, R, C] -> [R, C]
+
+
+@triton.jit
+def group_grad(u, w, mask, G: tl.constexpr, SUM: tl.constexpr, MASKED: tl.constexpr):
+    """The dot products' gradient `w ⊙ u` per group (pair), `w: [R, C]` broadcast over the groups of
+    `u` (the factor 2 of the square is in w); with MASKED, exactly 0 where `mask: [R, C]` is false
+    (selected, so that a non-finite score there cannot leak)."""
+    R: tl.constexpr = w.shape[0]
+    C: tl.constexpr = w.shape[1]
+    if G == 1:
+        du = u * w
+        if MASKED:
+            du = tl.where(mask, du, 0.0)
+        return du
+    if SUM:
+        du = tl.reshape(u, (G, R, G, C)) * w[None, :, None, :]  # [G, R, G, C]
+        if MASKED:
+            du = tl.where(mask[None, :, None, :], du, 0.0)
+        return tl.reshape(du, (G * R, G * C))
+    du = u * w[None, :, :]  # [G, R, C]
+    if MASKED:
+        du = tl.where(mask[None, :, :], du, 0.0)
+    return du
+
+
+@triton.jit
+def score_values(a, v, SPLIT: tl.constexpr, F32: tl.constexpr):
+    """`a @ v` for an fp32 tile `a` (scores, or score gradients; `[R, C]` or batched `[G, R, C]`)
+    and `v` in the input dtype: with SPLIT, a enters in two halves (precision.mma_left_fp32: ~16
+    mantissa bits, two tensor-core products); else a is rounded to v's dtype (one product, as flash
+    attention does)."""
+    if SPLIT:
+        return mma_left_fp32(a, v, F32)
+    return mma(to_output(a, v.dtype, F32), v, F32)
+
+
+@triton.jit
+def grad_dot(du, b, G: tl.constexpr, SUM: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr):
+    """Row gradient `du @ b` of a group-major tile, `[G·R, BE]` fp32 (du entering as in `score_values`)."""
+    if SUM or G == 1:
+        return score_values(du, b, SPLIT, F32)  # [G·R, G·C] @ [G·C, BE] -> [G·R, BE]
+    R: tl.constexpr = du.shape[1]
+    b3 = tl.reshape(b, (G, b.shape[0] // G, b.shape[1]))  # [G, C, BE]
+    out = score_values(du, b3, SPLIT, F32)  # [G, R, C] @ [G, C, BE] -> [G, R, BE]
+    return tl.reshape(out, (G * R, b.shape[1]))
+
+
+@triton.jit
+def query_diagonal_decay(b_g, b_h, p_last, t, s, b_hs, EXACT: tl.constexpr):
+    """`[R, C]` log2-decay `Σ_{s<u<=t} g_u` from keys `s` (a column tile inside the row tile) to
+    queries `t` (the row tile), -inf where s > t. `b_g`, `b_h`: the row tile's g and its
+    log2-prescaled inclusive cumsum from its first row; `p_last` its total; `b_hs` the same
+    cumsum at the key rows. Fast: `b_h[t] - b_hs[s]`; exact: masked cumsum over the query rows."""
+    m = t[:, None] >= s[None, :]
+    if EXACT:
+        b_d = tl.cumsum(tl.where(t[:, None] > s[None, :], b_g[:, None], 0.0), axis=0) * LOG2E
+    elif p_last > FAST_LIMIT:
+        b_d = b_h[:, None] - b_hs[None, :]
+    else:
+        b_d = tl.cumsum(tl.where(t[:, None] > s[None, :], b_g[:, None], 0.0), axis=0) * LOG2E
+    return tl.where(m, b_d, float("-inf"))
+
+
+@triton.jit
+def key_diagonal_decay(b_gn, b_h, p_last, s, t, b_ht, EXACT: tl.constexpr):
+    """`[R, C]` log2-decay `Σ_{s<u<=t} g_u` from keys `s` (the row tile) to queries `t` (a column
+    tile inside it), -inf where t < s. `b_gn[s] = g_{s+1}` inside the row tile (0 at its last row),
+    `b_h` the row tile's log2 inclusive cumsum, `p_last` its total, `b_ht` the same cumsum at the
+    query rows. Fast: `b_ht[t] - b_h[s]`; exact: reverse masked cumsum of `g_{u+1}` over key rows."""
+    m = s[:, None] <= t[None, :]
+    if EXACT:
+        b_d = tl.cumsum(tl.where(s[:, None] < t[None, :], b_gn[:, None], 0.0), axis=0, reverse=True) * LOG2E
+    elif p_last > FAST_LIMIT:
+        b_d = b_ht[None, :] - b_h[:, None]
+    else:
+        b_d = tl.cumsum(tl.where(s[:, None] < t[None, :], b_gn[:, None], 0.0), axis=0, reverse=True) * LOG2E
+    return tl.where(m, b_d, float("-inf"))
+
+
+def diagonal_decay_ref(g: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, query_rows: bool) -> torch.Tensor:
+    """Twin of `query_diagonal_decay` (`query_rows`) and `key_diagonal_decay` for one sequence's
+    `g: [T]` and tile positions `rows: [R]`, `cols: [C]`: the direct sums times log2 e, -inf off the triangle."""
+    g = g.double()
+    out = torch.full((rows.numel(), cols.numel()), float("-inf"), dtype=torch.float64, device=g.device)
+    for a, r in enumerate(rows.tolist()):
+        for b, c in enumerate(cols.tolist()):
+            t, s = (r, c) if query_rows else (c, r)
+            if s <= t:
+                out[a, b] = g[s + 1:t + 1].sum()
+    return (out * LOG2E.value).float()
+
+
+def block_sizes(K: int, V: int, groups: int) -> tuple[int, int, int]:
+    """`(E, BE, BV)`: group width, its power-of-two tile, the value tile (whole V per program)."""
+    E = K // groups
+    return E, block(E), block(V)
+
+
+__all__ = [
+    "block_sizes", "diagonal_decay_ref", "grad_dot", "group_grad", "group_rowdot", "key_diagonal_decay", "load_groups",
+    "load_rows", "pair_dots", "query_diagonal_decay", "score_values", "square_sum", "store_groups",
+]
