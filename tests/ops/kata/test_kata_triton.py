@@ -209,7 +209,7 @@ def test_stages_match_twins(groups, combine):
 
 
 def test_custom_ops_pass_opcheck():
-    import polyattn.ops.kata.triton.function  # noqa: F401  (registers polyattn::kata_parallel_*)
+    import polyattn.ops.kata.triton.function  # noqa: F401 -- registers polyattn::kata_parallel_*
 
     x = {n: t.float() for n, t in _inputs(1, 40, True, seed=1).items()}
     q, k, v, g = x.values()

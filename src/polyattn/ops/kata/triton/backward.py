@@ -25,7 +25,7 @@ from polyattn.ops.triton.precision import mma, to_output
 
 from .forward import sequence_scores
 from .tiles import (
-    grad_dot, group_grad, group_rowdot, key_diagonal_decay, load_groups, load_rows, pair_dots, query_diagonal_decay,
+    grad_dot, group_grad, group_rowdot, key_diagonal_decay, key_tile, load_groups, load_rows, pair_dots, query_tile,
     score_values, square_sum, store_groups,
 )
 
@@ -43,48 +43,31 @@ def kata_dq_kernel(
     and the fp32 gradient `[G·BM, BE]` in registers; per key tile the products `q kᵀ` (groups),
     `do vᵀ` and `dU k` (groups). do: `[N_tok, H, V]`; r, c, qdq: `[N_tok, H]` fp32.
     """
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0 = tl.load(tiles + i_m * 4)
-    t1 = tl.load(tiles + i_m * 4 + 1)
-    bos = tl.load(starts + tl.load(tiles + i_m * 4 + 2))
-    t = t0 + tl.arange(0, BM)
-    m_t = t < t1
-    b_q = load_groups(q, t0, t1, H, i_h, K, E, G, BM, BE)  # [G*BM, BE]
+    i_h, t0, t1, bos, t, m_t, b_q, b_gq, b_hq, q_last = query_tile(q, g, tiles, starts, H, K, E, G, BM, BE, USE_G)
     b_do = load_rows(do, t0, t1, H, i_h, V, BM, BV)  # [BM, BV]
     b_r = tl.load(r + t * H + i_h, mask=m_t, other=0.0)  # [BM]
     b_c = tl.load(c + t * H + i_h, mask=m_t, other=0.0)  # [BM]
-    b_gq, b_hq, q_last = chunk_decay(g, t, m_t, H, i_h, USE_G)
     b_dq = tl.zeros([G * BM, BE], dtype=tl.float32)
-    b_pre = 0.0
+    b_pre = tl.sum(tl.zeros([BN], dtype=tl.float32), axis=0)
     for s0 in range(t0, t1, BN):  # diagonal
-        s = s0 + tl.arange(0, BN)
-        mask = t[:, None] >= s[None, :]
-        b_k = load_groups(k, s0, t1, H, i_h, K, E, G, BN, BE)  # [G*BN, BE]
-        b_v = load_rows(v, s0, t1, H, i_h, V, BN, BV)  # [BN, BV]
-        b_u = pair_dots(b_q, b_k, G, SUM, F32)
-        b_da = mma(b_do, tl.trans(b_v), F32) * b_r[:, None] - b_c[:, None]  # [BM, BN]
-        b_w = b_da * (2.0 * scale2)
+        b_k, b_v, b_d, mask, k_last = key_tile(
+            k, v, g, s0, t1, t, b_gq, b_hq, q_last, b_pre, H, i_h, K, V, E, G, BN, BE, BV, USE_G, True, F32,
+        )
         if USE_G:
-            _, b_hk, k_last = chunk_decay(g, s, s < t1, H, i_h, True)
-            b_w = b_w * tl.exp2(query_diagonal_decay(b_gq, b_hq, q_last, t, s, b_hk + b_pre, F32))
             b_pre += k_last
-        b_dq += grad_dot(group_grad(b_u, b_w, mask, G, SUM, True), b_k, G, SUM, SPLIT, F32)
-    b_between = 0.0
+        b_da = mma(b_do, tl.trans(b_v), F32) * b_r[:, None] - b_c[:, None]  # dA: [BM, BN]
+        b_du = group_grad(pair_dots(b_q, b_k, G, SUM, F32), b_da * b_d * (2.0 * scale2), mask, G, SUM, True)
+        b_dq += grad_dot(b_du, b_k, G, SUM, SPLIT, F32)
+    b_between = tl.sum(tl.zeros([BN], dtype=tl.float32), axis=0)
     for j in range(0, (t0 - bos) // BN):  # earlier key tiles, nearest first
-        s0 = t0 - (j + 1) * BN
-        s = s0 + tl.arange(0, BN)
-        b_k = load_groups(k, s0, t0, H, i_h, K, E, G, BN, BE)  # [G*BN, BE]
-        b_v = load_rows(v, s0, t0, H, i_h, V, BN, BV)  # [BN, BV]
-        b_u = pair_dots(b_q, b_k, G, SUM, F32)
-        b_da = mma(b_do, tl.trans(b_v), F32) * b_r[:, None] - b_c[:, None]  # [BM, BN]
-        b_w = b_da * (2.0 * scale2)
+        b_k, b_v, b_d, _, k_last = key_tile(
+            k, v, g, t0 - (j + 1) * BN, t0, t, b_gq, b_hq, q_last, b_between, H, i_h, K, V, E, G, BN, BE, BV, USE_G, False, F32,
+        )
         if USE_G:
-            b_gk, b_hk, k_last = chunk_decay(g, s, s < t0, H, i_h, True)
-            b_tail = chunk_suffix(b_gk, b_hk, k_last, F32) + b_between
-            b_w = b_w * tl.exp2(b_hq[:, None] + b_tail[None, :])
             b_between += k_last
-        b_dq += grad_dot(group_grad(b_u, b_w, None, G, SUM, False), b_k, G, SUM, SPLIT, F32)
+        b_da = mma(b_do, tl.trans(b_v), F32) * b_r[:, None] - b_c[:, None]
+        b_du = group_grad(pair_dots(b_q, b_k, G, SUM, F32), b_da * b_d * (2.0 * scale2), None, G, SUM, False)
+        b_dq += grad_dot(b_du, b_k, G, SUM, SPLIT, F32)
     store_groups(dq, b_dq, t0, t1, H, i_h, K, E, G, BM, BE, F32)
     tl.store(qdq + t * H + i_h, group_rowdot(b_q.to(tl.float32), b_dq, G, BM), mask=m_t)
 
@@ -118,7 +101,7 @@ def kata_dkdv_kernel(
         b_gn = tl.load(g + (s + 1) * H + i_h, mask=s + 1 < s1, other=0.0).to(tl.float32)  # g_{s+1} in the tile
     b_dk = tl.zeros([G * BM, BE], dtype=tl.float32)
     b_dv = tl.zeros([BM, BV], dtype=tl.float32)
-    b_pre = 0.0
+    b_pre = tl.sum(tl.zeros([BN], dtype=tl.float32), axis=0)
     for t0 in range(s0, s1, BN):  # diagonal: query tiles inside the key tile
         t = t0 + tl.arange(0, BN)
         mask = s[:, None] <= t[None, :]
@@ -136,7 +119,7 @@ def kata_dkdv_kernel(
         b_dv += score_values(b_a * b_r[None, :], b_do, SPLIT, F32)  # [BM, BN] @ [BN, BV]
         b_da = mma(b_v, tl.trans(b_do), F32) * b_r[None, :] - b_c[None, :]  # dAᵀ: [BM, BN]
         b_dk += grad_dot(group_grad(b_u, b_da * b_d * (2.0 * scale2), mask, G, SUM, True), b_q, G, SUM, SPLIT, F32)
-    b_between = 0.0
+    b_between = tl.sum(tl.zeros([BN], dtype=tl.float32), axis=0)
     b_tail = tl.zeros([BM], dtype=tl.float32)
     if USE_G:
         b_tail = chunk_suffix(b_gk, b_hk, k_last, F32)  # [BM]: key -> key tile end

@@ -17,10 +17,9 @@ import triton.language as tl
 
 from polyattn.ops.common import exp_segsum
 from polyattn.ops.kata.feature_maps import make_feature_map
-from polyattn.ops.triton.decay import chunk_decay, chunk_suffix
 from polyattn.ops.triton.precision import to_output
 
-from .tiles import load_groups, load_rows, pair_dots, query_diagonal_decay, score_values, square_sum
+from .tiles import key_tile, pair_dots, query_tile, score_values, square_sum
 
 
 @triton.jit
@@ -38,41 +37,27 @@ def kata_forward_kernel(
     decay tile, `[BM, BN] @ [BN, BV]`. q, k, v, o: `[N_tok, H, D]`; g, den: `[N_tok, H]`;
     prior: `[N_tok, H, V + 1]` fp32; tiles: `[NT, 4]` (start, end, sequence, flags); starts: `[N + 1]`.
     """
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0 = tl.load(tiles + i_m * 4)
-    t1 = tl.load(tiles + i_m * 4 + 1)
-    bos = tl.load(starts + tl.load(tiles + i_m * 4 + 2))
-    t = t0 + tl.arange(0, BM)
-    m_t = t < t1
-    b_q = load_groups(q, t0, t1, H, i_h, K, E, G, BM, BE)  # [G*BM, BE]
-    b_gq, b_hq, q_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [BM], [BM], scalar
+    i_h, t0, t1, bos, t, m_t, b_q, b_gq, b_hq, q_last = query_tile(q, g, tiles, starts, H, K, E, G, BM, BE, USE_G)
     b_num = tl.zeros([BM, BV], dtype=tl.float32)
     b_den = tl.zeros([BM], dtype=tl.float32)
-    b_pre = 0.0  # log2-decay from the query tile's start to the key tile's start
+    b_pre = tl.sum(tl.zeros([BN], dtype=tl.float32), axis=0)  # log2-decay: query tile start -> key tile start
     for s0 in range(t0, t1, BN):  # diagonal: key tiles inside the query tile
-        s = s0 + tl.arange(0, BN)
-        b_k = load_groups(k, s0, t1, H, i_h, K, E, G, BN, BE)  # [G*BN, BE]
-        b_v = load_rows(v, s0, t1, H, i_h, V, BN, BV)  # [BN, BV]
+        b_k, b_v, b_d, mask, k_last = key_tile(
+            k, v, g, s0, t1, t, b_gq, b_hq, q_last, b_pre, H, i_h, K, V, E, G, BN, BE, BV, USE_G, True, F32,
+        )
         b_a = square_sum(pair_dots(b_q, b_k, G, SUM, F32), G, SUM, BM, BN)  # [BM, BN]
+        b_a = tl.where(mask, b_a * b_d, 0.0)  # causal mask by select
         if USE_G:
-            _, b_hk, k_last = chunk_decay(g, s, s < t1, H, i_h, True)
-            b_a = b_a * tl.exp2(query_diagonal_decay(b_gq, b_hq, q_last, t, s, b_hk + b_pre, F32))
             b_pre += k_last
-        b_a = tl.where(t[:, None] >= s[None, :], b_a, 0.0)  # causal mask by select
         b_den += tl.sum(b_a, axis=1)
         b_num += score_values(b_a, b_v, SPLIT, F32)  # [BM, BN] @ [BN, BV] -> [BM, BV]
-    b_between = 0.0  # log2-decay of the key tiles between this one and the query tile
+    b_between = tl.sum(tl.zeros([BN], dtype=tl.float32), axis=0)  # log2-decay of the key tiles in between
     for j in range(0, (t0 - bos) // BN):  # earlier key tiles, nearest first
-        s0 = t0 - (j + 1) * BN
-        s = s0 + tl.arange(0, BN)
-        b_k = load_groups(k, s0, t0, H, i_h, K, E, G, BN, BE)  # [G*BN, BE]
-        b_v = load_rows(v, s0, t0, H, i_h, V, BN, BV)  # [BN, BV]
-        b_a = square_sum(pair_dots(b_q, b_k, G, SUM, F32), G, SUM, BM, BN)  # [BM, BN]
+        b_k, b_v, b_d, _, k_last = key_tile(
+            k, v, g, t0 - (j + 1) * BN, t0, t, b_gq, b_hq, q_last, b_between, H, i_h, K, V, E, G, BN, BE, BV, USE_G, False, F32,
+        )
+        b_a = square_sum(pair_dots(b_q, b_k, G, SUM, F32), G, SUM, BM, BN) * b_d  # [BM, BN]
         if USE_G:
-            b_gk, b_hk, k_last = chunk_decay(g, s, s < t0, H, i_h, True)
-            b_tail = chunk_suffix(b_gk, b_hk, k_last, F32) + b_between  # [BN]: key -> query tile start
-            b_a = b_a * tl.exp2(b_hq[:, None] + b_tail[None, :])
             b_between += k_last
         b_den += tl.sum(b_a, axis=1)
         b_num += score_values(b_a, b_v, SPLIT, F32)  # [BM, BN] @ [BN, BV] -> [BM, BV]

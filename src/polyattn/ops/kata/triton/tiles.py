@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.decay import FAST_LIMIT
+from polyattn.ops.triton.decay import FAST_LIMIT, chunk_decay, chunk_suffix
 from polyattn.ops.triton.plan import block
 from polyattn.ops.triton.precision import LOG2E, mma, mma_left_fp32, to_output
 
@@ -169,6 +169,50 @@ def key_diagonal_decay(b_gn, b_h, p_last, s, t, b_ht, EXACT: tl.constexpr):
     return tl.where(m, b_d, float("-inf"))
 
 
+@triton.jit
+def query_tile(q, g, tiles, starts, H, K, E, G: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, USE_G: tl.constexpr):
+    """The query tile of this program of a query-major kernel (grid: (query tiles, H), the last tiles,
+    which have the most key tiles, first): `(i_h, t0, t1, bos, t, m_t, b_q [G·BM, BE], b_gq, b_hq,
+    q_last)`, with the tile's g, its log2 inclusive cumsum and its total (ops/triton/decay.chunk_decay)."""
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(tiles + i_m * 4)
+    t1 = tl.load(tiles + i_m * 4 + 1)
+    bos = tl.load(starts + tl.load(tiles + i_m * 4 + 2))
+    t = t0 + tl.arange(0, BM)
+    m_t = t < t1
+    b_q = load_groups(q, t0, t1, H, i_h, K, E, G, BM, BE)  # [G*BM, BE]
+    b_gq, b_hq, q_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [BM], [BM], scalar
+    return i_h, t0, t1, bos, t, m_t, b_q, b_gq, b_hq, q_last
+
+
+@triton.jit
+def key_tile(
+    k, v, g, s0, end, t, b_gq, b_hq, q_last, b_log, H, i_h, K, V, E,
+    G: tl.constexpr, BN: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, DIAGONAL: tl.constexpr, EXACT: tl.constexpr,
+):
+    """Key tile `s0 .. s0 + BN` (rows before `end`) for the query rows `t`: `(b_k [G·BN, BE], b_v [BN, BV],
+    b_d [BM, BN], mask, k_last)`. b_d is the decay tile `exp2(log2-decay)` (ones without g), mask the
+    causal mask (all true off the diagonal), k_last the key tile's log2-decay. `b_log`: on the diagonal
+    the log2-decay from the query tile's start to s0; off it the log2-decay of the key tiles between
+    this one and the query tile."""
+    s = s0 + tl.arange(0, BN)
+    b_k = load_groups(k, s0, end, H, i_h, K, E, G, BN, BE)  # [G*BN, BE]
+    b_v = load_rows(v, s0, end, H, i_h, V, BN, BV)  # [BN, BV]
+    mask = t[:, None] >= s[None, :]
+    k_last = 0.0
+    if USE_G:
+        b_gk, b_hk, k_last = chunk_decay(g, s, s < end, H, i_h, True)
+        if DIAGONAL:
+            b_d = tl.exp2(query_diagonal_decay(b_gq, b_hq, q_last, t, s, b_hk + b_log, EXACT))
+        else:
+            b_d = tl.exp2(b_hq[:, None] + (chunk_suffix(b_gk, b_hk, k_last, EXACT) + b_log)[None, :])
+    else:
+        b_d = tl.full([t.shape[0], BN], 1.0, tl.float32)
+    return b_k, b_v, b_d, mask, k_last
+
+
 def diagonal_decay_ref(g: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, query_rows: bool) -> torch.Tensor:
     """Twin of `query_diagonal_decay` (`query_rows`) and `key_diagonal_decay` for one sequence's
     `g: [T]` and tile positions `rows: [R]`, `cols: [C]`: the direct sums times log2 e, -inf off the triangle."""
@@ -189,6 +233,6 @@ def block_sizes(K: int, V: int, groups: int) -> tuple[int, int, int]:
 
 
 __all__ = [
-    "block_sizes", "diagonal_decay_ref", "grad_dot", "group_grad", "group_rowdot", "key_diagonal_decay", "load_groups",
-    "load_rows", "pair_dots", "query_diagonal_decay", "score_values", "square_sum", "store_groups",
+    "block_sizes", "diagonal_decay_ref", "grad_dot", "group_grad", "group_rowdot", "key_diagonal_decay", "key_tile",
+    "load_groups", "load_rows", "pair_dots", "query_diagonal_decay", "query_tile", "score_values", "square_sum", "store_groups",
 ]
