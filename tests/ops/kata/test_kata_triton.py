@@ -70,10 +70,12 @@ def _case_id(case):
 
 
 # (T, dtype, groups, combine, decay, normalize, with_state). CPU: every variant once in fp32, three bf16
-# cases, the T grid on KATA-M1; CUDA: the product of all of them.
+# cases, the T grid on KATA-M1; CUDA: KATA-M1 over the T grid, both dtypes and every flag, and the
+# other variants at T = 65 and 1000 in both dtypes with two opposite sets of flags.
 if CUDA:
-    CASES = [(T, dt, G, c, d, n, s) for T in T_GRID for dt in (torch.float32, torch.bfloat16) for G, c in VARIANTS
-             for d in (False, True) for n in (False, True) for s in (False, True)]
+    DTS = (torch.float32, torch.bfloat16)
+    CASES = [(T, dt, 1, "concat", d, n, s) for T in T_GRID for dt in DTS for d in (False, True) for n in (False, True) for s in (False, True)]
+    CASES += [(T, dt, G, c, d, d, d) for T in (65, 1000) for dt in DTS for G, c in VARIANTS[1:] for d in (False, True)]
 else:
     CASES = [(40, torch.float32, G, c, True, True, True) for G, c in VARIANTS] + [
         (65, torch.bfloat16, 1, "concat", True, True, True),
@@ -221,6 +223,24 @@ def test_custom_ops_pass_opcheck():
         o, den = torch.ops.polyattn.kata_parallel_forward(q, k, v, g, prior, 0.3, 1e-6, [40], 2, "concat", True)
         args = (torch.randn_like(o), q, k, v, g, o, den, 0.3, 1e-6, [40], 2, "concat", True, True, True)
         torch.library.opcheck(torch.ops.polyattn.kata_parallel_backward.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiles_as_one_graph():
+    """`torch.compile(fullgraph=True)` traces the custom ops and the host's state parts; gradients equal eager."""
+    x = {n: t.float() for n, t in _inputs(1, 40, True, seed=2).items()}
+    leaves = [t.clone().requires_grad_() for t in x.values()]
+
+    def loss(q, k, v, g):
+        o, s = ops.kata(q, k, v, g, groups=2, impl="triton", output_final_state=True)
+        return o.square().sum() + s.S.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    with use_config(CONFIG):
+        got = torch.autograd.grad(compiled(*leaves), leaves)
+        want = torch.autograd.grad(loss(*leaves), leaves)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close_rel(a, b, 1e-6, f"gradient {i}")
 
 
 def test_dispatch():
