@@ -244,7 +244,7 @@ def test_compiles_as_one_graph():
 
 
 def test_dispatch():
-    """`impl="triton"` is the quadratic kernel; `auto` picks it on CUDA for the PSD maps only."""
+    """`impl="triton"` is the quadratic kernel, chosen by name; `auto` keeps to the PyTorch forms."""
     assert KATA_FORMS["triton"] is KATA_FORMS["triton_parallel"] is kata_triton_parallel
     x = {n: t.float() for n, t in _inputs(1, 20, True).items()}
     with use_config(CONFIG):

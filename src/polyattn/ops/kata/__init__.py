@@ -69,8 +69,8 @@ def kata(
         output_final_state: also return the state after the last token (fp32, float64 for float64 inputs).
         cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1).
         impl: KATA ``"naive" | "recurrent" | "chunk" | "scan" | "parallel" | "triton_parallel" | "triton" | "auto"``
-            (``"triton"`` is the flash-style quadratic kernel ``"triton_parallel"``, PSD maps only; ``"auto"``
-            picks it for PSD maps on CUDA);
+            (``"triton"`` is the flash-style quadratic kernel ``"triton_parallel"``, PSD maps only, chosen by
+            name: ``"auto"`` does not pick it yet);
             DeltaKATA ``"naive" | "recurrent" | "chunk" | "auto"``.
 
     Returns:
@@ -93,7 +93,8 @@ def kata(
             raise ValueError(f"initial_state: expected a KataState(S, z), got {type(initial_state).__name__}")
         check_state("initial_state.S", initial_state.S, (N, H, P, V), q)
         check_state("initial_state.z", initial_state.z, (N, H, P), q)
-    forms = KATA_FORMS if feature == "psd" or impl != "auto" else {n: f for n, f in KATA_FORMS.items() if "triton" not in n}
+    # auto keeps to the PyTorch forms: the Triton kernel is chosen by name until it has run at real shapes on a GPU
+    forms = KATA_FORMS if impl != "auto" else {n: f for n, f in KATA_FORMS.items() if "triton" not in n}
     fn = resolve_impl("kata", impl, forms, q)
     # with states, packed sequences run one by one: a padded batch of P×V states is slower (measured, P = 512)
     return run_varlen(fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state, decay_index=3, normalize=normalize, **options)

@@ -74,22 +74,30 @@ def group_rowdot(x, y, G: tl.constexpr, R: tl.constexpr):
 @triton.jit
 def pair_dots(a, b, G: tl.constexpr, SUM: tl.constexpr, F32: tl.constexpr):
     """Group dot products of two group-major tiles `a: [G·R, BE]`, `b: [G·C, BE]`:
-    Σg (or G = 1) all pairs `[G·R, G·C]`; Mg per group `[G, R, C]` (fp32)."""
-    if SUM or G == 1:
-        return mma(a, tl.trans(b), F32)  # [G·R, BE] @ [BE, G·C] -> [G·R, G·C]
-    a3 = tl.reshape(a, (G, a.shape[0] // G, a.shape[1]))  # [G, R, BE]
-    b3 = tl.reshape(b, (G, b.shape[0] // G, b.shape[1]))  # [G, C, BE]
-    return mma(a3, tl.permute(b3, (0, 2, 1)), F32)  # [G, R, BE] @ [G, BE, C] -> [G, R, C]
+    Σg (or G = 1) all pairs `[G·R, G·C]`; Mg per group `[G, R, C]` (fp32). One return after an
+    if/else chain: Triton 3.6 type-checks every return of a function, also those past a taken
+    constexpr branch's return."""
+    if SUM:
+        u = mma(a, tl.trans(b), F32)  # [G·R, BE] @ [BE, G·C] -> [G·R, G·C]
+    elif G == 1:
+        u = mma(a, tl.trans(b), F32)  # [R, BE] @ [BE, C] -> [R, C]
+    else:
+        a3 = tl.reshape(a, (G, a.shape[0] // G, a.shape[1]))  # [G, R, BE]
+        b3 = tl.reshape(b, (G, b.shape[0] // G, b.shape[1]))  # [G, C, BE]
+        u = mma(a3, tl.permute(b3, (0, 2, 1)), F32)  # [G, R, BE] @ [G, BE, C] -> [G, R, C]
+    return u
 
 
 @triton.jit
 def square_sum(u, G: tl.constexpr, SUM: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     """κ = the sum of the squared group dot products of `pair_dots`: `-> [R, C]`."""
     if G == 1:
-        return u * u
-    if SUM:
-        return tl.sum(tl.sum(tl.reshape(u * u, (G, R, G, C)), axis=2), axis=0)  # [G, R, G, C] -> [R, C]
-    return tl.sum(u * u, axis=0)  # [G, R, C] -> [R, C]
+        a = u * u
+    elif SUM:
+        a = tl.sum(tl.sum(tl.reshape(u * u, (G, R, G, C)), axis=2), axis=0)  # [G, R, G, C] -> [R, C]
+    else:
+        a = tl.sum(u * u, axis=0)  # [G, R, C] -> [R, C]
+    return a
 
 
 @triton.jit
@@ -103,15 +111,15 @@ def group_grad(u, w, mask, G: tl.constexpr, SUM: tl.constexpr, MASKED: tl.conste
         du = u * w
         if MASKED:
             du = tl.where(mask, du, 0.0)
-        return du
-    if SUM:
+    elif SUM:
         du = tl.reshape(u, (G, R, G, C)) * w[None, :, None, :]  # [G, R, G, C]
         if MASKED:
             du = tl.where(mask[None, :, None, :], du, 0.0)
-        return tl.reshape(du, (G * R, G * C))
-    du = u * w[None, :, :]  # [G, R, C]
-    if MASKED:
-        du = tl.where(mask[None, :, :], du, 0.0)
+        du = tl.reshape(du, (G * R, G * C))
+    else:
+        du = u * w[None, :, :]  # [G, R, C]
+        if MASKED:
+            du = tl.where(mask[None, :, :], du, 0.0)
     return du
 
 
@@ -129,12 +137,15 @@ def score_values(a, v, SPLIT: tl.constexpr, F32: tl.constexpr):
 @triton.jit
 def grad_dot(du, b, G: tl.constexpr, SUM: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr):
     """Row gradient `du @ b` of a group-major tile, `[G·R, BE]` fp32 (du entering as in `score_values`)."""
-    if SUM or G == 1:
-        return score_values(du, b, SPLIT, F32)  # [G·R, G·C] @ [G·C, BE] -> [G·R, BE]
-    R: tl.constexpr = du.shape[1]
-    b3 = tl.reshape(b, (G, b.shape[0] // G, b.shape[1]))  # [G, C, BE]
-    out = score_values(du, b3, SPLIT, F32)  # [G, R, C] @ [G, C, BE] -> [G, R, BE]
-    return tl.reshape(out, (G * R, b.shape[1]))
+    if SUM:
+        out = score_values(du, b, SPLIT, F32)  # [G·R, G·C] @ [G·C, BE] -> [G·R, BE]
+    elif G == 1:
+        out = score_values(du, b, SPLIT, F32)  # [R, C] @ [C, BE] -> [R, BE]
+    else:
+        R: tl.constexpr = du.shape[1]
+        b3 = tl.reshape(b, (G, b.shape[0] // G, b.shape[1]))  # [G, C, BE]
+        out = tl.reshape(score_values(du, b3, SPLIT, F32), (G * R, b.shape[1]))  # [G, R, C] @ [G, C, BE] -> [G·R, BE]
+    return out
 
 
 @triton.jit
