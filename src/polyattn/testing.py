@@ -99,39 +99,58 @@ def dtype_id(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}[dtype]
 
 
-def forward_backward(form, inputs: dict, h0: torch.Tensor, cotangents, *, scale: float, cu_seqlens=None) -> dict:
+def _named_fields(name: str, state) -> dict:
+    """A state's tensors by name: ``{name: state}`` for a tensor, ``{name.S: .., name.z: ..}`` for a NamedTuple."""
+    if state is None:
+        return {}
+    if isinstance(state, torch.Tensor):
+        return {name: state}
+    return {f"{name}.{field}": x for field, x in zip(state._fields, state)}
+
+
+def _state_like(state, fields):
+    """Rebuild a state of ``state``'s kind (tensor or NamedTuple) from a list of tensors."""
+    return fields[0] if isinstance(state, torch.Tensor) else type(state)(*fields)
+
+
+def forward_backward(form, inputs: dict, h0, cotangents, *, scale: float, cu_seqlens=None) -> dict:
     """Forward + backward of one form of an op `form(*inputs.values(), scale=, initial_state=, ...)`.
 
     `inputs` is ordered as the op's positional tensors (None entries passed as None and not
-    differentiated); gradients flow through `o` and the final state with the cotangents
-    `(do, dht)`. Returns `{"o", "final_state", "d<name>"..., "dh0"}`.
+    differentiated); `h0` a tensor, a NamedTuple of tensors (e.g. `KataState`) or None; gradients
+    flow through `o` and the final state with the cotangents `(do, dht)`, dht shaped like the
+    final state. Returns `{"o", "final_state"..., "d<name>"..., "dh0"...}` (a NamedTuple state
+    field by field, as `final_state.S`).
     """
     leaves = {n: None if x is None else x.detach().clone().requires_grad_() for n, x in inputs.items()}
-    h0 = h0.detach().clone().requires_grad_()
-    kwargs = dict(scale=scale, initial_state=h0, output_final_state=True)
+    h0_leaves = [x.detach().clone().requires_grad_() for x in _named_fields("h0", h0).values()]
+    kwargs = dict(scale=scale, initial_state=None if h0 is None else _state_like(h0, h0_leaves), output_final_state=True)
     if cu_seqlens is not None:
         kwargs["cu_seqlens"] = cu_seqlens
     o, ht = form(*leaves.values(), **kwargs)
     do, dht = cotangents
-    loss = (o.double() * do).sum() + (ht.double() * dht).sum()
+    finals = _named_fields("final_state", ht)
+    loss = (o.double() * do).sum() + sum((x.double() * d).sum() for x, d in zip(finals.values(), _named_fields("", dht).values()))
     wrt = {n: x for n, x in leaves.items() if x is not None}
-    grads = torch.autograd.grad(loss, [*wrt.values(), h0])
-    out = {"o": o, "final_state": ht}
-    out.update({f"d{n}": gr for n, gr in zip([*wrt, "h0"], grads)})
+    grads = torch.autograd.grad(loss, [*wrt.values(), *h0_leaves])
+    out = {"o": o, **finals}
+    out.update({f"d{n}": gr for n, gr in zip([*wrt, *_named_fields("h0", h0)], grads)})
     return out
 
 
 def per_sequence(form, lengths: list[int]):
     """A form over packed sequences run one sequence at a time (the reference for `cu_seqlens`)."""
+    from polyattn.ops.common import state_cat, state_index
+
     def run(*tensors, scale, initial_state, output_final_state):
         outs, states, bos = [], [], 0
         for i, n in enumerate(lengths):
             piece = [None if x is None else x[:, bos:bos + n] for x in tensors]
-            o, s = form(*piece, scale=scale, initial_state=initial_state[i:i + 1], output_final_state=output_final_state)
+            o, s = form(*piece, scale=scale, initial_state=state_index(initial_state, i), output_final_state=output_final_state)
             outs.append(o)
             states.append(s)
             bos += n
-        return torch.cat(outs, 1), torch.cat(states, 0)  # N x [1, T_i, H, V] -> [1, T, H, V]
+        return torch.cat(outs, 1), state_cat(states)  # N x [1, T_i, H, V] -> [1, T, H, V]
     return run
 
 
@@ -139,21 +158,25 @@ def low_precision_errors(naive, chunk, fast, inputs: dict, h0, dtype, *, lengths
     """`{tensor name: (rel_err(fast), bound)}` for `fast` (in `dtype`) against `naive` in float64
     on the same rounded inputs; the bound is the one stated above, set by `chunk` (the PyTorch chunk
     form, in `dtype`). With `lengths`, the inputs (B = 1) are packed sequences: `fast` gets
-    `cu_seqlens`, the others run per sequence. Also checks dtypes and finiteness."""
+    `cu_seqlens`, the others run per sequence. `h0`: the initial state (a tensor, a NamedTuple of
+    tensors, or None); the final-state cotangent is shaped like the final state. Also checks
+    dtypes and finiteness."""
     gen = torch.Generator().manual_seed(seed)
     q, v = inputs["q"], inputs["v"]
     Bx, T, Hx, Kx = q.shape
-    N = Bx if lengths is None else len(lengths)
-    do = torch.randn(Bx, T, Hx, v.shape[-1], generator=gen, dtype=torch.float64).to(q.device)
-    dht = torch.randn(N, Hx, Kx, v.shape[-1], generator=gen, dtype=torch.float64).to(q.device)
     low = {n: None if x is None else x.to(dtype) for n, x in inputs.items()}
     exact = {n: None if x is None else x.double() for n, x in low.items()}  # the same rounded inputs
+    h0_exact = None if h0 is None else _state_like(h0, [x.double() for x in _named_fields("h0", h0).values()])
     cu = None
     if lengths is not None:
         naive, chunk = per_sequence(naive, lengths), per_sequence(chunk, lengths)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=q.device)
     scale = Kx**-0.5
-    ref = forward_backward(naive, exact, h0.double(), (do, dht), scale=scale)
+    with torch.no_grad():
+        _, ht = naive(*exact.values(), scale=scale, initial_state=h0_exact, output_final_state=True)
+    do = torch.randn(Bx, T, Hx, v.shape[-1], generator=gen, dtype=torch.float64).to(q.device)
+    dht = _state_like(ht, [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(q.device) for x in _named_fields("", ht).values()])
+    ref = forward_backward(naive, exact, h0_exact, (do, dht), scale=scale)
     base = forward_backward(chunk, low, h0, (do, dht), scale=scale)
     got = forward_backward(fast, low, h0, (do, dht), scale=scale, cu_seqlens=cu)
     errors = {}

@@ -60,15 +60,15 @@ def test_train_step_reports_a_graph_break(tmp_path, monkeypatch):
 def test_hf_generate_counts_fused_steps(tmp_path):
     hf_generate = load("hf_generate")
     out = tmp_path / "generate.json"
-    assert hf_generate.main([*TOY_GENERATE, "--mixers", "linear,gdn,kata-m2", "--decode-impls", "triton,recurrent",
-                             "--out", str(out)]) == 1  # kata-m2 has no Triton form
+    assert hf_generate.main([*TOY_GENERATE, "--mixers", "linear,gdn,deltakata-m1", "--decode-impls", "triton,recurrent",
+                             "--out", str(out)]) == 1  # deltakata-m1 has no Triton form
     rows = {(row["mixer"], row["decode_impl"]): row for row in json.loads(out.read_text())["rows"]}
     assert rows["linear", "triton"]["fused_steps_B2"] == {"linear_attn_step_inplace": 2}  # 1 layer, 2 one-token calls
     assert rows["gdn", "triton"]["fused_steps_B2"] == {"delta_rule_step_inplace": 2}
-    for key in [("linear", "recurrent"), ("gdn", "recurrent"), ("kata-m2", "recurrent")]:
+    for key in [("linear", "recurrent"), ("gdn", "recurrent"), ("deltakata-m1", "recurrent")]:
         assert rows[key]["decode_form"] == "recurrent" and rows[key]["fused_steps_B2"] == {} and rows[key]["failures"] == []
         assert rows[key]["B2"] > 0
-    assert "NotImplementedError" in rows["kata-m2", "triton"]["failures"][0]
+    assert "NotImplementedError" in rows["deltakata-m1", "triton"]["failures"][0]
 
 
 @pytest.mark.parametrize("claimed", ["triton", "recurrent"])

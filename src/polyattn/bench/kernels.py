@@ -1,4 +1,4 @@
-"""`python -m polyattn.bench kernels`: linear attention, the delta rule and HLA2 against SDPA and fla.
+"""`python -m polyattn.bench kernels`: linear attention, the delta rule, HLA2 and KATA against SDPA and fla.
 
 Standard shape: bf16, H = 16, K = V in {128, 64}, B = 65,536 // T sequences (B = 1 at 128K),
 T from 2K to 128K; forward and forward + backward. FLOP and byte counts follow the formulas of
@@ -6,7 +6,10 @@ ops/linear/README.md ("Triton kernels"): per token and head, forward FLOPs `2C(K
 (chunk C = 64), minimum forward bytes `(2K + 2V) * 2` (read q, k, v, write o), fwd+bwd FLOPs 3x
 forward and bytes `(5K + 6V) * 2` (forward, then read q, k, v, do and write dq, dk, dv).
 The delta rule (ops/delta/README.md, "Cost") adds the `K K^T` of the solve and the `K h` read:
-forward FLOPs `2 (2C(K+V) + 3KV)`, the same minimum bytes.
+forward FLOPs `2 (2C(K+V) + 3KV)`, the same minimum bytes. KATA's quadratic kernel
+(ops/kata/README.md, "Triton kernel") counts its products per causal pair, `T/2` pairs per token:
+forward `T (K' + V)`, fwd+bwd `T (5K' + 4V)` FLOPs per token and head, `K' = K` for KATA-Mg and
+`groups·K` for KATA-Σg (the split halves of fp32 tiles not counted); the same minimum bytes.
 """
 from __future__ import annotations
 
@@ -27,12 +30,13 @@ CHUNK = 64
 
 @dataclass(frozen=True)
 class Case:
-    op: str  # "linear_attn", "linear_attn_decay", "delta_rule", "hla2", "hla2_decay", "softmax"
+    op: str  # "linear_attn", "linear_attn_decay", "delta_rule", "hla2", "hla2_decay", "kata_m1", "kata_m2", "kata_s2", "softmax"
     impl: str
     make: object  # (q, k, v, g, beta) -> callable returning the output tensor
 
 
 GATED = ("linear_attn_decay", "hla2_decay", "delta_rule")  # ops whose fwd+bwd differentiates g
+KATA = {"kata_m1": (1, "concat"), "kata_m2": (2, "concat"), "kata_s2": (2, "sum")}  # op -> (groups, combine)
 
 
 def _fla(name: str):
@@ -70,6 +74,11 @@ def cases() -> list[Case]:
         Case("hla2_decay", "polyattn-triton", lambda q, k, v, g, b: lambda: ops.hla(q, k, v, g, impl="triton")[0]),
     ]
     out += [
+        Case(op, "polyattn-triton-parallel",
+             lambda q, k, v, g, b, G=G, c=c: lambda: ops.kata(q, k, v, groups=G, combine=c, impl="triton_parallel")[0])
+        for op, (G, c) in KATA.items()
+    ]
+    out += [
         Case("softmax", "sdpa-flash", _sdpa(SDPBackend.FLASH_ATTENTION)),
         Case("softmax", "sdpa-cudnn", _sdpa(SDPBackend.CUDNN_ATTENTION)),
     ]
@@ -86,8 +95,14 @@ def cases() -> list[Case]:
     return out
 
 
-def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int) -> tuple[float, float]:
-    """FLOPs and minimum bytes of one call (ops/linear/README.md); HLA2 counts two linear calls."""
+def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int, T: int) -> tuple[float, float]:
+    """FLOPs and minimum bytes of one call (ops/linear/README.md); HLA2 counts two linear calls;
+    KATA's quadratic kernel its products per causal pair."""
+    if op in KATA:
+        Kp = K * KATA[op][0] if KATA[op][1] == "sum" else K
+        flops = T * (Kp + V) if mode == "fwd" else T * (5 * Kp + 4 * V)
+        bytes_ = (2 * K + 2 * V) * 2 if mode == "fwd" else (5 * K + 6 * V) * 2
+        return flops * tokens * H, bytes_ * tokens * H
     fwd_flops = 2 * CHUNK * (K + V) + 4 * K * V
     if op == "delta_rule":
         fwd_flops = 2 * (2 * CHUNK * (K + V) + 3 * K * V)
@@ -156,7 +171,7 @@ def run(out: Path, dims=(128, 64), t_grid=T_GRID, modes=("fwd", "fwdbwd"), impls
                     ms = measure(case, B, T, D, mode)
                     row = dict(op=case.op, impl=case.impl, T=T, B=B, H=H, K=D, V=D, mode=mode, ms=ms)
                     if isinstance(ms, float):
-                        flops, bytes_ = flops_bytes(case.op, mode, B * T, D, D)
+                        flops, bytes_ = flops_bytes(case.op, mode, B * T, D, D, T)
                         row.update(tokens_per_s=B * T / ms * 1e3)
                         if case.op != "softmax":
                             row.update(tflops=flops / ms * 1e-9, gbps=bytes_ / ms * 1e-6)
@@ -182,15 +197,19 @@ def _ms(rows, **key):
     return None
 
 
-RATIOS = (  # (our op, anchor op, anchor impl)
-    ("linear_attn", "linear_attn", "fla-chunk_linear_attn"),
-    ("linear_attn", "softmax", "sdpa-flash"),
-    ("linear_attn", "softmax", "sdpa-cudnn"),
-    ("linear_attn_decay", "linear_attn_decay", "fla-chunk_simple_gla"),
-    ("linear_attn_decay", "linear_attn", "polyattn-triton"),
-    ("delta_rule", "delta_rule", "fla-chunk_gated_delta_rule"),
-    ("hla2", "linear_attn", "polyattn-triton"),
-    ("hla2_decay", "linear_attn_decay", "polyattn-triton"),
+RATIOS = (  # (our op, our impl, anchor op, anchor impl)
+    ("linear_attn", "polyattn-triton", "linear_attn", "fla-chunk_linear_attn"),
+    ("linear_attn", "polyattn-triton", "softmax", "sdpa-flash"),
+    ("linear_attn", "polyattn-triton", "softmax", "sdpa-cudnn"),
+    ("linear_attn_decay", "polyattn-triton", "linear_attn_decay", "fla-chunk_simple_gla"),
+    ("linear_attn_decay", "polyattn-triton", "linear_attn", "polyattn-triton"),
+    ("delta_rule", "polyattn-triton", "delta_rule", "fla-chunk_gated_delta_rule"),
+    ("hla2", "polyattn-triton", "linear_attn", "polyattn-triton"),
+    ("hla2_decay", "polyattn-triton", "linear_attn_decay", "polyattn-triton"),
+    ("kata_m1", "polyattn-triton-parallel", "softmax", "sdpa-flash"),
+    ("kata_m1", "polyattn-triton-parallel", "softmax", "sdpa-cudnn"),
+    ("kata_m2", "polyattn-triton-parallel", "softmax", "sdpa-flash"),
+    ("kata_s2", "polyattn-triton-parallel", "softmax", "sdpa-flash"),
 )
 
 
@@ -202,14 +221,14 @@ def ratio_table(rows: list[dict], device: str) -> str:
         head = " | ".join(f"{t // 1024}K" for t in ts)
         lines += [f"## K = V = {D}, H = {H}, bf16, B*T = {TOKENS}", "", f"| ours | anchor | mode | {head} |",
                   "|---|---|---|" + "---|" * len(ts)]
-        for ours, anchor_op, anchor in RATIOS:
+        for ours, our_impl, anchor_op, anchor in RATIOS:
             for mode in ("fwd", "fwdbwd"):
                 cells = []
                 for t in ts:
-                    a = _ms(rows, op=ours, impl="polyattn-triton", T=t, K=D, mode=mode)
+                    a = _ms(rows, op=ours, impl=our_impl, T=t, K=D, mode=mode)
                     b = _ms(rows, op=anchor_op, impl=anchor, T=t, K=D, mode=mode)
                     cells.append(f"{a / b:.2f}x" if a and b else "-")
-                lines.append(f"| {ours} | {anchor_op} / {anchor} | {mode} | " + " | ".join(cells) + " |")
+                lines.append(f"| {ours} / {our_impl} | {anchor_op} / {anchor} | {mode} | " + " | ".join(cells) + " |")
         lines += ["", f"| op | impl | mode | {head} |", "|---|---|---|" + "---|" * len(ts)]
         for op, impl in sorted({(r["op"], r["impl"]) for r in rows if r["K"] == D}):
             for mode in ("fwd", "fwdbwd"):

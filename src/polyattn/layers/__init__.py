@@ -83,7 +83,7 @@ def mixer_form(name, impl, T=2, device="cpu", dtype=torch.float32):
     if issubclass(MIXERS[name], DeltaKataM1):
         op, forms = "DeltaKATA", DELTAKATA_FORMS
     chosen = resolve_impl(op, impl, forms, torch.empty(1, T, 1, 1, device=device, dtype=dtype))  # [B, T, H, K]
-    return next(form for form, fn in forms.items() if fn is chosen)
+    return impl if forms.get(impl) is chosen else next(form for form, fn in forms.items() if fn is chosen)
 
 
 def available_mixers():

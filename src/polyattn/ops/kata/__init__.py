@@ -13,6 +13,7 @@ from polyattn.ops.kata.parallel import kata_parallel
 from polyattn.ops.kata.recurrent import deltakata_recurrent, kata_recurrent
 from polyattn.ops.kata.scan import kata_scan
 from polyattn.ops.kata.state import KataState
+from polyattn.ops.kata.triton import kata_triton_parallel  # lazy: triton loads on first call
 
 KATA_FORMS = {
     "naive": kata_naive,
@@ -20,6 +21,8 @@ KATA_FORMS = {
     "chunk": kata_chunk,
     "scan": kata_scan,
     "parallel": kata_parallel,
+    "triton_parallel": kata_triton_parallel,
+    "triton": kata_triton_parallel,  # the quadratic kernel until the chunked-state kernel joins it
 }
 
 DELTAKATA_FORMS = {
@@ -65,7 +68,9 @@ def kata(
             P = ``make_feature_map(feature, K, groups, combine).dim()``.
         output_final_state: also return the state after the last token (fp32, float64 for float64 inputs).
         cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1).
-        impl: KATA ``"naive" | "recurrent" | "chunk" | "scan" | "parallel" | "auto"``;
+        impl: KATA ``"naive" | "recurrent" | "chunk" | "scan" | "parallel" | "triton_parallel" | "triton" | "auto"``
+            (``"triton"`` is the flash-style quadratic kernel ``"triton_parallel"``, PSD maps only, chosen by
+            name: ``"auto"`` does not pick it yet);
             DeltaKATA ``"naive" | "recurrent" | "chunk" | "auto"``.
 
     Returns:
@@ -88,7 +93,9 @@ def kata(
             raise ValueError(f"initial_state: expected a KataState(S, z), got {type(initial_state).__name__}")
         check_state("initial_state.S", initial_state.S, (N, H, P, V), q)
         check_state("initial_state.z", initial_state.z, (N, H, P), q)
-    fn = resolve_impl("kata", impl, KATA_FORMS, q)
+    # auto keeps to the PyTorch forms: the Triton kernel is chosen by name until it has run at real shapes on a GPU
+    forms = KATA_FORMS if impl != "auto" else {n: f for n, f in KATA_FORMS.items() if "triton" not in n}
+    fn = resolve_impl("kata", impl, forms, q)
     # with states, packed sequences run one by one: a padded batch of P×V states is slower (measured, P = 512)
     return run_varlen(fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state, decay_index=3, normalize=normalize, **options)
 
@@ -109,5 +116,6 @@ __all__ = [
     "kata_recurrent",
     "kata_scan",
     "kata_state_size",
+    "kata_triton_parallel",
     "make_feature_map",
 ]

@@ -33,7 +33,13 @@ class KernelConfig:
     8 warps against 3.6 KB at 4); delta_fp32_dot how their fp32 x fp32
     products run on bf16/fp16 inputs (`precision.FP32_DOTS`: "split", the default, keeps the
     tests' error bound; "tf32" and "rounded" trade accuracy for fewer tensor-core products and
-    are there to be measured).
+    are there to be measured). KATA's quadratic kernels (ops/kata/triton) tile queries by
+    kata_block_m and keys by kata_block_n (kata_block_m a multiple of it: kata_block_m / kata_block_n
+    key tiles per diagonal), run kata_num_warps (forward) and kata_bwd_warps (the two gradient kernels) warps
+    with kata_num_stages pipeline stages; kata_score_dot is how their fp32 tiles (scores, score
+    gradients) enter the bf16/fp16 products with values, keys and queries: "split" (the default,
+    the tests' error bound) in two halves, precision.mma_left_fp32, two products with ~16
+    mantissa bits; "rounded" one product of the rounded tile (flash attention's precision).
     """
 
     chunk_size: int = 64
@@ -47,6 +53,12 @@ class KernelConfig:
     delta_out_block_v: int = 64
     delta_chunk_warps: int = 8
     delta_fp32_dot: str = "split"
+    kata_block_m: int = 128
+    kata_block_n: int = 64
+    kata_num_warps: int = 8
+    kata_bwd_warps: int = 8
+    kata_num_stages: int = 2
+    kata_score_dot: str = "split"
 
 
 _CONFIG = [KernelConfig()]
@@ -117,6 +129,19 @@ def segment_table(seq_lens: tuple, num_segments_hint: int, chunk_size: int, devi
     if len(_TABLES) > 256:
         _TABLES.clear()
     _TABLES[key] = (table, cu_segments, len(rows))
+    return _TABLES[key]
+
+
+def sequence_starts(seq_lens: tuple, device) -> torch.Tensor:
+    """`[N + 1]` int32 offsets of the sequences laid end to end (cached like the tables)."""
+    key = ("starts", seq_lens, str(device))
+    if key not in _TABLES:
+        bounds = [0]
+        for n in seq_lens:
+            bounds.append(bounds[-1] + n)
+        if len(_TABLES) > 256:
+            _TABLES.clear()
+        _TABLES[key] = torch.tensor(bounds, dtype=torch.int32).to(device)
     return _TABLES[key]
 
 

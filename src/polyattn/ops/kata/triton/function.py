@@ -1,0 +1,215 @@
+"""Custom ops, autograd and host front of KATA's Triton quadratic form (`impl="triton_parallel"`).
+
+The kernels (forward.py, backward.py) compute the quadratic part and carry no state. An initial
+state `[S | z]` enters as a *prior*, the host's bilinear read per query (state.py's augmented form),
+
+    prior_t = exp(G_t) ψ(scale·q_t)ᵀ [S_0 | z_0]          (G_t: inclusive cumsum of g in the sequence)
+
+which the forward kernel adds to its numerator and normaliser before the normalized read, so that
+`o = (num + prior[:V]) / max(den + prior[V], eps)` is one division of the combined parts. The final
+state is one write of all keys on the host, `exp(G_T) [S_0 | z_0] + Σ_s exp(G_T − G_s) ψ(k_s) [v_s | 1]ᵀ`
+(fmap.write, ψ never built). Both host parts are PyTorch, so autograd differentiates them; the
+backward op returns the prior's gradient `[r·do | −c]` (backward.py's r and c) for them.
+"""
+import torch
+
+from polyattn.ops.common import suffix_sum
+from polyattn.ops.kata.feature_maps import make_feature_map
+from polyattn.ops.kata.state import join_state, split_state, with_ones
+from polyattn.ops.triton.plan import chunk_table, get_config, no_output, reverse_cumsum, sequence_lengths, sequence_starts
+from polyattn.ops.triton.precision import check_kernel_inputs, dot_f32
+
+from .backward import kata_dkdv_kernel, kata_dq_kernel
+from .forward import kata_forward_kernel
+from .tiles import block_sizes
+
+
+SCORE_DOTS = ("split", "rounded")  # how fp32 score tiles enter bf16/fp16 tensor-core products
+
+
+def _split(mode: str) -> bool:
+    if mode not in SCORE_DOTS:
+        raise ValueError(f"KernelConfig: expected kata_score_dot in {SCORE_DOTS}, got {mode!r}")
+    return mode == "split"
+
+
+def _launch(q, v, seq_lens, groups: int, combine: str, warps: int) -> dict:
+    """The arguments every kernel launch shares: tile table, sequence starts, sizes, tiles, flags."""
+    config = get_config()
+    BM, BN = config.kata_block_m, config.kata_block_n
+    if BM % BN or BN < 16:
+        raise ValueError(f"KernelConfig: expected kata_block_m a multiple of kata_block_n >= 16, got {BM}, {BN}")
+    _, _, H, K = q.shape
+    E, BE, BV = block_sizes(K, v.shape[-1], groups)
+    tiles, _, NT = chunk_table(tuple(seq_lens), BM, q.device)
+    return dict(
+        grid=(NT, H), tiles=tiles, starts=sequence_starts(tuple(seq_lens), q.device), sizes=(H, K, v.shape[-1], E),
+        meta=dict(G=groups, SUM=combine == "sum", BM=BM, BN=BN, BE=BE, BV=BV, F32=dot_f32(q.dtype),
+                  num_warps=warps, num_stages=config.kata_num_stages),
+        split=_split(config.kata_score_dot),
+    )
+
+
+def _flat(x):
+    return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()  # [B, T, H, ...] -> [B*T, H, ...]
+
+
+@torch.library.custom_op("polyattn::kata_parallel_forward", mutates_args=())
+def kata_parallel_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, prior: torch.Tensor | None,
+    scale: float, eps: float, seq_lens: list[int], groups: int, combine: str, normalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel as a custom op: `(o [B, T, H, V] in v's dtype, den [B, T, H] fp32)`;
+    prior: `[B, T, H, V + 1]` fp32 or None."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    plan = _launch(q, v, seq_lens, groups, combine, get_config().kata_num_warps)
+    o = torch.empty(B * T, H, V, dtype=v.dtype, device=q.device)
+    den = torch.empty(B * T, H, dtype=torch.float32, device=q.device)
+    kata_forward_kernel[plan["grid"]](
+        _flat(q), _flat(k), _flat(v), _flat(g), _flat(prior), o, den, plan["tiles"], plan["starts"],
+        scale * scale, eps, *plan["sizes"],
+        USE_G=g is not None, USE_PRIOR=prior is not None, NORMALIZE=normalize, SPLIT=plan["split"], **plan["meta"],
+    )
+    return o.view(B, T, H, V), den.view(B, T, H)  # [B*T, H, ...] -> [B, T, H, ...]
+
+
+@kata_parallel_forward.register_fake
+def _(q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize):
+    B, T, H, _ = q.shape
+    return v.new_empty(B, T, H, v.shape[-1]), q.new_empty(B, T, H, dtype=torch.float32)
+
+
+@torch.library.custom_op("polyattn::kata_parallel_backward", mutates_args=())
+def kata_parallel_backward(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
+    o: torch.Tensor, den: torch.Tensor, scale: float, eps: float, seq_lens: list[int], groups: int, combine: str,
+    normalize: bool, want_dg: bool, want_dprior: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two gradient kernels and dg as a custom op: `(dq, dk, dv, dg, dprior)`, dg and dprior
+    empty [0] tensors when not wanted."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    plan = _launch(q, v, seq_lens, groups, combine, get_config().kata_bwd_warps)
+    if normalize:
+        r = 1.0 / den.clamp_min(eps)  # [B, T, H]
+        c = torch.where(den > eps, r * (do.float() * o.float()).sum(-1), 0.0)  # [B, T, H]: r (do·o), 0 where clamped
+    else:
+        r, c = torch.ones_like(den), torch.zeros_like(den)
+    qf, kf, vf, gf, dof, rf, cf = (_flat(x) for x in (q, k, v, g, do.to(v.dtype), r, c))
+    dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
+    qdq, kdk = torch.empty_like(rf), torch.empty_like(rf)
+    kata_dq_kernel[plan["grid"]](
+        qf, kf, vf, gf, dof, rf, cf, dq, qdq, plan["tiles"], plan["starts"], scale * scale, *plan["sizes"],
+        USE_G=g is not None, SPLIT=plan["split"], **plan["meta"],
+    )
+    kata_dkdv_kernel[plan["grid"]](
+        qf, kf, vf, gf, dof, rf, cf, dk, dv, kdk, plan["tiles"], plan["starts"], scale * scale, *plan["sizes"],
+        USE_G=g is not None, SPLIT=plan["split"], **plan["meta"],
+    )
+    dg = no_output(q)
+    if want_dg:
+        dg = reverse_cumsum(0.5 * (qdq - kdk), tuple(seq_lens)).view(B, T, H).to(g.dtype).contiguous()  # [B*T, H] -> [B, T, H]
+    dprior = no_output(q)
+    if want_dprior:
+        dprior = torch.cat([r[..., None] * do.float(), -c[..., None]], dim=-1)  # [B, T, H, V + 1]
+    return dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, H, V), dg, dprior
+
+
+@kata_parallel_backward.register_fake
+def _(do, q, k, v, g, o, den, scale, eps, seq_lens, groups, combine, normalize, want_dg, want_dprior):
+    B, T, H, _ = q.shape
+    dg = g.new_empty(g.shape) if want_dg else no_output(q)
+    dprior = q.new_empty(B, T, H, v.shape[-1] + 1, dtype=torch.float32) if want_dprior else no_output(q)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dg, dprior
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize = inputs
+    ctx.save_for_backward(q, k, v, g, *output)
+    ctx.options = (scale, eps, seq_lens, groups, combine, normalize)
+    ctx.has_prior = prior is not None
+
+
+def _backward(ctx, do, _):
+    q, k, v, g, o, den = ctx.saved_tensors
+    want_dg = g is not None and ctx.needs_input_grad[3]
+    want_dprior = ctx.has_prior and ctx.needs_input_grad[4]
+    dq, dk, dv, dg, dprior = kata_parallel_backward(do, q, k, v, g, o, den, *ctx.options, want_dg, want_dprior)
+    return dq, dk, dv, dg if want_dg else None, dprior if want_dprior else None, None, None, None, None, None, None
+
+
+kata_parallel_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _sequences(tensors, state, seq_lens, packed: bool):
+    """`(pieces, state rows)` per sequence of packed inputs (B = 1), or once for the whole batch;
+    pieces are `[b, T_n, H, ...]` (None stays None), state rows `[b, H, P, W]` or None."""
+    if not packed:
+        yield tensors, state
+        return
+    bos = 0
+    for n, length in enumerate(seq_lens):
+        yield [None if x is None else x[:, bos:bos + length] for x in tensors], None if state is None else state[n:n + 1]
+        bos += length
+
+
+def _log_decay(g, q):
+    """`[b, H, T]` fp32 log-decay of one piece (zeros without g)."""
+    if g is None:
+        return torch.zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    return g.float().transpose(1, 2)  # [b, T, H] -> [b, H, T]
+
+
+def state_read(fmap, q, g, state, seq_lens, packed: bool, scale: float) -> torch.Tensor:
+    """The prior `exp(G_t) ψ(scale·q_t)ᵀ [S_0 | z_0]`: `[B, T, H, V + 1]` fp32 (the bilinear read, ψ never built)."""
+    reads = []
+    for (qs, gs), rows in _sequences((q, g), state, seq_lens, packed):
+        w = torch.exp(torch.cumsum(_log_decay(gs, qs), dim=-1))  # [b, H, T]: exp(G_t)
+        read = fmap.read(scale * qs.float().transpose(1, 2), rows)  # [b, H, T, K], [b, H, P, W] -> [b, H, T, W]
+        reads.append((w[..., None] * read).transpose(1, 2))  # [b, H, T, W] -> [b, T, H, W]
+    return torch.cat(reads, dim=1).contiguous()
+
+
+def state_write(fmap, k, v, g, state, seq_lens, packed: bool) -> torch.Tensor:
+    """The final `[S | z]`: `exp(G_T) [S_0 | z_0] + Σ_s exp(G_T − G_s) ψ(k_s) [v_s | 1]ᵀ`, `[N, H, P, V + 1]` fp32."""
+    finals = []
+    for (ks, vs, gs), rows in _sequences((k, v, g), state, seq_lens, packed):
+        gl = _log_decay(gs, ks)  # [b, H, T]
+        weight = torch.exp(suffix_sum(gl))  # [b, H, T]: exp(G_T − G_s), each a direct sum
+        values = weight[..., None] * with_ones(vs.float()).transpose(1, 2)  # [b, H, T, V + 1]
+        final = fmap.write(ks.float().transpose(1, 2), values)  # [b, H, T, K], [b, H, T, W] -> [b, H, P, W]
+        if rows is not None:
+            final = final + torch.exp(gl.sum(-1))[..., None, None] * rows
+        finals.append(final)
+    return torch.cat(finals, dim=0)
+
+
+def kata_parallel_fused(
+    q, k, v, g=None, *, groups, combine, normalize, eps, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+):
+    """Triton quadratic form of `kata` for the PSD maps (inputs already validated, scale resolved).
+
+    q, k: `[B, T, H, K]`; v: `[B, T, H, V]`; g: `[B, T, H]` or None; initial_state: `KataState(S [N, H, P, V],
+    z [N, H, P])`; cu_seqlens: int `[N + 1]` with B == 1, handled natively (the kernels' tiles never
+    cross a sequence; the host's state read and write go sequence by sequence). Returns
+    `(o [B, T, H, V] in q's dtype, KataState fp32 or None)`.
+    """
+    check_kernel_inputs(q)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    seq_lens = sequence_lengths(cu_seqlens, B, T)
+    fmap = make_feature_map("psd", K, groups, combine)
+    packed = cu_seqlens is not None
+    state = join_state(initial_state, torch.float32)  # [N, H, P, V + 1] or None
+    if q.numel() == 0:
+        o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
+        if state is None:
+            state = torch.zeros(len(seq_lens), H, fmap.dim(), V + 1, dtype=torch.float32, device=q.device)
+        return o, (split_state(state.clone()) if output_final_state else None)
+    prior = None if state is None else state_read(fmap, q, g, state, seq_lens, packed, scale)
+    o, _ = kata_parallel_forward(q, k, v, g, prior, float(scale), float(eps), list(seq_lens), groups, combine, normalize)
+    if not output_final_state:
+        return o, None
+    final = state_write(fmap, k, v, g, state, seq_lens, packed)
+    return o, split_state(final)

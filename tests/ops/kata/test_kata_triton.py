@@ -1,0 +1,269 @@
+"""Triton `kata` (the flash-style quadratic kernel) against the float64 naive spec.
+
+The bound per tensor is `polyattn.testing.assert_low_precision_matches`'s: at most twice the error of
+the PyTorch `parallel` form on the same low-precision inputs (or one rounding floor), and always under
+a hard ceiling, for o, the final state and every gradient (dq, dk, dv, dg, dh0; cotangents on o and on
+the final state). On a CPU-only machine the kernels run under TRITON_INTERPRET=1 (tests/conftest.py)
+at tiny shapes and small tiles (several query and key tiles per sequence); with CUDA at real shapes
+and the default tiles. Each kernel stage is also compared with its PyTorch twin.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from polyattn import ops
+from polyattn.ops.kata import KATA_FORMS, KataState, kata_naive, kata_parallel, make_feature_map
+from polyattn.ops.kata.triton import kata_triton_parallel
+from polyattn.ops.kata.triton.tiles import diagonal_decay_ref, key_diagonal_decay, query_diagonal_decay
+from polyattn.ops.triton.decay import chunk_decay
+from polyattn.ops.triton.precision import LOG2E
+from polyattn.ops.triton.plan import KernelConfig, get_config, use_config
+from polyattn.testing import assert_close_rel, assert_continuation, assert_low_precision_matches, dtype_id, rel_err, seeded_inputs
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+if CUDA:
+    B, H, K, V = 2, 16, 64, 48
+    T_GRID = [1, 63, 64, 65, 1000]
+    CONFIG = KernelConfig()
+else:
+    B, H, K, V = 2, 2, 8, 12
+    T_GRID = [1, 63, 64, 65, 130]
+    CONFIG = KernelConfig(kata_block_m=32, kata_block_n=16)  # several tiles even at T = 65
+VARIANTS = [(1, "concat"), (2, "concat"), (4, "concat"), (2, "sum"), (4, "sum")]
+
+
+def _inputs(Bx, T, decay, seed=0, Kx=K):
+    x = seeded_inputs(Bx, T, H, Kx, V, decay=decay, seed=seed, device=DEVICE)
+    return {n: x[n] for n in ("q", "k", "v", "g")}
+
+
+def _state(N, groups, combine, seed, Kx=K):
+    gen = torch.Generator().manual_seed(seed)
+    P = make_feature_map("psd", Kx, groups, combine).dim()
+    S = 0.5 * torch.randn(N, H, P, V, generator=gen, dtype=torch.float64)
+    z = torch.rand(N, H, P, generator=gen, dtype=torch.float64)  # a normaliser of nonnegative weights
+    return KataState(S.to(DEVICE), z.to(DEVICE))
+
+
+def _forms(groups, combine, normalize):
+    opts = dict(groups=groups, combine=combine, normalize=normalize, eps=1e-6)
+    return [functools.partial(f, **opts) for f in (kata_naive, kata_parallel, kata_triton_parallel)]
+
+
+def _check(T, dtype, groups, combine, decay, normalize, with_state, Bx=1, seed=0, lengths=None):
+    h0 = _state(Bx if lengths is None else len(lengths), groups, combine, seed + 1) if with_state else None
+    x = _inputs(Bx, T if lengths is None else sum(lengths), decay, seed=seed)
+    with use_config(CONFIG):
+        assert_low_precision_matches(*_forms(groups, combine, normalize), x, h0, dtype, lengths=lengths)
+
+
+def _case_id(case):
+    T, dtype, groups, combine, decay, normalize, with_state = case
+    flags = f"{'g' if decay else 'nog'}-{'norm' if normalize else 'unnorm'}-{'h0' if with_state else 'noh0'}"
+    return f"T{T}-{dtype_id(dtype)}-{combine}-G{groups}-{flags}"
+
+
+# (T, dtype, groups, combine, decay, normalize, with_state). CPU: every variant once in fp32, three bf16
+# cases, the T grid on KATA-M1; CUDA: KATA-M1 over the T grid, both dtypes and every flag, and the
+# other variants at T = 65 and 1000 in both dtypes with two opposite sets of flags.
+if CUDA:
+    DTS = (torch.float32, torch.bfloat16)
+    CASES = [(T, dt, 1, "concat", d, n, s) for T in T_GRID for dt in DTS for d in (False, True) for n in (False, True) for s in (False, True)]
+    CASES += [(T, dt, G, c, d, d, d) for T in (65, 1000) for dt in DTS for G, c in VARIANTS[1:] for d in (False, True)]
+else:
+    CASES = [(40, torch.float32, G, c, True, True, True) for G, c in VARIANTS] + [
+        (65, torch.bfloat16, 1, "concat", True, True, True),
+        (40, torch.bfloat16, 2, "sum", True, False, True),
+        (64, torch.bfloat16, 2, "concat", False, True, False),
+        (1, torch.float32, 1, "concat", True, True, True),
+        (63, torch.float32, 1, "concat", True, False, True),
+        (64, torch.float32, 1, "concat", False, True, False),
+        (65, torch.float32, 1, "concat", True, True, False),
+        (130, torch.float32, 1, "concat", True, False, False),
+    ]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_triton_matches_naive(case):
+    """o, final state and every gradient: each (groups, combine), with and without decay, normalized or
+    not (the kernel's own normalized read), with and without an initial state (the combined read of
+    the host's prior), over the T grid."""
+    T, dtype, groups, combine, decay, normalize, with_state = case
+    _check(T, dtype, groups, combine, decay, normalize, with_state, Bx=B if T <= 64 else 1)
+
+
+VARLEN = [(torch.float32, 1, "concat")] + ([(torch.bfloat16, 2, "sum"), (torch.float32, 4, "concat")] if CUDA else [])
+
+
+@pytest.mark.parametrize("dtype, groups, combine", VARLEN, ids=[f"{dtype_id(d)}-{c}-G{g}" for d, g, c in VARLEN])
+def test_varlen_matches_naive(dtype, groups, combine):
+    lengths = [1, 40, 17, 70] if not CUDA else [1, 64, 1000, 2047, 130]
+    _check(None, dtype, groups, combine, True, True, True, lengths=lengths, seed=4)
+
+
+def test_continuation_from_state():
+    """A call split in two, the second continuing from the first's final state, equals one call."""
+    x = {n: t.float() for n, t in _inputs(1, 50, True, seed=5).items()}
+    with use_config(CONFIG):
+        assert_continuation(ops.kata, x, 37, 1e-5, groups=2, combine="concat", impl="triton_parallel")
+
+
+RESETS = {"-1e4": [-1e4], "-1e30": [-1e30], "finfo.min x2": [torch.finfo(torch.float32).min] * 2, "-inf": [float("-inf")]}
+
+
+GATES = [("-1e30", 64), ("-inf", 100), ("finfo.min x2", 64), ("-1e4", 100)]
+
+
+@pytest.mark.parametrize("reset, position", GATES, ids=[f"{r}-{'tile-start' if p == 64 else 'inside'}" for r, p in GATES])
+def test_exact_under_extreme_gates(reset, position):
+    """A huge negative log-decay or a reset (-inf) leaves every other weight exact: o and final state
+    match the float64 spec in fp32, and the gradients stay finite."""
+    x = _inputs(1, 110, True, seed=3)
+    for i, value in enumerate(RESETS[reset]):
+        x["g"][:, position + i] = value
+    h0 = _state(1, 2, "concat", 6)
+    kw = dict(groups=2, combine="concat", scale=K**-0.5, output_final_state=True)
+    o_ref, s_ref = kata_naive(*x.values(), initial_state=h0, **kw)
+    leaves = [t.float().requires_grad_() for t in x.values()]
+    with use_config(CONFIG):
+        o, s = kata_triton_parallel(*leaves, initial_state=KataState(*(f.float() for f in h0)), **kw)
+    assert_close_rel(o, o_ref, 1e-5, "o")
+    assert_close_rel(s.S, s_ref.S, 1e-5, "final S")
+    assert_close_rel(s.z, s_ref.z, 1e-5, "final z")
+    grads = torch.autograd.grad(o.sum() + s.S.sum(), leaves[:3])
+    assert all(bool(torch.isfinite(d).all()) for d in grads)
+
+
+@triton.jit
+def diagonal_decay_kernel(g, d_query, d_key, p0, c0, R: tl.constexpr, C: tl.constexpr, EXACT: tl.constexpr):
+    rows = p0 + tl.arange(0, R)
+    cols = c0 + tl.arange(0, C)
+    b_g, b_h, p_last = chunk_decay(g, rows, rows < p0 + R, 1, 0, True)
+    _, b_hc, _ = chunk_decay(g, cols, cols < c0 + C, 1, 0, True)
+    b_pre = tl.sum(tl.where(rows < c0, b_g, 0.0), axis=0) * LOG2E  # log2-decay from p0 to c0
+    o_r = tl.arange(0, R)
+    o_c = tl.arange(0, C)
+    tl.store(d_query + o_r[:, None] * C + o_c[None, :], query_diagonal_decay(b_g, b_h, p_last, rows, cols, b_hc + b_pre, EXACT))
+    b_gn = tl.load(g + rows + 1, mask=rows + 1 < p0 + R, other=0.0)
+    tl.store(d_key + o_r[:, None] * C + o_c[None, :], key_diagonal_decay(b_gn, b_h, p_last, rows, cols, b_hc + b_pre, EXACT))
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "fast-unless-extreme"])
+@pytest.mark.parametrize("plant", [None, -1e30, float("-inf")], ids=["plain", "huge", "reset"])
+def test_diagonal_decay_matches_twin(plant, exact):
+    """Both paths of the diagonal decay tiles (queries as rows; keys as rows) against the direct sums."""
+    R, C, c0 = 32, 16, 16
+    g = -0.3 * torch.rand(R + 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    if plant is not None:
+        g[20] = plant
+    g = g.float().to(DEVICE)
+    d_query, d_key = torch.empty(R, C, device=DEVICE), torch.empty(R, C, device=DEVICE)
+    diagonal_decay_kernel[(1,)](g, d_query, d_key, 0, c0, R=R, C=C, EXACT=exact)
+    rows, cols = torch.arange(R), torch.arange(c0, c0 + C)
+    for name, got, want in (("query rows", d_query, diagonal_decay_ref(g, rows, cols, True)),
+                            ("key rows", d_key, diagonal_decay_ref(g, rows, cols, False))):
+        want = want.to(DEVICE)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), f"{name}: infinities differ"
+        finite = torch.isfinite(want)
+        assert torch.allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5), f"{name} differs"
+
+
+def _flat(x):
+    return None if x is None else x.reshape(-1, *x.shape[2:]).contiguous()  # [B, T, H, ...] -> [B*T, H, ...]
+
+
+@pytest.mark.parametrize("groups, combine", [(1, "concat"), (2, "sum")], ids=["concat-G1", "sum-G2"])
+def test_stages_match_twins(groups, combine):
+    """Forward, dq and dk/dv kernels against their PyTorch twins on the same fp32 packed inputs."""
+    from polyattn.ops.kata.triton.backward import kata_dkdv_ref, kata_dq_ref
+    from polyattn.ops.kata.triton.forward import kata_forward_ref
+    from polyattn.ops.kata.triton.function import kata_parallel_backward, kata_parallel_forward
+
+    lengths = [40, 5, 20] if not CUDA else [700, 5, 640]
+    x = {n: t.float() for n, t in _inputs(1, sum(lengths), True, seed=9).items()}
+    q, k, v, g = x.values()
+    scale, eps = 0.4, 1e-6
+    prior = torch.rand(1, sum(lengths), H, V + 1, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    opts = dict(groups=groups, combine=combine, scale=scale)
+    with use_config(CONFIG):
+        o, den = kata_parallel_forward(q, k, v, g, prior, scale, eps, lengths, groups, combine, True)
+        o_ref, den_ref = kata_forward_ref(*(_flat(t) for t in (q, k, v, g, prior)), lengths, eps=eps, normalize=True, **opts)
+        assert rel_err(_flat(o), o_ref) <= 1e-5 and rel_err(_flat(den), den_ref) <= 1e-5
+        do = torch.randn_like(v)
+        dq, dk, dv, dg, dprior = kata_parallel_backward(do, q, k, v, g, o, den, scale, eps, lengths, groups, combine, True, True, True)
+    r = 1 / den.clamp_min(eps)
+    c = r * (do * o).sum(-1)
+    args = [_flat(t) for t in (q, k, v, g, do, r, c)]
+    dq_ref, qdq = kata_dq_ref(*args, lengths, **opts)
+    dk_ref, dv_ref, kdk = kata_dkdv_ref(*args, lengths, **opts)
+    for name, got, want in (("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
+        assert rel_err(_flat(got), want) <= 1e-5, f"{name}: {rel_err(_flat(got), want):.2e}"
+    ends = torch.tensor(lengths).cumsum(0)
+    dg_ref = torch.cat([(0.5 * (qdq - kdk))[b:e].flip(0).cumsum(0).flip(0) for b, e in zip([0, *ends[:-1]], ends)])
+    assert rel_err(_flat(dg), dg_ref) <= 1e-5
+    assert rel_err(dprior[..., :V], r[..., None] * do) <= 1e-6 and rel_err(dprior[..., V], -c) <= 1e-6
+
+
+def test_custom_ops_pass_opcheck():
+    import polyattn.ops.kata.triton.function  # noqa: F401 -- registers polyattn::kata_parallel_*
+
+    x = {n: t.float() for n, t in _inputs(1, 40, True, seed=1).items()}
+    q, k, v, g = x.values()
+    prior = torch.rand(1, 40, H, V + 1, device=DEVICE)
+    with use_config(CONFIG):
+        for args in [(q, k, v, g, prior, 0.3, 1e-6, [40], 2, "sum", True), (q, k, v, None, None, 0.3, 1e-6, [40], 1, "concat", False)]:
+            torch.library.opcheck(torch.ops.polyattn.kata_parallel_forward.default, args,
+                                  test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+        o, den = torch.ops.polyattn.kata_parallel_forward(q, k, v, g, prior, 0.3, 1e-6, [40], 2, "concat", True)
+        args = (torch.randn_like(o), q, k, v, g, o, den, 0.3, 1e-6, [40], 2, "concat", True, True, True)
+        torch.library.opcheck(torch.ops.polyattn.kata_parallel_backward.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiles_as_one_graph():
+    """`torch.compile(fullgraph=True)` traces the custom ops and the host's state parts; gradients equal eager."""
+    x = {n: t.float() for n, t in _inputs(1, 40, True, seed=2).items()}
+    leaves = [t.clone().requires_grad_() for t in x.values()]
+
+    def loss(q, k, v, g):
+        o, s = ops.kata(q, k, v, g, groups=2, impl="triton", output_final_state=True)
+        return o.square().sum() + s.S.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    with use_config(CONFIG):
+        got = torch.autograd.grad(compiled(*leaves), leaves)
+        want = torch.autograd.grad(loss(*leaves), leaves)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close_rel(a, b, 1e-6, f"gradient {i}")
+
+
+def test_dispatch():
+    """`impl="triton"` is the quadratic kernel, chosen by name; `auto` keeps to the PyTorch forms."""
+    assert KATA_FORMS["triton"] is KATA_FORMS["triton_parallel"] is kata_triton_parallel
+    x = {n: t.float() for n, t in _inputs(1, 20, True).items()}
+    with use_config(CONFIG):
+        o, _ = ops.kata(*x.values(), groups=2, impl="triton")
+        o_ref, _ = ops.kata(*x.values(), groups=2, impl="parallel")
+        assert_close_rel(o, o_ref, 1e-5)
+        o_auto, _ = ops.kata(*x.values(), feature="orthant", impl="auto")  # no kernel for first-order maps
+        assert_close_rel(o_auto, ops.kata(*x.values(), feature="orthant", impl="chunk")[0], 1e-6)
+
+
+@pytest.mark.parametrize("bad", ["orthant", "groups3", "float64", "tiles"])
+def test_bad_input_raises(bad):
+    x = {n: t.float() for n, t in _inputs(1, 10, True, Kx=12).items()}
+    kw = dict(impl="triton_parallel")
+    if bad == "orthant":
+        kw["feature"] = "orthant"
+    elif bad == "groups3":
+        kw["groups"] = 3
+    elif bad == "float64":
+        x = {n: t.double() for n, t in x.items()}
+    with pytest.raises(ValueError), use_config(KernelConfig(kata_block_m=48, kata_block_n=32) if bad == "tiles" else get_config()):
+        ops.kata(*x.values(), **kw)
