@@ -99,23 +99,37 @@ def dtype_id(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}[dtype]
 
 
-def forward_backward(form, inputs: dict, h0: torch.Tensor, cotangents, *, scale: float, cu_seqlens=None) -> dict:
+def _float_field(state) -> torch.Tensor:
+    """The floating tensor of a state: the state itself, or a NamedTuple's first field (its levels)."""
+    return state if isinstance(state, torch.Tensor) else state[0]
+
+
+def _with_float_field(state, x: torch.Tensor):
+    """`state` with its floating tensor replaced by `x` (other fields, e.g. positions, kept)."""
+    return x if isinstance(state, torch.Tensor) else type(state)(x, *state[1:])
+
+
+def forward_backward(form, inputs: dict, h0, cotangents, *, scale: float, cu_seqlens=None) -> dict:
     """Forward + backward of one form of an op `form(*inputs.values(), scale=, initial_state=, ...)`.
 
     `inputs` is ordered as the op's positional tensors (None entries passed as None and not
-    differentiated); gradients flow through `o` and the final state with the cotangents
-    `(do, dht)`. Returns `{"o", "final_state", "d<name>"..., "dh0"}`.
+    differentiated); `h0` is a state tensor or a NamedTuple state whose first field is its floating
+    tensor (differentiated; the other fields, e.g. positions, are passed as they are). Gradients
+    flow through `o` and the final state's floating tensor with the cotangents `(do, dht)`.
+    Returns `{"o", "final_state", "d<name>"..., "dh0"}`.
     """
     leaves = {n: None if x is None else x.detach().clone().requires_grad_() for n, x in inputs.items()}
-    h0 = h0.detach().clone().requires_grad_()
-    kwargs = dict(scale=scale, initial_state=h0, output_final_state=True)
+    leaf = _float_field(h0).detach().clone().requires_grad_()
+    kwargs = dict(scale=scale, initial_state=_with_float_field(h0, leaf), output_final_state=True)
     if cu_seqlens is not None:
         kwargs["cu_seqlens"] = cu_seqlens
     o, ht = form(*leaves.values(), **kwargs)
+    ht = _float_field(ht)
     do, dht = cotangents
     loss = (o.double() * do).sum() + (ht.double() * dht).sum()
     wrt = {n: x for n, x in leaves.items() if x is not None}
-    grads = torch.autograd.grad(loss, [*wrt.values(), h0])
+    grads = torch.autograd.grad(loss, [*wrt.values(), leaf], allow_unused=True)
+    grads = [torch.zeros_like(x) if gr is None else gr for x, gr in zip([*wrt.values(), leaf], grads)]  # unused: zero
     out = {"o": o, "final_state": ht}
     out.update({f"d{n}": gr for n, gr in zip([*wrt, "h0"], grads)})
     return out
@@ -123,15 +137,17 @@ def forward_backward(form, inputs: dict, h0: torch.Tensor, cotangents, *, scale:
 
 def per_sequence(form, lengths: list[int]):
     """A form over packed sequences run one sequence at a time (the reference for `cu_seqlens`)."""
+    from polyattn.ops.common import state_cat, state_index
+
     def run(*tensors, scale, initial_state, output_final_state):
         outs, states, bos = [], [], 0
         for i, n in enumerate(lengths):
             piece = [None if x is None else x[:, bos:bos + n] for x in tensors]
-            o, s = form(*piece, scale=scale, initial_state=initial_state[i:i + 1], output_final_state=output_final_state)
+            o, s = form(*piece, scale=scale, initial_state=state_index(initial_state, i), output_final_state=output_final_state)
             outs.append(o)
             states.append(s)
             bos += n
-        return torch.cat(outs, 1), torch.cat(states, 0)  # N x [1, T_i, H, V] -> [1, T, H, V]
+        return torch.cat(outs, 1), state_cat(states)  # N x [1, T_i, H, V] -> [1, T, H, V]
     return run
 
 
@@ -143,9 +159,8 @@ def low_precision_errors(naive, chunk, fast, inputs: dict, h0, dtype, *, lengths
     gen = torch.Generator().manual_seed(seed)
     q, v = inputs["q"], inputs["v"]
     Bx, T, Hx, Kx = q.shape
-    N = Bx if lengths is None else len(lengths)
     do = torch.randn(Bx, T, Hx, v.shape[-1], generator=gen, dtype=torch.float64).to(q.device)
-    dht = torch.randn(N, Hx, Kx, v.shape[-1], generator=gen, dtype=torch.float64).to(q.device)
+    dht = torch.randn(*_float_field(h0).shape, generator=gen, dtype=torch.float64).to(q.device)
     low = {n: None if x is None else x.to(dtype) for n, x in inputs.items()}
     exact = {n: None if x is None else x.double() for n, x in low.items()}  # the same rounded inputs
     cu = None
@@ -153,7 +168,7 @@ def low_precision_errors(naive, chunk, fast, inputs: dict, h0, dtype, *, lengths
         naive, chunk = per_sequence(naive, lengths), per_sequence(chunk, lengths)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=q.device)
     scale = Kx**-0.5
-    ref = forward_backward(naive, exact, h0.double(), (do, dht), scale=scale)
+    ref = forward_backward(naive, exact, _with_float_field(h0, _float_field(h0).double()), (do, dht), scale=scale)
     base = forward_backward(chunk, low, h0, (do, dht), scale=scale)
     got = forward_backward(fast, low, h0, (do, dht), scale=scale, cu_seqlens=cu)
     errors = {}

@@ -132,13 +132,13 @@ def level_pass_kernel(
 
         # intra-chunk: the score block weighted by lam[t, level(i, j)] (t = row causal, column anticausal)
         b_att = mma(b_a, tl.trans(b_b), F32) * (tl.exp2(b_d) * scale)  # [C, BA] @ [BA, C] -> [C, C]
-        b_w = tl.zeros([C, C], dtype=tl.float32)
-        for lv in tl.static_range(LOG_C + 1):
-            b_lam = tl.load(lam + row_l + lv, mask=m_t & (o_t * 0 + lv < L), other=0.0).to(tl.float32)  # [C]
-            if REVERSE:
-                b_w = tl.where(lut == lv, b_lam[None, :], b_w)
-            else:
-                b_w = tl.where(lut == lv, b_lam[:, None], b_w)
+        if REVERSE:
+            p_w = lam + row_l[None, :] + lut  # [C, C]: lam of the column's row
+            m_w = m_t[None, :] & (lut < L)
+        else:
+            p_w = lam + row_l[:, None] + lut
+            m_w = m_t[:, None] & (lut < L)
+        b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)  # [C, C] gathered from the chunk's lam rows
         b_o = mma_left_fp32(b_att * b_w, b_v, F32)  # [C, C] @ [C, BC] -> [C, BC]
         if DLAM:
             b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0)  # [C, BC]
@@ -211,7 +211,7 @@ def level_pass(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, g: torch.Tensor | None, lam: torch.Tensor,
     position: torch.Tensor, seq_lens: tuple, *, scale: float, reverse: bool,
     initial_state: torch.Tensor | None = None, dot_x: torch.Tensor | None = None, want_dlam: bool = False,
-    config: KernelConfig | None = None,
+    out_dtype: torch.dtype | None = None, chunk_size: int | None = None, config: KernelConfig | None = None,
 ):
     """Run one level pass over flattened tokens.
 
@@ -219,14 +219,15 @@ def level_pass(
     contiguous. position: [N] int64 start positions; seq_lens: host lengths (each >= 1).
     initial_state: [N, H, NLC, DA, DC] fp32 per-level states entering the pass (the causal states at
     the first chunk's start, or the anticausal ones at the last chunk's end), NLC = max(L - c - 1, 1).
-    Returns `(out [N_tok, H, DC] in c's dtype, state [N, H, NLC, DA, DC] fp32 (the states leaving
+    chunk_size: default the config's. out_dtype: default c's dtype (fp32 when more terms are added to `out` before one rounding).
+    Returns `(out [N_tok, H, DC] in out_dtype, state [N, H, NLC, DA, DC] fp32 (the states leaving
     the pass), rowdot [N_tok, H] fp32 or None, dlam [N_tok, H, L] fp32 or None)`.
     """
     config = config or get_config()
     N_tok, H, DA = a.shape
     DC, L = c.shape[-1], lam.shape[-1]
     N = len(seq_lens)
-    C = config.chunk_size
+    C = chunk_size or config.chunk_size
     LOG_C = C.bit_length() - 1
     NLC = max(L - LOG_C - 1, 1)
     BA, BC = block(DA), min(block(DC), config.block_c)
@@ -237,7 +238,7 @@ def level_pass(
         state = initial_state.to(torch.float32, copy=True).contiguous()
     else:
         state = torch.empty(N, H, NLC, DA, DC, dtype=torch.float32, device=a.device)
-    out = torch.empty_like(c)
+    out = torch.empty_like(c, dtype=out_dtype or c.dtype)
     rowdot = torch.empty(n_c, N_tok, H, dtype=torch.float32, device=a.device) if dot_x is not None else None
     dlam = torch.zeros(n_c, N_tok, H, L, dtype=torch.float32, device=a.device) if want_dlam else None
     level_pass_kernel[(n_c, N, H)](
