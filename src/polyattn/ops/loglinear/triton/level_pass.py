@@ -114,7 +114,7 @@ def level_pass_kernel(
             n = n1 - i
         else:
             n = n0 + i
-        last = i == n_chunks - 1
+        inner = i < n_chunks - 1  # the last chunk of the walk empties no level: its states leave the pass
         tpos = n * C + o_t  # absolute positions of the chunk's rows
         t = bos + (tpos - P)  # token rows
         m_t = (tpos >= P) & (tpos < E)
@@ -186,7 +186,7 @@ def level_pass_kernel(
                 ends = n % period == 0
             else:
                 ends = n % period == period - 1
-            if ends and not last:
+            if ends & inner:
                 p_new = tl.full([], float("-inf"), tl.float32)
             b_p = tl.where(o_l == ell, p_new, b_p)
         b_p = tl.where(o_l >= NL, b_p + b_last, b_p)  # levels no chunk of this sequence reaches only decay
