@@ -167,3 +167,24 @@ def test_triton_rejects_what_it_lacks():
         ops.loglinear_attn(**{n: t.double() for n, t in x.items()}, impl="triton")
     with pytest.raises(ValueError, match="num_levels"):
         ops.loglinear_attn(**{**x, "lam": x["lam"][..., :3]}, impl="triton")
+
+
+def test_decoding_step_matches_the_recurrent_form():
+    """The fused step, token for token, against `loglinear_attn_step` for a batch whose sequences sit at
+    their own positions (fresh, 2^k - 1, 2^k, 2^k + 1), through the op (one token, no gradients)."""
+    from polyattn.ops.loglinear import loglinear_attn_step
+
+    positions = [0, 1, 7, 8, 15, 16]
+    L = num_levels(16 + 5) + 1
+    state = _state(positions, L, seed=12)
+    x = {n: t.float() for n, t in _inputs(len(positions), 5, seed=13, L=L).items()}
+    fused = LogLinearState(state.levels.float(), state.position)
+    reference = state
+    for t in range(5):
+        token = {n: x[n][:, t : t + 1] for n in ("q", "k", "v", "lam", "g")}
+        with torch.no_grad():
+            o, fused = loglinear_attn_triton(**token, scale=0.5, initial_state=fused, output_final_state=True)
+        o_ref, reference = loglinear_attn_step(*(token[n][:, 0].double() for n in ("q", "k", "v", "lam", "g")), None, reference, scale=0.5)
+        assert torch.equal(fused.position, reference.position)
+        assert rel_err(o[:, 0], o_ref) <= 1e-5, f"step {t}: o rel err {rel_err(o[:, 0], o_ref):.2e}"
+        assert rel_err(fused.levels, reference.levels) <= 1e-5, f"step {t}: state rel err {rel_err(fused.levels, reference.levels):.2e}"

@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from polyattn.ops.loglinear.state import LogLinearState, fenwick_carry, occupied_levels
-from polyattn.ops.triton.plan import get_config, no_output, reverse_cumsum, sequence_lengths
+from polyattn.ops.triton.plan import get_config, no_output, one_token_step, reverse_cumsum, sequence_lengths
 from polyattn.ops.triton.precision import check_kernel_inputs
 
 from .level_pass import level_pass
+from .step import loglinear_attn_step_inplace
 
 
 def _flatten(tensors, B: int, T: int):
@@ -335,8 +336,9 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, scale, initial_state=None, out
     q, k: [B, T, H, K]; v: [B, T, H, V]; lam: [B, T, H, L]; g: [B, T, H] or None; initial_state:
     `LogLinearState` with levels [N, H, L, K, V] (only the levels a state can occupy at its position
     are read, `occupied_levels`); cu_seqlens: int [N + 1] with B == 1, handled natively (one host
-    read of the offsets, none of the positions). Returns `(o [B, T, H, V] in q's dtype,
-    LogLinearState or None)`.
+    read of the offsets, none of the positions). One token per sequence without gradients
+    (decoding) runs the fused step (step.py) on a copy of the levels. Returns `(o [B, T, H, V] in
+    q's dtype, LogLinearState or None)`.
     """
     check_kernel_inputs(q)
     B, T, H, K = q.shape
@@ -351,6 +353,10 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, scale, initial_state=None, out
         levels = torch.where(occupied, initial_state.levels.float(), 0.0)  # levels that hold no keys at the position are not read
     else:
         position = torch.zeros(N, dtype=torch.int64, device=q.device)
+    if q.numel() != 0 and one_token_step(q, cu_seqlens, (q, k, v, lam, g, None if initial_state is None else initial_state.levels)):
+        state = initial_state.levels.to(torch.float32, copy=True).contiguous() if initial_state is not None else q.new_zeros(B, H, L, K, V, dtype=torch.float32)
+        o, state = loglinear_attn_step_inplace(q[:, 0], k[:, 0], v[:, 0], lam[:, 0], None if g is None else g[:, 0], state, position, scale=scale)
+        return o[:, None], (LogLinearState(state, position + 1) if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
     if q.numel() == 0:
         o = v.new_zeros(B, T, H, V, dtype=q.dtype)
         if not output_final_state:
