@@ -43,7 +43,7 @@ import triton.language as tl
 from polyattn.ops.common.fenwick import level_table
 from polyattn.ops.linear.triton.chunk_states import keys_times_values
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays
-from polyattn.ops.triton.plan import KernelConfig, block, get_config, segment_table
+from polyattn.ops.triton.plan import KernelConfig, block, get_config, segment_table, state_tile
 from polyattn.ops.triton.precision import LOG2E, dot_f32, mma, mma_left_fp32, mma_right_fp32, to_output
 
 
@@ -95,11 +95,7 @@ def level_pass_kernel(
     n0 = P // C
     n1 = (E - 1) // C
     NL = bit_length(n1)  # chunk-levels in play: no chunk index of the sequence has a higher bit
-    o_a = tl.arange(0, BA)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_a = o_a < DA
-    m_c = o_c < DC
-    m_s = m_a[:, None] & m_c[None, :]
+    o_a, o_c, m_a, m_c, m_s = state_tile(i_c, DA, DC, BA, BC)
     o_t = tl.arange(0, C)
     o_l = tl.arange(0, BL)
     lut = intra_levels(C, LOG_C)  # [C, C]
