@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from polyattn.ops.loglinear.state import LogLinearState, fenwick_carry, occupied_levels
+from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, fenwick_carry, occupied_levels
 from polyattn.ops.triton.plan import get_config, no_output, one_token_step, reverse_cumsum, sequence_lengths
 from polyattn.ops.triton.precision import check_kernel_inputs
 
@@ -347,6 +347,7 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, scale, initial_state=None, out
     seq_lens = sequence_lengths(cu_seqlens, B, T)
     N = len(seq_lens)
     lengths = torch.tensor(seq_lens, device=q.device)  # [N]
+    check_lam_levels(L, initial_state, T if cu_seqlens is None else lengths)
     if initial_state is not None:
         position = initial_state.position
         occupied = occupied_levels(position, L)[:, None, :, None, None]  # [N, 1, L, 1, 1]

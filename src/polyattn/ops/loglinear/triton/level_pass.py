@@ -94,7 +94,7 @@ def level_pass_kernel(
     E = P + (eos - bos)  # absolute end (exclusive)
     n0 = P // C
     n1 = (E - 1) // C
-    NL = bit_length(n1)  # chunk-levels in play: no chunk index of the sequence has a higher bit
+    NL = tl.minimum(bit_length(n1), NLC)  # chunk-levels in play: no chunk index has a higher bit (NLC: lam too short)
     o_a, o_c, m_a, m_c, m_s = state_tile(i_c, DA, DC, BA, BC)
     o_t = tl.arange(0, C)
     o_l = tl.arange(0, BL)
