@@ -6,12 +6,15 @@ and `blocks_to_fenwick` translate between the two in PyTorch (a few [N, H, L, K,
 device, differentiable: no host read of the positions), and `first_chunk_reads` / `last_chunk_levels`
 add the O(C) tokens per sequence that sit next to an initial state's keys inside one chunk
 (ops/loglinear/README.md, "Triton kernels"). Forward: one causal pass `(q, k, v)`. Backward, with
-`do` and `dR` (the gradient of the leaving states):
+`do`, `dR` (the gradient of the leaving states) and `dF` (of the final state's in-chunk levels F):
 
     dq = causal     pass(a=do, b=v,  c=k;  entering R^T)      + dlam (its per-level row dots with q)
     dv = anticausal pass(a=k,  b=q,  c=do; entering dR / scale) -> dR0 = scale * leaving state
     dk = anticausal pass(a=v,  b=do, c=q;  entering dR^T / scale)
-    dg = reverse_cumsum_within_sequence(q . dq - k . dk) + <dR, R> at the last token
+    dg = reverse_cumsum_within_sequence(q . dq - k . dk) + <dR, R> + <dF, F> at the last token
+
+(dq, dk, dv, dlam with the edge terms' gradients added.) One token without gradients runs the fused
+decoding step (step.py) instead.
 
 The dg line is linear attention's identity, unchanged by the level weights: `lam` does not depend on
 g, every pair's weight is `lam[t, level] exp(G_t - G_s)`, so `dL/dG_t` is the sum of its pair terms
@@ -41,7 +44,8 @@ def _levels_dim(L: int, C: int) -> int:
 
 
 class _Layout(NamedTuple):
-    """What every op of a call derives from the host lengths: starts, lengths and the edge-chunk rows."""
+    """What every op of a call derives from the host lengths and the positions: the lengths and the
+    edge-chunk rows."""
 
     lengths: torch.Tensor  # [N]
     first: tuple  # (rows [N, C], real [N, C]) of first_chunk_rows

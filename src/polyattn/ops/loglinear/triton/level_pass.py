@@ -44,7 +44,7 @@ from polyattn.ops.common.fenwick import level_table
 from polyattn.ops.linear.triton.chunk_states import keys_times_values
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays
 from polyattn.ops.triton.plan import KernelConfig, block, get_config, segment_table, state_tile
-from polyattn.ops.triton.precision import LOG2E, dot_f32, mma, mma_left_fp32, mma_right_fp32, to_output
+from polyattn.ops.triton.precision import dot_f32, mma, mma_left_fp32, mma_right_fp32, to_output
 
 
 @triton.jit
