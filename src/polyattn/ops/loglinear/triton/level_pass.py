@@ -43,7 +43,7 @@ import triton.language as tl
 from polyattn.ops.common.fenwick import level_table
 from polyattn.ops.linear.triton.chunk_states import keys_times_values
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays
-from polyattn.ops.triton.plan import KernelConfig, block, get_config, segment_table, state_tile
+from polyattn.ops.triton.plan import KernelConfig, block, get_config, num_sms, segment_table, state_tile
 from polyattn.ops.triton.precision import dot_f32, mma, mma_left_fp32, mma_right_fp32, to_output
 
 
@@ -227,6 +227,9 @@ def level_pass(
     LOG_C = C.bit_length() - 1
     NLC = max(L - LOG_C - 1, 1)
     BA, BC = block(DA), min(block(DC), config.block_c)
+    target = config.programs_per_sm * num_sms(a.device)
+    while BC > 16 and N * H * triton.cdiv(DC, BC) < target:  # few sequences x heads: narrower value tiles, more programs
+        BC //= 2
     n_c = triton.cdiv(DC, BC)
     F32 = dot_f32(a.dtype)
     seg = segment_table(seq_lens, 1, C, a.device)[0]
