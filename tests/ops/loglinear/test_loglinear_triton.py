@@ -29,10 +29,12 @@ if CUDA:
     B, H, K, V = 2, 16, 128, 96
     LONG_T = 4096
     CONFIG = get_config()
+    SPLIT_T, SPLITS = 300, [63, 64, 65, 129]
 else:
     B, H, K, V = 2, 2, 8, 12
     LONG_T = 1000
     CONFIG = KernelConfig(chunk_size=16, block_c=16)
+    SPLIT_T, SPLITS = 50, [15, 16, 17, 33]  # around the chunk size 2^k, and past two chunks
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -122,10 +124,10 @@ def test_triton_reset_gates():
     _check(x, _state([0, 5], x["lam"].shape[-1], seed=9), torch.float32)
 
 
-@pytest.mark.parametrize("split", [15, 16, 17, 33])
+@pytest.mark.parametrize("split", SPLITS)
 def test_triton_continues_exactly(split):
     """Prefill then continue from the final state: the same outputs and final state as one call."""
-    x = {n: t.float() for n, t in _inputs(1, 50, seed=10).items()}
+    x = {n: t.float() for n, t in _inputs(1, SPLIT_T, seed=10).items()}
     o, s = _triton(**x, scale=0.5, output_final_state=True)
     first = {n: t[:, :split] for n, t in x.items()}
     second = {n: t[:, split:] for n, t in x.items()}
