@@ -372,7 +372,4 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, scale, initial_state=None, out
     o, R, F_low = loglinear_attn_forward(q, k, v, lam, g, r0, low, position, scale, list(seq_lens), C, output_final_state)
     if not output_final_state:
         return o, None
-    final = blocks_to_fenwick(R, F_low, position, lengths, C, L)
-    if initial_state is not None:
-        final = torch.where((lengths == 0)[:, None, None, None, None], levels, final)  # an empty sequence keeps its state
-    return o, LogLinearState(final, position + lengths)
+    return o, LogLinearState(blocks_to_fenwick(R, F_low, position, lengths, C, L), position + lengths)
