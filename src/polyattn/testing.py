@@ -100,24 +100,28 @@ def dtype_id(dtype: torch.dtype) -> str:
 
 
 def _named_fields(name: str, state) -> dict:
-    """A state's tensors by name: ``{name: state}`` for a tensor, ``{name.S: .., name.z: ..}`` for a NamedTuple."""
+    """A state's floating tensors by name: ``{name: state}`` for a tensor, ``{name.S: .., name.z: ..}``
+    for a NamedTuple (integer fields, e.g. log-linear positions, are not differentiated)."""
     if state is None:
         return {}
     if isinstance(state, torch.Tensor):
         return {name: state}
-    return {f"{name}.{field}": x for field, x in zip(state._fields, state)}
+    return {f"{name}.{field}": x for field, x in zip(state._fields, state) if x.is_floating_point()}
 
 
 def _state_like(state, fields):
-    """Rebuild a state of ``state``'s kind (tensor or NamedTuple) from a list of tensors."""
-    return fields[0] if isinstance(state, torch.Tensor) else type(state)(*fields)
+    """``state`` with its floating tensors replaced, in order, by ``fields`` (integer fields kept)."""
+    if isinstance(state, torch.Tensor):
+        return fields[0]
+    it = iter(fields)
+    return type(state)(*(next(it) if x.is_floating_point() else x for x in state))
 
 
 def forward_backward(form, inputs: dict, h0, cotangents, *, scale: float, cu_seqlens=None) -> dict:
     """Forward + backward of one form of an op `form(*inputs.values(), scale=, initial_state=, ...)`.
 
     `inputs` is ordered as the op's positional tensors (None entries passed as None and not
-    differentiated); `h0` a tensor, a NamedTuple of tensors (e.g. `KataState`) or None; gradients
+    differentiated); `h0` a tensor, a NamedTuple state (e.g. `KataState`; integer fields passed as they are) or None; gradients
     flow through `o` and the final state with the cotangents `(do, dht)`, dht shaped like the
     final state. Returns `{"o", "final_state"..., "d<name>"..., "dh0"...}` (a NamedTuple state
     field by field, as `final_state.S`).
@@ -132,7 +136,8 @@ def forward_backward(form, inputs: dict, h0, cotangents, *, scale: float, cu_seq
     finals = _named_fields("final_state", ht)
     loss = (o.double() * do).sum() + sum((x.double() * d).sum() for x, d in zip(finals.values(), _named_fields("", dht).values()))
     wrt = {n: x for n, x in leaves.items() if x is not None}
-    grads = torch.autograd.grad(loss, [*wrt.values(), *h0_leaves])
+    grads = torch.autograd.grad(loss, [*wrt.values(), *h0_leaves], allow_unused=True)
+    grads = [torch.zeros_like(x) if gr is None else gr for x, gr in zip([*wrt.values(), *h0_leaves], grads)]  # unused: zero
     out = {"o": o, **finals}
     out.update({f"d{n}": gr for n, gr in zip([*wrt, *_named_fields("h0", h0)], grads)})
     return out

@@ -1,4 +1,5 @@
-"""`python -m polyattn.bench kernels`: linear attention, the delta rule, HLA2 and KATA against SDPA and fla.
+"""`python -m polyattn.bench kernels`: linear attention, the delta rule, HLA2, log-linear Mamba-2 and
+KATA against SDPA and fla.
 
 Standard shape: bf16, H = 16, K = V in {128, 64}, B = 65,536 // T sequences (B = 1 at 128K),
 T from 2K to 128K; forward and forward + backward. FLOP and byte counts follow the formulas of
@@ -10,6 +11,11 @@ forward FLOPs `2 (2C(K+V) + 3KV)`, the same minimum bytes. KATA's quadratic kern
 (ops/kata/README.md, "Triton kernel") counts its products per causal pair, `T/2` pairs per token:
 forward `T (K' + V)`, fwd+bwd `T (5K' + 4V)` FLOPs per token and head, `K' = K` for KATA-Mg and
 `groups·K` for KATA-Σg (the split halves of fp32 tiles not counted); the same minimum bytes.
+Log-linear Mamba-2 (ops/loglinear/README.md,
+"Triton kernels"; `scale = 1`, lam = softplus of a normal draw, `num_levels(T)` columns, differentiated)
+reads about half of its `NL = log2(T / C)` chunk-levels per token: forward FLOPs
+`2C(K+V) + 2KV (1 + NL / 2)`, fwd+bwd 3x forward plus the two anticausal passes' per-level adds
+`2KV NL`; bytes add lam (and dlam) at `2L` bytes per token.
 """
 from __future__ import annotations
 
@@ -30,13 +36,33 @@ CHUNK = 64
 
 @dataclass(frozen=True)
 class Case:
-    op: str  # "linear_attn", "linear_attn_decay", "delta_rule", "hla2", "hla2_decay", "kata_m1", "kata_m2", "kata_s2", "softmax"
+    op: str  # "linear_attn", "linear_attn_decay", "delta_rule", "hla2", "hla2_decay", "loglinear_mamba2", "kata_m1", "kata_m2", "kata_s2", "softmax"
     impl: str
     make: object  # (q, k, v, g, beta) -> callable returning the output tensor
 
 
-GATED = ("linear_attn_decay", "hla2_decay", "delta_rule")  # ops whose fwd+bwd differentiates g
+GATED = ("linear_attn_decay", "hla2_decay", "delta_rule", "loglinear_mamba2")  # ops whose fwd+bwd differentiates g
 KATA = {"kata_m1": (1, "concat"), "kata_m2": (2, "concat"), "kata_s2": (2, "sum")}  # op -> (groups, combine)
+
+
+def _with_levels(call):
+    """A maker for a log-linear op `call(q, k, v, g, lam)`: lam `[B, T, H, num_levels(T)]` bf16 (a
+    leaf of the backward, like q), exposed to `measure` as the callable's `extra_leaves`."""
+    from polyattn.ops.common import num_levels
+
+    def make(q, k, v, g, beta):
+        B, T = q.shape[:2]
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        lam = F.softplus(torch.randn(B, T, H, num_levels(T), device="cuda", generator=gen)).to(torch.bfloat16)
+        lam.requires_grad_(q.requires_grad)
+
+        def run():
+            return call(q, k, v, g, lam)
+
+        run.extra_leaves = [lam]
+        return run
+
+    return make
 
 
 def _fla(name: str):
@@ -72,6 +98,8 @@ def cases() -> list[Case]:
         Case("delta_rule", "polyattn-triton", lambda q, k, v, g, b: lambda: ops.delta_rule(q, k, v, b, g, impl="triton")[0]),
         Case("hla2", "polyattn-triton", lambda q, k, v, g, b: lambda: ops.hla(q, k, v, impl="triton")[0]),
         Case("hla2_decay", "polyattn-triton", lambda q, k, v, g, b: lambda: ops.hla(q, k, v, g, impl="triton")[0]),
+        Case("loglinear_mamba2", "polyattn-triton",
+             _with_levels(lambda q, k, v, g, lam: ops.loglinear_attn(q, k, v, lam, g, scale=1.0, impl="triton")[0])),
     ]
     out += [
         Case(op, "polyattn-triton-parallel",
@@ -84,6 +112,7 @@ def cases() -> list[Case]:
     ]
     chunk_linear_attn, chunk_simple_gla = _fla("chunk_linear_attn"), _fla("chunk_simple_gla")
     chunk_gated_delta_rule = _fla("chunk_gated_delta_rule")
+    chunk_log_linear_attn = _fla("chunk_log_linear_attn")
     if chunk_linear_attn is not None:
         out.append(Case("linear_attn", "fla-chunk_linear_attn",
                         lambda q, k, v, g, b: lambda: chunk_linear_attn(q, k, v, normalize=False)[0]))
@@ -92,13 +121,18 @@ def cases() -> list[Case]:
     if chunk_gated_delta_rule is not None:
         out.append(Case("delta_rule", "fla-chunk_gated_delta_rule",
                         lambda q, k, v, g, b: lambda: chunk_gated_delta_rule(q, k, v, g, b)[0]))
+    if chunk_log_linear_attn is not None:  # q, k with one group per head (G = H), scale 1 as ours
+        out.append(Case("loglinear_mamba2", "fla-chunk_log_linear_attn",
+                        _with_levels(lambda q, k, v, g, lam: chunk_log_linear_attn(q, k, v, g, lam, scale=1.0)[0])))
     return out
 
 
-def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int, T: int) -> tuple[float, float]:
-    """FLOPs and minimum bytes of one call (ops/linear/README.md); HLA2 counts two linear calls;
-    KATA's quadratic kernel its products per causal pair."""
+def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int, T: int | None = None) -> tuple[float, float]:
+    """FLOPs and minimum bytes of one call (the module docstring); HLA2 counts two linear calls;
+    KATA's quadratic kernel its products per causal pair. T: the sequence length (log-linear
+    attention's level count, KATA's pairs; default `tokens`)."""
     if op in KATA:
+        T = T or tokens
         Kp = K * KATA[op][0] if KATA[op][1] == "sum" else K
         flops = T * (Kp + V) if mode == "fwd" else T * (5 * Kp + 4 * V)
         bytes_ = (2 * K + 2 * V) * 2 if mode == "fwd" else (5 * K + 6 * V) * 2
@@ -108,6 +142,13 @@ def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int, T: int) -> tupl
         fwd_flops = 2 * (2 * CHUNK * (K + V) + 3 * K * V)
     fwd_bytes = (2 * K + 2 * V) * 2
     flops, bytes_ = (fwd_flops, fwd_bytes) if mode == "fwd" else (3 * fwd_flops, (5 * K + 6 * V) * 2)
+    if op == "loglinear_mamba2":
+        T = T or tokens
+        NL = max(1, (T // CHUNK - 1).bit_length())
+        L = (T - 1).bit_length() + 1
+        fwd_flops = 2 * CHUNK * (K + V) + 2 * K * V * (1 + NL / 2)
+        flops = fwd_flops if mode == "fwd" else 3 * fwd_flops + 2 * K * V * NL
+        bytes_ = fwd_bytes + 2 * L if mode == "fwd" else (5 * K + 6 * V) * 2 + 4 * L
     if op.startswith("hla2"):
         flops *= 2
     return flops * tokens * H, bytes_ * tokens * H
@@ -134,6 +175,7 @@ def measure(case: Case, B: int, T: int, D: int, mode: str, timed: bool = True) -
             with torch.no_grad():
                 return bench(fn)
         leaves = [q, k, v] + ([g] if case.op in GATED else []) + ([beta] if case.op == "delta_rule" else [])
+        leaves += getattr(fn, "extra_leaves", [])
         do = torch.randn_like(fn())
         return bench(lambda: torch.autograd.grad(fn(), leaves, do))
     except Exception as exc:  # noqa: BLE001 -- an anchor that cannot run is a table entry
@@ -171,7 +213,7 @@ def run(out: Path, dims=(128, 64), t_grid=T_GRID, modes=("fwd", "fwdbwd"), impls
                     ms = measure(case, B, T, D, mode)
                     row = dict(op=case.op, impl=case.impl, T=T, B=B, H=H, K=D, V=D, mode=mode, ms=ms)
                     if isinstance(ms, float):
-                        flops, bytes_ = flops_bytes(case.op, mode, B * T, D, D, T)
+                        flops, bytes_ = flops_bytes(case.op, mode, B * T, D, D, T=T)
                         row.update(tokens_per_s=B * T / ms * 1e3)
                         if case.op != "softmax":
                             row.update(tflops=flops / ms * 1e-9, gbps=bytes_ / ms * 1e-6)
@@ -210,6 +252,9 @@ RATIOS = (  # (our op, our impl, anchor op, anchor impl)
     ("kata_m1", "polyattn-triton-parallel", "softmax", "sdpa-cudnn"),
     ("kata_m2", "polyattn-triton-parallel", "softmax", "sdpa-flash"),
     ("kata_s2", "polyattn-triton-parallel", "softmax", "sdpa-flash"),
+    ("loglinear_mamba2", "polyattn-triton", "loglinear_mamba2", "fla-chunk_log_linear_attn"),
+    ("loglinear_mamba2", "polyattn-triton", "linear_attn_decay", "polyattn-triton"),
+    ("loglinear_mamba2", "polyattn-triton", "softmax", "sdpa-cudnn"),
 )
 
 

@@ -8,6 +8,7 @@ import torch
 
 from polyattn import ops
 from polyattn.layers import build_mixer
+from polyattn.ops.loglinear import LogLinearState
 from polyattn.testing import assert_close_rel, seeded_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -16,18 +17,30 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _inputs(op):
     x = seeded_inputs(1, 70, 2, 8, 12, decay=True, beta=True, seed=0, device=DEVICE, dtype=torch.float32)
     x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
-    names = ("q", "k", "v", "beta", "g") if op == "delta_rule" else ("q", "k", "v", "g")
+    x["lam"] = torch.rand(1, 70, 2, 8, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    names = {"delta_rule": ("q", "k", "v", "beta", "g"), "loglinear_attn": ("q", "k", "v", "g", "lam")}.get(op, ("q", "k", "v", "g"))
     return [x[n].clone().requires_grad_() for n in names]
 
 
-@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla"])
+def _loglinear_state():
+    """A log-linear state at position 21 (off the chunk grid) with every level filled."""
+    levels = torch.randn(1, 2, 8, 8, 12, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    return LogLinearState(levels, torch.tensor([21], device=DEVICE))
+
+
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla", "loglinear_attn"])
 def test_triton_forms_compile_as_one_graph(op):
     h0 = torch.randn(1, 2, 8, 12, device=DEVICE)
+    state = _loglinear_state()
 
     def loss(*tensors):
         if op == "hla":
             o, _ = ops.hla(*tensors, impl="triton")
             return o.square().sum()
+        if op == "loglinear_attn":
+            q, k, v, g, lam = tensors
+            o, s = ops.loglinear_attn(q, k, v, lam, g, impl="triton", initial_state=state, output_final_state=True)
+            return o.square().sum() + s.levels.sum()
         o, ht = getattr(ops, op)(*tensors, impl="triton", initial_state=h0, output_final_state=True)
         return o.square().sum() + ht.sum()
 
@@ -40,7 +53,7 @@ def test_triton_forms_compile_as_one_graph(op):
         assert_close_rel(a, b, 1e-6, f"{op} gradient {i}")
 
 
-@pytest.mark.parametrize("name", ["linear", "gdn"])
+@pytest.mark.parametrize("name", ["linear", "gdn", "loglinear-mamba2"])
 def test_mixer_training_step_compiles_with_triton_forms(name):
     mixer = build_mixer(name, 16, num_heads=2, impl="triton").to(DEVICE)
     x = torch.randn(2, 19, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
@@ -58,6 +71,7 @@ def test_mixer_training_step_compiles_with_triton_forms(name):
 def test_custom_ops_pass_opcheck():
     import polyattn.ops.delta.triton.function  # noqa: F401  (registers polyattn::delta_rule_*)
     import polyattn.ops.linear.triton.function  # noqa: F401  (registers polyattn::linear_attn_*)
+    import polyattn.ops.loglinear.triton.function  # noqa: F401  (registers polyattn::loglinear_attn_*)
 
     q, k, v, beta, g = (t.detach() for t in _inputs("delta_rule"))
     h0 = torch.randn(1, 2, 8, 12, device=DEVICE)
@@ -67,4 +81,11 @@ def test_custom_ops_pass_opcheck():
                               test_utils=("test_schema", "test_faketensor"))
     for args in [(q, k, v, beta, g, h0, 0.3, seq_lens, True, True), (q, k, v, beta, None, None, 0.3, seq_lens, False, False)]:
         torch.library.opcheck(torch.ops.polyattn.delta_rule_forward.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+    lam = torch.rand(1, 70, 2, 8, device=DEVICE)
+    r0, low = torch.randn(1, 2, 3, 8, 12, device=DEVICE), torch.randn(1, 2, 5, 8, 12, device=DEVICE)
+    position = torch.tensor([21], device=DEVICE)
+    for args in [(q, k, v, lam, g, r0, low, position, 0.3, seq_lens, 16, True),
+                 (q, k, v, lam, None, None, None, torch.zeros_like(position), 0.3, seq_lens, 16, False)]:
+        torch.library.opcheck(torch.ops.polyattn.loglinear_attn_forward.default, args,
                               test_utils=("test_schema", "test_faketensor"))

@@ -9,11 +9,13 @@ from polyattn.ops.loglinear.chunk import loglinear_attn_chunk
 from polyattn.ops.loglinear.naive import loglinear_attn_naive
 from polyattn.ops.loglinear.recurrent import loglinear_attn_recurrent, loglinear_attn_step
 from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, check_loglinear_state, widen_levels
+from polyattn.ops.loglinear.triton import loglinear_attn_triton  # lazy: triton loads on first call
 
 LOGLINEAR_ATTN_FORMS = {
     "naive": loglinear_attn_naive,
     "recurrent": loglinear_attn_recurrent,
     "chunk": loglinear_attn_chunk,
+    "triton": loglinear_attn_triton,
 }
 
 
@@ -23,6 +25,7 @@ def _per_sequence(form):
     def run(q, k, v, lam, g, beta, **kwargs):
         return form(q, k, v, lam, g, beta=beta, **kwargs)
 
+    run.native_varlen = getattr(form, "native_varlen", False)
     return run
 
 
@@ -56,7 +59,8 @@ def loglinear_attn(
             ``position [N]`` int64 (N = B, or the number of sequences with ``cu_seqlens``).
         output_final_state: also return the :class:`LogLinearState` after the last token.
         cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1); positions restart per sequence.
-        impl: ``"naive" | "recurrent" | "chunk" | "auto"`` (chunk size 64).
+        impl: ``"naive" | "recurrent" | "chunk" | "triton" | "auto"`` (chunk size 64; ``"triton"`` has the
+            Mamba-2 base only and raises ValueError with ``beta``; ``"auto"`` picks it on CUDA for ``beta=None``).
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, LogLinearState or None)``.
@@ -67,7 +71,8 @@ def loglinear_attn(
     if initial_state is not None:
         check_loglinear_state(initial_state, N, H, L, K, V, q)
     check_lam_levels(L, initial_state, T if cu_seqlens is None else torch.diff(cu_seqlens))
-    fn = resolve_impl("loglinear_attn", impl, LOGLINEAR_ATTN_FORMS, q)
+    forms = LOGLINEAR_ATTN_FORMS if beta is None or impl != "auto" else {n: f for n, f in LOGLINEAR_ATTN_FORMS.items() if n != "triton"}
+    fn = resolve_impl("loglinear_attn", impl, forms, q)
     scale = resolve_scale(scale, K)
     return run_varlen(_per_sequence(fn), (q, k, v, lam, g, beta), cu_seqlens, initial_state, output_final_state, scale=scale)
 

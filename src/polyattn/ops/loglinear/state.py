@@ -47,6 +47,15 @@ def fenwick_carry(levels: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     return torch.where(into, merged, torch.where(upto_j, torch.zeros_like(levels), levels))
 
 
+def occupied_levels(position: torch.Tensor, L: int) -> torch.Tensor:
+    """``[N, L]`` bool: the levels that can hold keys in a state at ``position [N]`` (those of query
+    ``position - 1``): level 0, and level ``l >= 1`` iff bit ``l - 1`` of ``position - 1`` is set; none at 0."""
+    last = (position - 1).clamp(min=0)[:, None]  # [N, 1]
+    bits = (last >> (torch.arange(L, device=position.device) - 1).clamp(min=0)) & 1  # [N, L]
+    level0 = torch.arange(L, device=position.device) == 0  # [L]
+    return (level0[None] | (bits == 1)) & (position > 0)[:, None]
+
+
 def initial_levels(initial_state: LogLinearState | None, N: int, H: int, L: int, K: int, V: int, dtype, device):
     """``(levels [N, H, L, K, V] in dtype, position [N] int64)``; zeros at position 0 (empty state)."""
     if initial_state is None:

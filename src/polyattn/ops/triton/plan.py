@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 from .precision import check_kernel_inputs
 
@@ -84,6 +85,17 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 2
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def state_tile(i_c, DA, DC, BA: tl.constexpr, BC: tl.constexpr):
+    """The `[BA, BC]` state tile of a program that owns DC tile `i_c` and the whole padded DA:
+    `(o_a [BA], o_c [BC], m_a, m_c, m_s [BA, BC])` offsets and masks."""
+    o_a = tl.arange(0, BA)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_a = o_a < DA
+    m_c = o_c < DC
+    return o_a, o_c, m_a, m_c, m_a[:, None] & m_c[None, :]
 
 
 def block(d: int) -> int:

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays
+from polyattn.ops.triton.plan import state_tile
 from polyattn.ops.triton.precision import mma, mma_left_fp32, mma_right_fp32, to_output
 
 from .chunk_states import keys_times_values
@@ -50,11 +51,7 @@ def chunk_outputs_kernel(
     eos = tl.load(seg + i_s * 4 + 1).to(tl.int64)
     i_n = tl.load(seg + i_s * 4 + 2).to(tl.int64)
     flags = tl.load(seg + i_s * 4 + 3)
-    o_a = tl.arange(0, BA)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_a = o_a < DA
-    m_c = o_c < DC
-    m_s = m_a[:, None] & m_c[None, :]
+    o_a, o_c, m_a, m_c, m_s = state_tile(i_c, DA, DC, BA, BC)
     o_t = tl.arange(0, C)
     if SPLIT:
         p_s = s_in + ((i_s * H + i_h) * DA + o_a[:, None]).to(tl.int64) * DC + o_c[None, :]

@@ -1,0 +1,34 @@
+"""Triton kernels of `loglinear_attn` for the Mamba-2 base (`beta=None`): the only package of
+ops/loglinear that imports triton.
+
+Files by stage (on the shared core ops/triton and linear attention's chunk product): level_pass.py
+(the intra-chunk level-masked block and every chunk-level in one walk per sequence, with its PyTorch
+twin), function.py (custom ops for the forward and backward passes, dg, dlam, and the translation
+between `LogLinearState` and the kernels' per-chunk-level states). Importing this package does not
+import triton: the entry point loads the kernels on first call.
+"""
+from __future__ import annotations
+
+
+def loglinear_attn_triton(q, k, v, lam, g=None, *, beta=None, scale, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """Triton form of `loglinear_attn` (handles `cu_seqlens` natively); see function.py.
+
+    Only the Mamba-2 base: with `beta` (log-linear Gated DeltaNet) it raises ValueError, since that
+    form needs a level-masked delta-rule kernel that does not exist yet (use `impl="chunk"`).
+    """
+    if beta is not None:
+        raise ValueError(
+            "loglinear_attn: impl='triton' has the Mamba-2 base only (beta=None); the log-linear Gated DeltaNet "
+            "(beta given) has no Triton form yet, use impl='chunk'"
+        )
+    from .function import loglinear_attn_fused
+
+    return loglinear_attn_fused(
+        q, k, v, lam, g, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+    )
+
+
+loglinear_attn_triton.native_varlen = True
+
+__all__ = ["loglinear_attn_triton"]

@@ -1,0 +1,375 @@
+"""Custom ops and form function of the Triton `loglinear_attn` (Mamba-2 base, `beta=None`).
+
+The kernels (level_pass.py) run on per-chunk-level states `R [N, H, NLC, K, V]`, the level pass's
+block-rule states; a `LogLinearState` holds Fenwick levels of the last query. `fenwick_to_blocks`
+and `blocks_to_fenwick` translate between the two in PyTorch (a few [N, H, L, K, V] tensors, on the
+device, differentiable: no host read of the positions), and `first_chunk_reads` / `last_chunk_levels`
+add the O(C) tokens per sequence that sit next to an initial state's keys inside one chunk
+(ops/loglinear/README.md, "Triton kernels"). Forward: one causal pass `(q, k, v)`. Backward, with
+`do`, `dR` (the gradient of the leaving states) and `dF` (of the final state's in-chunk levels F):
+
+    dq = causal     pass(a=do, b=v,  c=k;  entering R^T)      + dlam (its per-level row dots with q)
+    dv = anticausal pass(a=k,  b=q,  c=do; entering dR / scale) -> dR0 = scale * leaving state
+    dk = anticausal pass(a=v,  b=do, c=q;  entering dR^T / scale)
+    dg = reverse_cumsum_within_sequence(q . dq - k . dk) + <dR, R> + <dF, F> at the last token
+
+(dq, dk, dv, dlam with the edge terms' gradients added.) One token without gradients runs the fused
+decoding step (step.py) instead.
+
+The dg line is linear attention's identity, unchanged by the level weights: `lam` does not depend on
+g, every pair's weight is `lam[t, level] exp(G_t - G_s)`, so `dL/dG_t` is the sum of its pair terms
+as a query (`q_t . dq_t`) minus those as a key (`k_t . dk_t`).
+"""
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, fenwick_carry, occupied_levels
+from polyattn.ops.triton.plan import get_config, no_output, one_token_step, reverse_cumsum, sequence_lengths
+from polyattn.ops.triton.precision import check_kernel_inputs
+
+from .level_pass import level_pass
+from .step import loglinear_attn_step_inplace
+
+
+def _flatten(tensors, B: int, T: int):
+    """`[B, T, H, ...]` -> `[B*T, H, ...]` contiguous (None passes through)."""
+    return tuple(None if x is None else x.reshape(B * T, *x.shape[2:]).contiguous() for x in tensors)
+
+
+def _levels_dim(L: int, C: int) -> int:
+    """NLC: the chunk-levels of the level pass's state for `L` levels and chunk size C."""
+    return max(L - C.bit_length(), 1)
+
+
+class _Layout(NamedTuple):
+    """What every op of a call derives from the host lengths and the positions: the lengths and the
+    edge-chunk rows."""
+
+    lengths: torch.Tensor  # [N]
+    first: tuple  # (rows [N, C], real [N, C]) of first_chunk_rows
+    last: tuple  # (rows [N, C], real [N, C]) of last_chunk_rows
+
+
+def _layout(position, seq_lens, C, device) -> _Layout:
+    lengths = torch.tensor(seq_lens, device=device)  # [N]
+    starts = lengths.cumsum(0) - lengths  # [N]
+    return _Layout(lengths, first_chunk_rows(position, starts, lengths, C), last_chunk_rows(position, starts, lengths, C))
+
+
+def _rows(x, rows):
+    """`x: [N_tok, H, ...]` gathered at `rows [N, C]` in fp32 (None passes through)."""
+    return None if x is None else x[rows].float()  # [N, C, H, ...]
+
+
+@torch.library.custom_op("polyattn::loglinear_attn_forward", mutates_args=())
+def loglinear_attn_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, g: torch.Tensor | None,
+    r0: torch.Tensor | None, low: torch.Tensor | None, position: torch.Tensor, scale: float, seq_lens: list[int],
+    chunk_size: int, store_final: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward as a custom op: `(o [B, T, H, V], R [N, H, NLC, K, V] fp32 (the states leaving the
+    level pass), F [N, H, c + 1, K, V] fp32 (the final state's in-chunk levels; empty [0] without
+    store_final))`. With an initial state (`r0` its per-chunk-level states, `low` its in-chunk groups)
+    the reads of `low` are added to o in fp32 before the one rounding."""
+    B, T, H, K = q.shape
+    C = chunk_size
+    qf, kf, vf, lamf, gf = _flatten((q, k, v, lam, g), B, T)
+    layout = _layout(position, seq_lens, C, q.device)
+    o, R, _, _ = level_pass(
+        qf, kf, vf, gf, lamf, position, tuple(seq_lens), scale=scale, reverse=False, initial_state=r0,
+        out_dtype=torch.float32 if low is not None else None, chunk_size=C,
+    )
+    if low is not None:
+        rows, real = layout.first
+        reads = first_chunk_reads(_rows(qf, rows), _rows(gf, rows), _rows(lamf, rows), low, position, real, scale=scale, C=C)
+        o = o.index_add(0, rows[real], reads[real]).to(q.dtype)  # [B*T, H, V]
+    F_low = no_output(q)
+    if store_final:
+        rows, real = layout.last
+        F_low = last_chunk_levels(_rows(kf, rows), _rows(vf, rows), _rows(gf, rows), low, position, layout.lengths, real, C)
+    return o.view(B, T, H, v.shape[-1]), R, F_low  # [B*T, H, V] -> [B, T, H, V]
+
+
+@loglinear_attn_forward.register_fake
+def _(q, k, v, lam, g, r0, low, position, scale, seq_lens, chunk_size, store_final):
+    B, T, H, K = q.shape
+    C = chunk_size
+    NLC = _levels_dim(lam.shape[-1], C)
+    N, V = len(seq_lens), v.shape[-1]
+    F_low = q.new_empty(N, H, C.bit_length(), K, V, dtype=torch.float32) if store_final else no_output(q)
+    return v.new_empty(B, T, H, V), q.new_empty(N, H, NLC, K, V, dtype=torch.float32), F_low
+
+
+def _edge_grads(qf, kf, vf, lamf, gf, low, position, layout, do, dF, *, scale, C):
+    """Gradients of the edge-chunk terms (`first_chunk_reads` with cotangent `do`, `last_chunk_levels`
+    with `dF`): `{name: gradient}` for the q, lam rows of `layout.first`, the k, v rows of
+    `layout.last` (`[N, C, H, *]` fp32) and low. Written out: the ops run below autograd."""
+    grads = {}
+    if low is not None:
+        rows, real = layout.first
+        w, qt, group, decay = first_chunk_weights(_rows(qf, rows), _rows(gf, rows), _rows(lamf, rows), position, real, scale=scale, C=C)
+        D = torch.where(real[..., None, None], _rows(do, rows), 0.0)  # [N, C, H, V]
+        Y = torch.einsum("njhv,nhlkv->njhlk", D, low)  # [N, C, H, c + 1, K]
+        grads["q"] = torch.einsum("njhl,njhlk->njhk", w, Y) * decay[..., None]  # [N, C, H, K]
+        dw = torch.einsum("njhk,njhlk->njhl", qt, Y)  # [N, C, H, c + 1]
+        grads["lam"] = torch.zeros_like(lamf[rows], dtype=torch.float32).scatter_add(-1, group, dw)  # [N, C, H, L]
+        grads["low"] = torch.einsum("njhl,njhk,njhv->nhlkv", w, qt, D)
+    if dF is not None:
+        rows, real = layout.last
+        onehot, decay, move, total = last_chunk_weights(_rows(gf, rows), position, layout.lengths, real, C)
+        k_r, v_r = _rows(kf, rows), _rows(vf, rows)  # [N, C, H, K], [N, C, H, V]
+        grads["k"] = torch.einsum("njl,njhlk->njhk", onehot, torch.einsum("nhlkv,njhv->njhlk", dF, v_r)) * decay[..., None]
+        grads["v"] = torch.einsum("njl,njhlv->njhv", onehot, torch.einsum("nhlkv,njhk->njhlv", dF, k_r)) * decay[..., None]
+        if low is not None:
+            grads["low"] = grads["low"] + torch.einsum("nlm,nh,nhmkv->nhlkv", move, total, dF)
+    return grads
+
+
+@torch.library.custom_op("polyattn::loglinear_attn_backward", mutates_args=())
+def loglinear_attn_backward(
+    do: torch.Tensor, dR: torch.Tensor | None, dF: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, lam: torch.Tensor, g: torch.Tensor | None, r0: torch.Tensor | None, low: torch.Tensor | None,
+    position: torch.Tensor, R: torch.Tensor, F_low: torch.Tensor, scale: float, seq_lens: list[int], chunk_size: int,
+    want_dg: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three backward passes, the edge-chunk terms and dg as a custom op: `(dq, dk, dv, dlam, dg,
+    dR0, dlow)`; dg without want_dg, dR0 without r0 and dlow without low are empty [0] tensors. Every
+    gradient that gets edge terms is summed in fp32 and rounded once."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    seq_lens = tuple(seq_lens)
+    qf, kf, vf, lamf, gf, dof = _flatten((q, k, v, lam, g, do), B, T)
+    layout = _layout(position, seq_lens, C, q.device)
+    f32 = torch.float32
+    dRs = dR / scale if dR is not None else None  # the reverse states' units
+    dq, _, q_dq, dlam = level_pass(
+        dof, vf, kf, gf, lamf, position, seq_lens, scale=scale, reverse=False,
+        initial_state=r0.transpose(-1, -2) if r0 is not None else None, dot_x=qf, want_dlam=True,
+        out_dtype=f32 if low is not None else None, chunk_size=C,
+    )
+    dv, dR0, _, _ = level_pass(
+        kf, qf, dof, gf, lamf, position, seq_lens, scale=scale, reverse=True, initial_state=dRs,
+        out_dtype=f32 if dF is not None else None, chunk_size=C,
+    )
+    dk, _, k_dk, _ = level_pass(
+        vf, dof, qf, gf, lamf, position, seq_lens, scale=scale, reverse=True,
+        initial_state=dRs.transpose(-1, -2) if dRs is not None else None, dot_x=kf if want_dg else None,
+        out_dtype=f32 if dF is not None else None, chunk_size=C,
+    )
+    edge = _edge_grads(qf, kf, vf, lamf, gf, low, position, layout, dof, dF, scale=scale, C=C)
+    if "q" in edge:
+        rows, real = layout.first
+        dq = dq.index_add(0, rows[real], edge["q"][real])  # [B*T, H, K] fp32
+        dlam = dlam.index_add(0, rows[real], edge["lam"][real])
+        if want_dg:
+            q_dq = q_dq.index_add(0, rows[real], (qf[rows].float() * edge["q"]).sum(-1)[real])
+    if "k" in edge:
+        rows, real = layout.last
+        dk = dk.index_add(0, rows[real], edge["k"][real])
+        dv = dv.index_add(0, rows[real], edge["v"][real])
+        if want_dg:
+            k_dk = k_dk.index_add(0, rows[real], (kf[rows].float() * edge["k"]).sum(-1)[real])
+    dg = no_output(q)
+    if want_dg:
+        db = q_dq - k_dk  # [B*T, H]
+        ends = layout.lengths.cumsum(0) - 1  # [N]
+        if dR is not None:
+            db = db.index_add(0, ends, (dR * R).sum((-1, -2, -3)))  # [N, H, NLC, K, V] -> [N, H]
+        if dF is not None:
+            db = db.index_add(0, ends, (dF * F_low).sum((-1, -2, -3)))  # [N, H, c + 1, K, V] -> [N, H]
+        dg = reverse_cumsum(db, seq_lens).view(B, T, H).to(g.dtype)  # [B*T, H] -> [B, T, H]
+    dR0 = dR0 * scale if r0 is not None else no_output(q)
+    dlow = edge["low"] if low is not None else no_output(q)
+    return (
+        dq.to(q.dtype).view(B, T, H, K), dk.to(k.dtype).view(B, T, H, K), dv.to(v.dtype).view(B, T, H, V),
+        dlam.to(lam.dtype).view(lam.shape), dg, dR0, dlow,
+    )
+
+
+@loglinear_attn_backward.register_fake
+def _(do, dR, dF, q, k, v, lam, g, r0, low, position, R, F_low, scale, seq_lens, chunk_size, want_dg):
+    dg = g.new_empty(g.shape) if want_dg else no_output(q)
+    dR0 = r0.new_empty(r0.shape, dtype=torch.float32) if r0 is not None else no_output(q)
+    dlow = low.new_empty(low.shape, dtype=torch.float32) if low is not None else no_output(q)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), lam.new_empty(lam.shape), dg, dR0, dlow
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, lam, g, r0, low, position, scale, seq_lens, chunk_size, store_final = inputs
+    ctx.save_for_backward(q, k, v, lam, g, r0, low, position, output[1], output[2])
+    ctx.scale, ctx.seq_lens, ctx.chunk_size = scale, seq_lens, chunk_size
+
+
+def _backward(ctx, do, dR, dF):
+    q, k, v, lam, g, r0, low, position, R, F_low = ctx.saved_tensors
+    want_dg = g is not None and ctx.needs_input_grad[4]
+    dF = dF if dF is not None and dF.numel() else None
+    dq, dk, dv, dlam, dg, dR0, dlow = loglinear_attn_backward(
+        do.contiguous(), dR, dF, q, k, v, lam, g, r0, low, position, R, F_low, ctx.scale, ctx.seq_lens, ctx.chunk_size, want_dg,
+    )
+    return (
+        dq, dk, dv, dlam, dg if want_dg else None, dR0 if r0 is not None else None,
+        dlow if low is not None else None, None, None, None, None, None,
+    )
+
+
+loglinear_attn_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def bit_length(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Elementwise `bit_length` of a non-negative int64 tensor below `2**bits`."""
+    n = torch.zeros_like(x)
+    for b in range(bits):
+        n += (x >> b > 0).long()
+    return n
+
+
+def fenwick_to_blocks(levels: torch.Tensor, position: torch.Tensor, C: int, NLC: int):
+    """An initial state's Fenwick levels `[N, H, L, K, V]` (fp32, only its occupied levels) as the level
+    pass's entering states `R [N, H, NLC, K, V]`, and its in-chunk groups `low [N, H, c + 1, K, V]`.
+
+    At a position on the chunk grid the state is first carried to the view of the next query (its
+    groups then all sit in chunk-levels); else its levels `0..c` are keys of the first chunk (`low`).
+    Chunk-level `ell` of the first chunk `n0` is Fenwick level `c + 1 + ell`; the level pass wants
+    that where bit `ell` of `n0` is set (a read), and elsewhere everything before `n0` inside the
+    same `2^ell`-block, i.e. the lower chunk-levels and the in-chunk groups (they join `n0`'s adds).
+    """
+    c = C.bit_length() - 1
+    width = c + 1 + NLC
+    if levels.shape[2] < width:
+        levels = F.pad(levels, [0, 0, 0, 0, 0, width - levels.shape[2]])  # [N, H, L, K, V] -> [N, H, width, K, V]
+    on_grid = (position % C == 0)[:, None, None, None, None]
+    levels = torch.where(on_grid, fenwick_carry(levels, position), levels)
+    low, high = levels[:, :, : c + 1], levels[:, :, c + 1 : width]  # [N, H, c + 1, K, V], [N, H, NLC, K, V]
+    bits = ((position // C)[:, None] >> torch.arange(NLC, device=position.device)) & 1  # [N, NLC]
+    below = torch.cumsum(high, dim=2) - high + low.sum(2, keepdim=True)  # [N, H, NLC, K, V]
+    return torch.where(bits[:, None, :, None, None] == 1, high, below), low
+
+
+def first_chunk_rows(position, starts, lengths, C: int):
+    """`(rows [N, C] token indices, real [N, C])`: the tokens that share the chunk of an initial
+    state's last key (`P + j` in the chunk of `P`, only when `P mod C > 0`)."""
+    j = torch.arange(C, device=position.device)
+    r0 = position % C  # [N]
+    real = (j[None] < C - r0[:, None]) & (j[None] < lengths[:, None]) & (r0[:, None] > 0)  # [N, C]
+    return torch.where(real, starts[:, None] + j, 0), real
+
+
+def first_chunk_weights(q, g, lam, position, real, *, scale, C):
+    """The pieces of `first_chunk_reads` for the rows of `first_chunk_rows` (q, lam: [N, C, H, *]
+    fp32, g: [N, C, H] or None): `(w [N, C, H, c + 1] = lam[j, max(l, level(P + j, P - 1))],
+    q̃ = exp(G) scale q [N, C, H, K], the level indices [N, C, H, c + 1], exp(G) scale [N, C, H])`."""
+    c = C.bit_length() - 1
+    L = lam.shape[-1]
+    j = torch.arange(C, device=q.device)
+    q = torch.where(real[..., None, None], q, 0.0)  # [N, C, H, K]
+    G = torch.zeros(q.shape[:3], device=q.device) if g is None else torch.cumsum(torch.where(real[..., None], g, 0.0), 1)  # [N, C, H]
+    m = bit_length((position[:, None] + j) ^ (position[:, None] - 1).clamp(min=0), c + 1)  # [N, C]: level(P + j, P - 1)
+    group = torch.maximum(torch.arange(c + 1, device=q.device)[None, None], m[..., None]).clamp(max=L - 1)  # [N, C, c + 1]
+    group = group[:, :, None].expand(-1, -1, q.shape[2], -1)  # [N, C, H, c + 1]
+    decay = torch.exp(G) * scale  # [N, C, H]
+    return torch.gather(lam, -1, group), q * decay[..., None], group, decay
+
+
+def first_chunk_reads(q, g, lam, low, position, real, *, scale, C):
+    """The reads of an initial state's in-chunk groups `low [N, H, c + 1, K, V]` by the rest of their
+    chunk, rows `j` of `first_chunk_rows`: group `l` at level `max(l, level(P + j, P - 1))` (the
+    groups are nested), through `q̃ = exp(G) scale q`. Returns `[N, C, H, V]` fp32."""
+    w, qt, _, _ = first_chunk_weights(q, g, lam, position, real, scale=scale, C=C)
+    return torch.einsum("njhl,njhk,nhlkv->njhv", w, qt, low)  # [N, C, H, V]
+
+
+def last_chunk_rows(position, starts, lengths, C: int):
+    """`(rows [N, C] token indices, real [N, C])`: the tokens of the chunk of each sequence's last query."""
+    E = position + lengths  # [N]
+    apos = torch.div(E - 1, C, rounding_mode="floor")[:, None] * C + torch.arange(C, device=position.device)  # [N, C]
+    real = (apos >= position[:, None]) & (apos < E[:, None])  # [N, C]
+    return torch.where(real, starts[:, None] + apos - position[:, None], 0), real
+
+
+def last_chunk_weights(g, position, lengths, real, C: int):
+    """The pieces of `last_chunk_levels` for the rows of `last_chunk_rows` (g: [N, C, H] or None):
+    `(onehot [N, C, c + 1] of level(E - 1, s), exp(g_{s+1} + ... + g_{E-1}) [N, C, H], move
+    [N, c + 1, c + 1] (initial group l -> final level, zero unless the sequence stayed in its first
+    chunk), the whole decay [N, H])`."""
+    c = C.bit_length() - 1
+    E = position + lengths  # [N]
+    n1 = torch.div(E - 1, C, rounding_mode="floor")  # [N]
+    apos = n1[:, None] * C + torch.arange(C, device=position.device)  # [N, C]
+    gj = torch.zeros(*real.shape, 1, device=position.device) if g is None else torch.where(real[..., None], g, 0.0)  # [N, C, H]
+    to_end = torch.flip(torch.cumsum(torch.flip(gj, [1]), 1), [1]) - gj  # [N, C, H]: g_{s+1} + ... (padding rows are 0)
+    lev = bit_length((E[:, None] - 1).clamp(min=0) ^ apos.clamp(min=0), c + 1)  # [N, C]
+    levels = torch.arange(c + 1, device=position.device)
+    onehot = (lev[..., None] == levels).float() * real[..., None]  # [N, C, c + 1]
+    same = ((position // C == n1) & (position % C > 0)).float()  # [N]: the sequence stayed in its first chunk
+    m_end = bit_length((E - 1).clamp(min=0) ^ (position - 1).clamp(min=0), c + 1)  # [N]
+    to = torch.maximum(levels[None], m_end[:, None])  # [N, c + 1]
+    move = (to[..., None] == levels).float() * same[:, None, None]  # [N, c + 1 (from), c + 1 (to)]
+    return onehot, torch.exp(to_end), move, torch.exp(gj.sum(1))
+
+
+def last_chunk_levels(k, v, g, low, position, lengths, real, C: int):
+    """Fenwick levels `0..c` of the final state `[N, H, c + 1, K, V]` from the rows of
+    `last_chunk_rows` (k, v: [N, C, H, *] fp32): the keys of the last query's chunk at
+    `level(E - 1, s)`, carried to `E - 1`, plus the initial in-chunk groups `low` when the sequence
+    never left their chunk (at `max(l, level(E - 1, P - 1))`)."""
+    onehot, decay, move, total = last_chunk_weights(g, position, lengths, real, C)
+    levels = torch.einsum("njl,njh,njhk,njhv->nhlkv", onehot, decay, k, v)  # [N, H, c + 1, K, V]
+    if low is None:
+        return levels
+    return levels + torch.einsum("nlm,nh,nhlkv->nhmkv", move, total, low)
+
+
+def blocks_to_fenwick(R: torch.Tensor, low_levels: torch.Tensor, position: torch.Tensor, lengths: torch.Tensor, C: int, L: int):
+    """The final `LogLinearState` levels `[N, H, L, K, V]`: levels `0..c` from `last_chunk_levels`,
+    level `c + 1 + ell` the leaving state `R[ell]` where bit `ell` of the last chunk index is set
+    (the first half of that block: chunk-level `ell` of the last query), empty elsewhere."""
+    NLC = R.shape[2]
+    n1 = torch.div(position + lengths - 1, C, rounding_mode="floor")  # [N]
+    bits = (n1[:, None] >> torch.arange(NLC, device=R.device)) & 1  # [N, NLC]
+    high = torch.where(bits[:, None, :, None, None] == 1, R, 0.0)  # [N, H, NLC, K, V]
+    return torch.cat([low_levels, high], dim=2)[:, :, :L]  # [N, H, c + 1 + NLC, K, V] -> [N, H, L, K, V]
+
+
+def loglinear_attn_fused(q, k, v, lam, g=None, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """Triton form of `loglinear_attn` with `beta=None` (inputs already validated, scale resolved).
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; lam: [B, T, H, L]; g: [B, T, H] or None; initial_state:
+    `LogLinearState` with levels [N, H, L, K, V] (only the levels a state can occupy at its position
+    are read, `occupied_levels`); cu_seqlens: int [N + 1] with B == 1, handled natively (one host
+    read of the offsets, none of the positions). One token per sequence without gradients
+    (decoding) runs the fused step (step.py) on a copy of the levels. Returns `(o [B, T, H, V] in
+    q's dtype, LogLinearState or None)`.
+    """
+    check_kernel_inputs(q)
+    B, T, H, K = q.shape
+    V, L = v.shape[-1], lam.shape[-1]
+    C = get_config().chunk_size
+    seq_lens = sequence_lengths(cu_seqlens, B, T)
+    N = len(seq_lens)
+    lengths = torch.tensor(seq_lens, device=q.device)  # [N]
+    check_lam_levels(L, initial_state, T if cu_seqlens is None else lengths)
+    if initial_state is not None:
+        position = initial_state.position
+        occupied = occupied_levels(position, L)[:, None, :, None, None]  # [N, 1, L, 1, 1]
+        levels = torch.where(occupied, initial_state.levels.float(), 0.0)  # levels that hold no keys at the position are not read
+    else:
+        position = torch.zeros(N, dtype=torch.int64, device=q.device)
+    if q.numel() != 0 and one_token_step(q, cu_seqlens, (q, k, v, lam, g, None if initial_state is None else initial_state.levels)):
+        state = initial_state.levels.to(torch.float32, copy=True).contiguous() if initial_state is not None else q.new_zeros(B, H, L, K, V, dtype=torch.float32)
+        o, state = loglinear_attn_step_inplace(q[:, 0], k[:, 0], v[:, 0], lam[:, 0], None if g is None else g[:, 0], state, position, scale=scale)
+        return o[:, None], (LogLinearState(state, position + 1) if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
+    if q.numel() == 0:
+        o = v.new_zeros(B, T, H, V, dtype=q.dtype)
+        if not output_final_state:
+            return o, None
+        final = levels if initial_state is not None else q.new_zeros(N, H, L, K, V, dtype=torch.float32)
+        return o, LogLinearState(final, position + lengths)
+    r0, low = (None, None) if initial_state is None else fenwick_to_blocks(levels, position, C, _levels_dim(L, C))
+    o, R, F_low = loglinear_attn_forward(q, k, v, lam, g, r0, low, position, scale, list(seq_lens), C, output_final_state)
+    if not output_final_state:
+        return o, None
+    return o, LogLinearState(blocks_to_fenwick(R, F_low, position, lengths, C, L), position + lengths)

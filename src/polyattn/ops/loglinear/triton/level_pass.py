@@ -1,0 +1,318 @@
+"""One *level pass* of chunked log-linear attention (Mamba-2 base): the intra-chunk level-masked block
+and every inter-chunk level, fused in one sequential walk over a sequence's chunks.
+
+A pass over flattened tokens with `a, b: [N_tok, H, DA]`, `c: [N_tok, H, DC]`, log-decay `g` and level
+weights `lam: [N_tok, H, L]`, at absolute positions `P + j` (`P` = the sequence's start position):
+
+    causal      out_t = scale * sum_{s <= t} lam[t, level(t, s)] exp(G_t - G_s) (a_t . b_s) c_s
+    anticausal  out_s = scale * sum_{t >= s} lam[t, level(t, s)] exp(G_t - G_s) (a_s . b_t) c_t
+
+The weight always belongs to the later position `t` (the query of the forward): on the output row
+of a causal pass, on the input row of an anticausal one. The forward is the causal pass
+`(q, k, v)`, dq the causal pass `(do, v, k)`, dv and dk the anticausal passes `(k, q, do)` and
+`(v, do, q)` (function.py).
+
+Chunks of `C = 2^c` tokens sit on the absolute grid. Inside a chunk the level is `bit_length(i ^ j)`
+of the in-chunk offsets (levels `0..c`); between chunks `n > m` it is `c + 1 + ell` with
+`ell = bit_length(n ^ m) - 1`: `m` lies in the first half and `n` in the second half of the same
+aligned block of `2^(ell+1)` chunks. So chunk-level `ell` is a block-masked linear attention, and
+one state per chunk-level suffices (ops/loglinear/README.md, "Triton kernels"):
+
+    R[ell] = sum of the contributions of the chunks of the current block's first half seen so far
+
+Causal walk, chunk `n`: for every `ell` with bit `ell` of `n` set, read `R[ell]` (weighted by
+`lam[t, c+1+ell]`); for every other `ell`, add the chunk's contribution `b^T (decayed c)` (the same
+product for all of them: the weight sits on the reader); at the end of a block (`n mod 2^(ell+1) =
+2^(ell+1) - 1`) `R[ell]` empties. Anticausal walk (chunks from last to first; levels are symmetric,
+`level(t, s) = bit_length(t ^ s)`): read where bit `ell` is 0, add where it is 1 (weighted by
+`lam[t, c+1+ell]` of the adding rows, one product per level), empty after the block's first chunk.
+
+The states live in a global fp32 buffer the program owns (`state [N, H, NLC, DA, DC]`, its
+`[DA, BC]` tile per level: a few MB per program wave, L2-resident), not in registers: a chunk
+touches every level once (a read or an add), and Triton cannot index a register array by level.
+Decay is lazy: a level that is only read keeps a pending log2-decay `p[ell]` (a register vector)
+instead of being rescaled, an add materialises it; `p = -inf` marks an empty level. The buffer
+enters holding the initial per-level states (or nothing) and leaves holding the states after the
+last chunk (no reset there), decayed to the sequence's end: the pass's final state.
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from polyattn.ops.common.fenwick import level_table
+from polyattn.ops.linear.triton.chunk_states import keys_times_values
+from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays
+from polyattn.ops.triton.plan import KernelConfig, block, get_config, num_sms, segment_table, state_tile
+from polyattn.ops.triton.precision import dot_f32, mma, mma_left_fp32, mma_right_fp32, to_output
+
+
+@triton.jit
+def bit_length(x):
+    """`bit_length` of a non-negative scalar integer."""
+    n = x * 0
+    while x > 0:
+        n += 1
+        x = x >> 1
+    return n
+
+
+@triton.jit
+def intra_levels(C: tl.constexpr, LOG_C: tl.constexpr):
+    """The [C, C] level table of in-chunk offsets, `bit_length(i ^ j)` (symmetric; causality is the
+    segment-sum mask's)."""
+    o_t = tl.arange(0, C)
+    x = o_t[:, None] ^ o_t[None, :]
+    lev = tl.zeros([C, C], dtype=tl.int32)
+    for b in tl.static_range(LOG_C):
+        lev += ((x >> b) > 0).to(tl.int32)
+    return lev
+
+
+@triton.jit(do_not_specialize=["N_tok"])
+def level_pass_kernel(
+    a, b, c, g, lam, out, seg, pos, state, dot_x, rowdot, dlam,
+    scale, N_tok, H, DA, DC, L, NLC,
+    C: tl.constexpr, LOG_C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr,
+    REVERSE: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr, ROWDOT: tl.constexpr,
+    DLAM: tl.constexpr, F32: tl.constexpr,
+):
+    """One sequence, one head, one DC tile.
+
+    grid: (cdiv(DC, BC), N, H). Tiling: a, b rows of the full DA (padded to BA); c / out columns
+    [BC]; per chunk the products `[C, BA] @ [BA, C]` (scores), `[C, C] @ [C, BC]` (intra),
+    `[C, BA] @ [BA, BC]` per level read and `[BA, C] @ [C, BC]` per add (once for a causal pass).
+    `seg` rows are the sequences' `(bos, eos, ., .)`, `pos [N]` their start positions. ROWDOT:
+    `rowdot[i_c, t] = sum(dot_x * out, -1)` per tile (the log-decay gradient's term); DLAM (causal
+    only): `dlam[i_c, t, l]` = the tile's part of the unweighted level-l share of `out_t` dotted with
+    `dot_x_t`, for the reads, and for levels `0..c` `sum_s [level = l] att_ts (dot_x_t . c_s)`.
+    """
+    i_c, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(seg + i_n * 4).to(tl.int64)
+    eos = tl.load(seg + i_n * 4 + 1).to(tl.int64)
+    P = tl.load(pos + i_n).to(tl.int64)
+    E = P + (eos - bos)  # absolute end (exclusive)
+    n0 = P // C
+    n1 = (E - 1) // C
+    NL = tl.minimum(bit_length(n1), NLC)  # chunk-levels in play: no chunk index has a higher bit (NLC: lam too short)
+    o_a, o_c, m_a, m_c, m_s = state_tile(i_c, DA, DC, BA, BC)
+    o_t = tl.arange(0, C)
+    o_l = tl.arange(0, BL)
+    lut = intra_levels(C, LOG_C)  # [C, C]
+    p_base = state + ((i_n * H + i_h) * NLC * DA).to(tl.int64) * DC + o_a[:, None] * DC + o_c[None, :]  # [BA, BC]
+    if USE_H0:
+        b_p = tl.zeros([BL], dtype=tl.float32)
+    else:
+        b_p = tl.full([BL], float("-inf"), dtype=tl.float32)
+    n_chunks = n1 - n0 + 1
+    for i in range(0, n_chunks):
+        if REVERSE:
+            n = n1 - i
+        else:
+            n = n0 + i
+        inner = i < n_chunks - 1  # the last chunk of the walk empties no level: its states leave the pass
+        tpos = n * C + o_t  # absolute positions of the chunk's rows
+        t = bos + (tpos - P)  # token rows
+        m_t = (tpos >= P) & (tpos < E)
+        row_a = (t * H + i_h)[:, None] * DA + o_a[None, :]  # [C, BA]
+        row_c = (t * H + i_h)[:, None] * DC + o_c[None, :]  # [C, BC]
+        m_ta = m_t[:, None] & m_a[None, :]
+        m_tc = m_t[:, None] & m_c[None, :]
+        row_l = (t * H + i_h) * L  # [C]
+        b_a = tl.load(a + row_a, mask=m_ta, other=0.0)  # [C, BA]
+        b_b = tl.load(b + row_a, mask=m_ta, other=0.0)  # [C, BA]
+        b_v = tl.load(c + row_c, mask=m_tc, other=0.0)  # [C, BC]
+        b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+        b_wq, b_wk = chunk_side_decays(b_g, b_gc, b_last, REVERSE, F32)  # [C], [C]
+        b_d = chunk_segsum(b_g, b_gc, b_last, REVERSE, F32)  # [C, C]
+
+        # intra-chunk: the score block weighted by lam[t, level(i, j)] (t = row causal, column anticausal)
+        b_att = mma(b_a, tl.trans(b_b), F32) * (tl.exp2(b_d) * scale)  # [C, BA] @ [BA, C] -> [C, C]
+        if REVERSE:
+            p_w = lam + row_l[None, :] + lut  # [C, C]: lam of the column's row
+            m_w = m_t[None, :] & (lut < L)
+        else:
+            p_w = lam + row_l[:, None] + lut
+            m_w = m_t[:, None] & (lut < L)
+        b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)  # [C, C] gathered from the chunk's lam rows
+        b_o = mma_left_fp32(b_att * b_w, b_v, F32)  # [C, C] @ [C, BC] -> [C, BC]
+        if DLAM:
+            b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0)  # [C, BC]
+            b_xc = mma(b_x, tl.trans(b_v), F32) * b_att  # [C, BC] @ [BC, C] -> [C, C]
+            p_dl = dlam + (i_c * N_tok + t) * H * L + i_h * L  # [C]
+            for lv in tl.static_range(LOG_C + 1):
+                tl.store(p_dl + lv, tl.sum(tl.where(lut == lv, b_xc, 0.0), axis=1), mask=m_t & (o_t * 0 + lv < L))
+
+        # inter-chunk: one read or one add per chunk-level
+        b_wa = tl.exp2(b_wq) * scale  # [C]
+        if not REVERSE:
+            b_kv = keys_times_values(b_b, b_v, b_wk, USE_G, F32)  # [BA, BC], shared by every add
+        for ell in range(0, NL):
+            bit = (n >> ell) & 1
+            p_ell = tl.sum(tl.where(o_l == ell, b_p, 0.0), axis=0)
+            p_s = p_base + ell * DA * DC
+            if REVERSE:
+                reads = bit == 0
+            else:
+                reads = bit == 1
+            if reads:
+                if p_ell > float("-inf"):
+                    b_s = tl.load(p_s, mask=m_s, other=0.0)  # [BA, BC]
+                    b_r = mma_right_fp32(b_a, b_s, F32) * (b_wa * tl.exp2(p_ell))[:, None]  # [C, BA] @ [BA, BC] -> [C, BC]
+                    if REVERSE:
+                        b_o += b_r
+                    else:
+                        b_lam = tl.load(lam + row_l + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
+                        b_o += b_r * b_lam[:, None]
+                        if DLAM:
+                            tl.store(p_dl + (LOG_C + 1 + ell), tl.sum(b_x.to(tl.float32) * b_r, axis=1), mask=m_t)
+                p_new = p_ell + b_last
+            else:
+                if REVERSE:
+                    b_lam = tl.load(lam + row_l + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
+                    b_add = mma_right_fp32(tl.trans(b_b), b_v.to(tl.float32) * (tl.exp2(b_wk) * b_lam)[:, None], F32)
+                else:
+                    b_add = b_kv
+                if p_ell > float("-inf"):
+                    b_add += tl.load(p_s, mask=m_s, other=0.0) * tl.exp2(p_ell + b_last)
+                tl.store(p_s, b_add, mask=m_s)
+                p_new = tl.full([], 0.0, tl.float32)
+            period = 2 << ell
+            if REVERSE:
+                ends = n % period == 0
+            else:
+                ends = n % period == period - 1
+            if ends & inner:
+                p_new = tl.full([], float("-inf"), tl.float32)
+            b_p = tl.where(o_l == ell, p_new, b_p)
+        b_p = tl.where(o_l >= NL, b_p + b_last, b_p)  # levels no chunk of this sequence reaches only decay
+
+        tl.store(out + row_c, to_output(b_o, out.dtype.element_ty, F32), mask=m_tc)  # downcast: output dtype
+        if ROWDOT:
+            if not DLAM:
+                b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0)  # [C, BC]
+            tl.store(rowdot + (i_c * N_tok + t) * H + i_h, tl.sum(b_x.to(tl.float32) * b_o, axis=1), mask=m_t)
+
+    # the final state: every level decayed to the sequence's end, zero where empty
+    for ell in range(0, NLC):
+        p_ell = tl.sum(tl.where(o_l == ell, b_p, 0.0), axis=0)
+        p_s = p_base + ell * DA * DC
+        if p_ell == float("-inf"):
+            tl.store(p_s, tl.zeros([BA, BC], dtype=tl.float32), mask=m_s)
+        elif p_ell < 0.0:
+            tl.store(p_s, tl.load(p_s, mask=m_s, other=0.0) * tl.exp2(p_ell), mask=m_s)
+
+
+def level_pass(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, g: torch.Tensor | None, lam: torch.Tensor,
+    position: torch.Tensor, seq_lens: tuple, *, scale: float, reverse: bool,
+    initial_state: torch.Tensor | None = None, dot_x: torch.Tensor | None = None, want_dlam: bool = False,
+    out_dtype: torch.dtype | None = None, chunk_size: int | None = None, config: KernelConfig | None = None,
+):
+    """Run one level pass over flattened tokens.
+
+    a, b: [N_tok, H, DA]; c, dot_x: [N_tok, H, DC]; g: [N_tok, H] or None; lam: [N_tok, H, L]; all
+    contiguous. position: [N] int64 start positions; seq_lens: host lengths (each >= 1).
+    initial_state: [N, H, NLC, DA, DC] fp32 per-level states entering the pass (the causal states at
+    the first chunk's start, or the anticausal ones at the last chunk's end), NLC = max(L - c - 1, 1).
+    chunk_size: default the config's. out_dtype: default c's dtype (fp32 when more terms are added to `out` before one rounding).
+    Returns `(out [N_tok, H, DC] in out_dtype, state [N, H, NLC, DA, DC] fp32 (the states leaving
+    the pass), rowdot [N_tok, H] fp32 or None, dlam [N_tok, H, L] fp32 or None)`.
+    """
+    config = config or get_config()
+    N_tok, H, DA = a.shape
+    DC, L = c.shape[-1], lam.shape[-1]
+    N = len(seq_lens)
+    C = chunk_size or config.chunk_size
+    LOG_C = C.bit_length() - 1
+    NLC = max(L - LOG_C - 1, 1)
+    BA, BC = block(DA), min(block(DC), config.block_c)
+    target = config.programs_per_sm * num_sms(a.device)
+    while BC > 16 and N * H * triton.cdiv(DC, BC) < target:  # few sequences x heads: narrower value tiles, more programs
+        BC //= 2
+    n_c = triton.cdiv(DC, BC)
+    F32 = dot_f32(a.dtype)
+    seg = segment_table(seq_lens, 1, C, a.device)[0]
+    if initial_state is not None:
+        state = initial_state.to(torch.float32, copy=True).contiguous()
+    else:
+        state = torch.empty(N, H, NLC, DA, DC, dtype=torch.float32, device=a.device)
+    out = torch.empty_like(c, dtype=out_dtype or c.dtype)
+    rowdot = torch.empty(n_c, N_tok, H, dtype=torch.float32, device=a.device) if dot_x is not None else None
+    dlam = torch.zeros(n_c, N_tok, H, L, dtype=torch.float32, device=a.device) if want_dlam else None
+    level_pass_kernel[(n_c, N, H)](
+        a, b, c, g, lam, out, seg, position, state, dot_x, rowdot, dlam,
+        scale, N_tok, H, DA, DC, L, NLC,
+        C=C, LOG_C=LOG_C, BA=BA, BC=BC, BL=triton.next_power_of_2(NLC),
+        REVERSE=reverse, USE_G=g is not None, USE_H0=initial_state is not None,
+        ROWDOT=dot_x is not None, DLAM=want_dlam, F32=F32,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if rowdot is not None:
+        rowdot = rowdot.sum(0)  # [n_c, N_tok, H] -> [N_tok, H]
+    if dlam is not None:
+        dlam = dlam.sum(0)  # [n_c, N_tok, H, L] -> [N_tok, H, L]
+    return out, state, rowdot, dlam
+
+
+def level_pass_ref(a, b, c, g, lam, position, seq_lens, *, scale, reverse, chunk_size, initial_state=None):
+    """Twin of `level_pass` (`out` and the leaving states) in float64: the same walk with explicit
+    decays, one [H, DA, DC] state per chunk-level and the level table of `ops.common.fenwick`."""
+    C = chunk_size
+    c_bits = C.bit_length() - 1
+    N_tok, H, DA = a.shape
+    DC, L = c.shape[-1], lam.shape[-1]
+    NLC = max(L - c_bits - 1, 1)
+    dev = a.device
+    a, b, c = (x.double() for x in (a, b, c))
+    lam = F.pad(lam.double(), [0, c_bits + 1 + NLC - L]) if L < c_bits + 1 + NLC else lam.double()  # [N_tok, H, >= c+1+NLC]
+    g = torch.zeros(N_tok, H, dtype=torch.float64, device=dev) if g is None else g.double()
+    lut = level_table(C, device=dev)  # [C, C], -1 above the diagonal
+    lut = torch.maximum(lut, lut.t())  # symmetric: bit_length(i ^ j)
+    o_t = torch.arange(C, device=dev)
+    tri = o_t[None, :] >= o_t[:, None] if reverse else o_t[:, None] >= o_t[None, :]  # [C, C]
+    out = torch.zeros(N_tok, H, DC, dtype=torch.float64, device=dev)
+    states = torch.zeros(len(seq_lens), H, NLC, DA, DC, dtype=torch.float64, device=dev)
+    if initial_state is not None:
+        states = initial_state.double().clone()
+    bos = 0
+    for i, n_len in enumerate(seq_lens):
+        P = int(position[i])
+        E = P + n_len
+        n0, n1 = P // C, (E - 1) // C
+        R = states[i]  # [H, NLC, DA, DC]
+        walk = range(n1, n0 - 1, -1) if reverse else range(n0, n1 + 1)
+        for n in walk:
+            apos = n * C + o_t
+            real = (apos >= P) & (apos < E)  # [C]
+            idx = torch.where(real, bos + apos - P, 0)
+            A, Bm, Cm, gg, lc = (torch.where(real.view(-1, *[1] * (x.dim() - 1)), x[idx], 0.0) for x in (a, b, c, g, lam))
+            Gc = torch.cumsum(gg, 0)  # [C, H]
+            total = Gc[-1]  # [H]
+            wq, wk = (torch.exp(total - Gc), torch.exp(Gc)) if reverse else (torch.exp(Gc), torch.exp(total - Gc))  # [C, H]
+            seg = (Gc[None, :] - Gc[:, None]) if reverse else (Gc[:, None] - Gc[None, :])  # [C, C, H]
+            D = torch.where(tri[..., None], torch.exp(torch.where(tri[..., None], seg, 0.0)), 0.0)  # [C, C, H]
+            if reverse:
+                W = torch.stack([lc[o_t[None, :].expand(C, C), h, lut] for h in range(H)], -1)  # [C, C, H]: lam[j, lut]
+            else:
+                W = torch.stack([lc[o_t[:, None].expand(C, C), h, lut] for h in range(H)], -1)  # [C, C, H]: lam[i, lut]
+            att = torch.einsum("ihd,jhd->ijh", A, Bm) * D * W * scale  # [C, C, H]
+            o = torch.einsum("ijh,jhc->ihc", att, Cm)  # [C, H, DC]
+            for ell in range(n1.bit_length()):
+                bit = (n >> ell) & 1
+                if bit == (0 if reverse else 1):
+                    r = scale * torch.einsum("ihd,hdc->ihc", A, R[:, ell]) * wq[..., None]  # [C, H, DC]
+                    o = o + (r if reverse else r * lc[:, :, c_bits + 1 + ell, None])
+            R.mul_(torch.exp(total)[:, None, None, None])
+            for ell in range(n1.bit_length()):
+                bit = (n >> ell) & 1
+                if bit == (1 if reverse else 0):
+                    w = wk * lc[:, :, c_bits + 1 + ell] if reverse else wk  # [C, H]
+                    R[:, ell] += torch.einsum("ihd,ihc->hdc", Bm * w[..., None], Cm)
+                period = 2 << ell
+                ends = n % period == 0 if reverse else n % period == period - 1
+                if ends and n != walk[-1]:
+                    R[:, ell] = 0.0
+            out[idx[real]] = o[real]
+        bos += n_len
+    return out, states

@@ -1,0 +1,77 @@
+"""Fused one-token decoding step of log-linear Mamba-2: the levels are updated in place.
+
+`loglinear_step_kernel` implements `loglinear_attn_step` of ops/loglinear/recurrent.py (`beta=None`)
+for a batch whose sequences sit at their own positions `t`:
+
+    j = ctz(t);  S[j+1] += S[0] + … + S[j];  S[0..j] = 0      (t > 0: the Fenwick carry)
+    S[l] <- exp(g) S[l];  S[0] = k vᵀ;  o = Σ_l lam[l] S[l]ᵀ (scale q)
+
+on the shared step front (ops/triton/step.py): one program per (batch, head, value tile) walks the
+L levels, reading and writing each level's tile once; the carry is a running sum in registers. A
+state at position 0 is empty (its levels are ignored).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from polyattn.ops.triton.plan import block
+from polyattn.ops.triton.step import step_tile
+
+
+@triton.jit
+def loglinear_step_kernel(
+    q, k, v, g, lam, pos, state, o, scale, H, K, V, L,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+):
+    """One decoding step for one (batch, head, V tile); q, k: [B, H, K], v, o: [B, H, V],
+    lam: [B, H, L], pos: [B], state: [B, H, L, K, V] fp32."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    t = tl.load(pos + i_bh // H)
+    j = t * 0 - 1  # no carry at position 0
+    if t > 0:
+        j = t * 0
+        while ((t >> j) & 1) == 0:
+            j += 1
+    o_v = i_v * BV + tl.arange(0, BV)
+    b_o = tl.zeros([BV], dtype=tl.float32)
+    b_acc = tl.zeros([BK, BV], dtype=tl.float32)
+    for lv in range(0, L):
+        # step_tile addresses a [.., K, V] state by (batch * heads) index; shifting the base by
+        # (i_bh * (L - 1) + lv) K V lands it on level lv of this (batch, head) in [B, H, L, K, V]
+        base = state + (i_bh.to(tl.int64) * (L - 1) + lv) * K * V
+        p_s, m_s, b_s, b_q, b_k, b_v = step_tile(q, k, v, g, base, scale, K, V, BK, BV, USE_G)
+        if t == 0:
+            b_s = b_s * 0.0
+        if lv <= j:
+            b_acc += b_s
+            b_s = b_s * 0.0
+        elif lv == j + 1:
+            b_s += b_acc
+        if lv == 0:
+            b_s = b_k[:, None] * b_v[None, :]  # [BK, 1] * [1, BV] -> [BK, BV]
+        b_lam = tl.load(lam + i_bh * L + lv).to(tl.float32)
+        b_o += b_lam * tl.sum(b_s * b_q[:, None], axis=0)
+        tl.store(p_s, b_s, mask=m_s)
+    tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty), mask=o_v < V)
+
+
+def loglinear_attn_step_inplace(q, k, v, lam, g, levels, position, *, scale):
+    """One decoding step of log-linear Mamba-2 with `levels` updated in place (the arguments of
+    `ops.loglinear.recurrent.loglinear_attn_step` with `beta=None`, which returns a new state).
+
+    q, k: [B, H, K]; v: [B, H, V]; lam: [B, H, L]; g: [B, H] or None; levels: [B, H, L, K, V] fp32
+    contiguous; position: [B] int64, each sequence's own (the caller guarantees `L >=
+    num_levels(position + 1)`). Returns `(o [B, H, V] in q's dtype, levels)`.
+    """
+    B, H, K = q.shape
+    V, L = v.shape[-1], lam.shape[-1]
+    if levels.shape != (B, H, L, K, V) or levels.dtype != torch.float32 or not levels.is_contiguous():
+        raise ValueError(f"expected contiguous fp32 levels of shape {(B, H, L, K, V)}, got {tuple(levels.shape)} {levels.dtype}")
+    o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
+    BV = min(32, block(V))
+    loglinear_step_kernel[(triton.cdiv(V, BV), B * H)](
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous() if g is not None else None, lam.contiguous(),
+        position.contiguous(), levels, o, scale, H, K, V, L,
+        BK=block(K), BV=BV, USE_G=g is not None, num_warps=4,
+    )
+    return o, levels

@@ -1,0 +1,192 @@
+"""Triton `loglinear_attn` (Mamba-2 base) against the float64 naive spec (ops/README.md, "Tests: a ladder
+of equivalences", rung 3).
+
+The bound per tensor is `polyattn.testing.assert_low_precision_matches`'s: at most twice the error of
+the PyTorch chunk form on the same low-precision inputs (or one rounding floor), and always under a
+hard ceiling, for o, the final state's levels and the gradients of q, k, v, lam, g and the initial
+levels (random cotangents for o and the final state). Initial states are real states at their
+position (naive on a random prefix); the references read only the levels such a state can occupy
+(`occupied_levels`), as the Triton form does. On a CPU-only machine (CI) the kernels run under
+TRITON_INTERPRET=1 at tiny shapes with chunks of 16 tokens (so 65 tokens cross three chunk-levels);
+with CUDA the same tests run at real shapes with the default chunks of 64.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polyattn import ops
+from polyattn.ops.common import num_levels
+from polyattn.ops.loglinear import LogLinearState, loglinear_attn_chunk, loglinear_attn_naive
+from polyattn.ops.loglinear.state import occupied_levels
+from polyattn.ops.loglinear.triton import loglinear_attn_triton
+from polyattn.ops.triton.plan import KernelConfig, get_config, use_config
+from polyattn.testing import assert_close_rel, assert_low_precision_matches, dtype_id, rel_err, seeded_inputs
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+if CUDA:
+    B, H, K, V = 2, 16, 128, 96
+    LONG_T = 4096
+    CONFIG = get_config()
+    SPLIT_T, SPLITS = 300, [63, 64, 65, 129]
+else:
+    B, H, K, V = 2, 2, 8, 12
+    LONG_T = 1000
+    CONFIG = KernelConfig(chunk_size=16, block_c=16)
+    SPLIT_T, SPLITS = 50, [15, 16, 17, 33]  # around the chunk size 2^k, and past two chunks
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _inputs(Bx, T, decay=True, seed=0, L=None):
+    x = seeded_inputs(Bx, T, H, K, V, decay=decay, seed=seed, device=DEVICE)
+    x.pop("beta")
+    L = L or num_levels(T + 200) + 1  # room for a state up to position 200, plus an unused column
+    lam = torch.rand(Bx, T, H, L, generator=torch.Generator().manual_seed(seed + 100), dtype=torch.float64) + 0.5
+    g = x.pop("g")
+    return {**x, "lam": lam.to(DEVICE), "g": g}
+
+
+def _state(positions, L, seed=1):
+    """A state reached by the naive form after a random prefix, per sequence at its own position."""
+    levels = []
+    for i, P in enumerate(positions):
+        if P == 0:
+            levels.append(torch.zeros(1, H, L, K, V, dtype=torch.float64, device=DEVICE))
+            continue
+        x = _inputs(1, P, seed=seed + i, L=L)
+        _, s = loglinear_attn_naive(**x, scale=K**-0.5, output_final_state=True)
+        levels.append(s.levels)
+    return LogLinearState(torch.cat(levels), torch.tensor(positions, device=DEVICE))
+
+
+def _occupied_only(form):
+    """`form` reading only the levels a state can occupy at its position (as the Triton form does)."""
+
+    def run(*tensors, initial_state, **kwargs):
+        occupied = occupied_levels(initial_state.position, initial_state.levels.shape[2])[:, None, :, None, None]
+        levels = torch.where(occupied, initial_state.levels, 0.0)
+        return form(*tensors, initial_state=LogLinearState(levels, initial_state.position), **kwargs)
+
+    return run
+
+
+NAIVE, CHUNK = _occupied_only(loglinear_attn_naive), _occupied_only(loglinear_attn_chunk)
+
+
+def _triton(*tensors, **kwargs):
+    with use_config(CONFIG):
+        return loglinear_attn_triton(*tensors, **kwargs)
+
+
+_triton.native_varlen = True
+
+
+def _check(x, state, dtype, lengths=None):
+    assert_low_precision_matches(NAIVE, CHUNK, _triton, x, state, dtype, lengths=lengths)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("T", [1, 63, 64, 65], ids=lambda t: f"T{t}")
+def test_triton_matches_naive(T, dtype):
+    x = _inputs(B, T)
+    _check(x, _state([0] * B, x["lam"].shape[-1]), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_triton_without_decay(dtype):
+    x = _inputs(B, 65, decay=False, seed=2)
+    _check(x, _state([0, 17], x["lam"].shape[-1], seed=3), dtype)
+
+
+def test_triton_long_sequence():
+    """Many chunks and chunk-levels, from a state off the chunk grid."""
+    x = _inputs(1, LONG_T, seed=4)
+    with use_config(CONFIG if CUDA else KernelConfig()):  # the interpreter affords 1000 tokens in chunks of 64
+        assert_low_precision_matches(NAIVE, CHUNK, loglinear_attn_triton, x, _state([33], x["lam"].shape[-1], seed=5), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=dtype_id)
+def test_triton_varlen_from_states_at_odd_positions(dtype):
+    """Packed sequences, each continuing a state at its own position: 2^k - 1, 2^k, 2^k + 1 around a
+    chunk boundary (16) and inside a chunk (7, 9), and a fresh one."""
+    lengths = [1, 64, 37, 20, 50, 3] if not CUDA else [1, 64, 1000, 37, 4095, 130]
+    positions = [15, 16, 17, 0, 7, 9] if not CUDA else [63, 64, 65, 0, 127, 129]
+    x = _inputs(1, sum(lengths), seed=6)
+    _check(x, _state(positions, x["lam"].shape[-1], seed=7), dtype, lengths=lengths)
+
+
+def test_triton_reset_gates():
+    """A very negative log-decay empties every level (the chunk decay takes its exact path)."""
+    x = _inputs(B, 65, seed=8)
+    x["g"][:, 20] = -1e4
+    x["g"][:, 41] = -float("inf")
+    _check(x, _state([0, 5], x["lam"].shape[-1], seed=9), torch.float32)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_triton_continues_exactly(split):
+    """Prefill then continue from the final state: the same outputs and final state as one call."""
+    x = {n: t.float() for n, t in _inputs(1, SPLIT_T, seed=10).items()}
+    o, s = _triton(**x, scale=0.5, output_final_state=True)
+    first = {n: t[:, :split] for n, t in x.items()}
+    second = {n: t[:, split:] for n, t in x.items()}
+    o1, s1 = _triton(**first, scale=0.5, output_final_state=True)
+    o2, s2 = _triton(**second, scale=0.5, initial_state=s1, output_final_state=True)
+    assert torch.equal(s2.position, s.position)
+    assert_close_rel(torch.cat([o1, o2], 1), o, 1e-5, "output")
+    assert_close_rel(s2.levels, s.levels, 1e-5, "final state")
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["causal", "anticausal"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["fresh", "state"])
+def test_level_pass_matches_its_twin(reverse, with_state):
+    from polyattn.ops.loglinear.triton.level_pass import level_pass, level_pass_ref
+
+    gen = torch.Generator().manual_seed(11)
+    lengths, positions = (50, 1, 70), [0, 5, 37]
+    N_tok, L = sum(lengths), 10
+    C = CONFIG.chunk_size
+    NLC = max(L - C.bit_length(), 1)
+    a, b = (torch.randn(N_tok, H, K, generator=gen).to(DEVICE) for _ in range(2))
+    c = torch.randn(N_tok, H, V, generator=gen).to(DEVICE)
+    g = (-0.3 * torch.rand(N_tok, H, generator=gen)).to(DEVICE)
+    lam = torch.rand(N_tok, H, L, generator=gen).to(DEVICE)
+    h0 = torch.randn(len(lengths), H, NLC, K, V, generator=gen).to(DEVICE) if with_state else None
+    position = torch.tensor(positions, device=DEVICE)
+    with use_config(CONFIG):
+        out, state, _, _ = level_pass(a, b, c, g, lam, position, lengths, scale=0.5, reverse=reverse, initial_state=h0)
+    out_ref, state_ref = level_pass_ref(a, b, c, g, lam, position, lengths, scale=0.5, reverse=reverse, chunk_size=C, initial_state=h0)
+    assert rel_err(out, out_ref) <= 1e-5, f"out: {rel_err(out, out_ref):.2e}"
+    assert rel_err(state, state_ref) <= 1e-5, f"state: {rel_err(state, state_ref):.2e}"
+
+
+def test_triton_rejects_what_it_lacks():
+    x = {n: t.float() for n, t in _inputs(1, 8).items()}
+    with pytest.raises(ValueError, match="Gated DeltaNet"):
+        ops.loglinear_attn(**x, beta=torch.rand(1, 8, H, device=DEVICE), impl="triton")
+    with pytest.raises(ValueError, match="bf16/fp16/fp32"):
+        ops.loglinear_attn(**{n: t.double() for n, t in x.items()}, impl="triton")
+    with pytest.raises(ValueError, match="num_levels"):
+        ops.loglinear_attn(**{**x, "lam": x["lam"][..., :3]}, impl="triton")
+
+
+def test_decoding_step_matches_the_recurrent_form():
+    """The fused step, token for token, against `loglinear_attn_step` for a batch whose sequences sit at
+    their own positions (fresh, 2^k - 1, 2^k, 2^k + 1), through the op (one token, no gradients)."""
+    from polyattn.ops.loglinear import loglinear_attn_step
+
+    positions = [0, 1, 7, 8, 15, 16]
+    L = num_levels(16 + 5) + 1
+    state = _state(positions, L, seed=12)
+    x = {n: t.float() for n, t in _inputs(len(positions), 5, seed=13, L=L).items()}
+    fused = LogLinearState(state.levels.float(), state.position)
+    reference = state
+    for t in range(5):
+        token = {n: x[n][:, t : t + 1] for n in ("q", "k", "v", "lam", "g")}
+        with torch.no_grad():
+            o, fused = loglinear_attn_triton(**token, scale=0.5, initial_state=fused, output_final_state=True)
+        o_ref, reference = loglinear_attn_step(*(token[n][:, 0].double() for n in ("q", "k", "v", "lam", "g")), None, reference, scale=0.5)
+        assert torch.equal(fused.position, reference.position)
+        assert rel_err(o[:, 0], o_ref) <= 1e-5, f"step {t}: o rel err {rel_err(o[:, 0], o_ref):.2e}"
+        assert rel_err(fused.levels, reference.levels) <= 1e-5, f"step {t}: state rel err {rel_err(fused.levels, reference.levels):.2e}"
