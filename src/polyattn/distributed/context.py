@@ -77,9 +77,11 @@ def shard_layout(bounds: Sequence[int], documents: Sequence[int] | None = None) 
     if len(bounds) < 2 or bounds[0] != 0 or any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
         raise ValueError(f"bounds: expected increasing token offsets from 0, one shard of >= 1 token per rank, got {list(bounds)}")
     total = bounds[-1]
-    starts = [0] if documents is None else sorted(set(int(c) for c in documents[:-1]))
-    if documents is not None and (int(documents[0]) != 0 or int(documents[-1]) != total):
-        raise ValueError(f"cu_seqlens: expected offsets from 0 to the whole row's {total} tokens, got {list(documents)}")
+    starts = [0] if documents is None else [int(c) for c in documents[:-1]]
+    if documents is not None and (
+        int(documents[0]) != 0 or int(documents[-1]) != total or any(b <= a for a, b in zip(documents[:-1], documents[1:]))
+    ):
+        raise ValueError(f"cu_seqlens: expected strictly increasing offsets from 0 to the whole row's {total} tokens, got {list(documents)}")
     shards = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         inside = [c - start for c in starts if start < c < end]
@@ -119,6 +121,16 @@ class _Tie(torch.autograd.Function):
     def backward(ctx, grad):
         shape, dtype, device = ctx.anchor
         return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def check_no_state(initial_state, output_final_state) -> None:
+    """The shards together are one pass over the row: no state comes in or goes out."""
+    if initial_state is not None or output_final_state:
+        raise ValueError(
+            "context parallelism: expected initial_state=None and output_final_state=False (the shards are one pass "
+            f"over the whole row), got initial_state={'set' if initial_state is not None else None}, "
+            f"output_final_state={output_final_state}"
+        )
 
 
 def merge_levels(levels: torch.Tensor, m: int) -> torch.Tensor:
@@ -302,8 +314,9 @@ class ContextParallel:
 
     # -- the families --------------------------------------------------------------------------------
 
-    def linear_attn(self, q, k, v, g=None, *, scale=None, cu_seqlens=None, impl="auto"):
+    def linear_attn(self, q, k, v, g=None, *, scale=None, cu_seqlens=None, impl="auto", initial_state=None, output_final_state=False):
         """Context-parallel :func:`polyattn.ops.linear_attn`. Summary ``(a [B,H], S [B,H,K,V])``; read correction."""
+        check_no_state(initial_state, output_final_state)
         shards, me, local_cu = self.layout(q, cu_seqlens)
         scale = resolve_scale(scale, q.shape[-1])
         o, finals = ops.linear_attn(q, k, v, g, scale=scale, output_final_state=True, cu_seqlens=local_cu, impl=impl)
@@ -316,10 +329,11 @@ class ContextParallel:
 
     def kata(
         self, q, k, v, g=None, *, feature="psd", groups=1, combine="concat", normalize=True, beta=None, eps=1e-6,
-        scale=None, cu_seqlens=None, impl="auto",
+        scale=None, cu_seqlens=None, impl="auto", initial_state=None, output_final_state=False,
     ):
         """Context-parallel :func:`polyattn.ops.kata`. KATA: summary ``(a, [S | z] [B,H,P,V+1])``, read correction
         on numerator and normaliser before the division; DeltaKATA (``beta``): as :meth:`delta_rule` with P rows."""
+        check_no_state(initial_state, output_final_state)
         options = dict(feature=feature, groups=groups, combine=combine, eps=eps)
         scale = resolve_scale(scale, q.shape[-1])
         if beta is not None:
@@ -340,8 +354,9 @@ class ContextParallel:
             out = self._decayed_read(out, q * scale, g, me, state, read)
         return self.tie(normalized_read(out, normalize, eps).to(q.dtype)), None
 
-    def delta_rule(self, q, k, v, beta, g=None, *, scale=None, cu_seqlens=None, impl="auto"):
+    def delta_rule(self, q, k, v, beta, g=None, *, scale=None, cu_seqlens=None, impl="auto", initial_state=None, output_final_state=False):
         """Context-parallel :func:`polyattn.ops.delta_rule`. Summary ``[M | b] [B,H,K,K+V]``; read correction."""
+        check_no_state(initial_state, output_final_state)
         scale = resolve_scale(scale, q.shape[-1])
         return self._affine(ops.delta_rule, (q, k, v), dict(beta=beta, g=g, scale=scale), q.shape[-1], cu_seqlens, impl)
 
@@ -374,10 +389,11 @@ class ContextParallel:
 
     def hla(
         self, q, k, v, g=None, *, order=2, asymmetric=False, normalize=False, eps=1e-6, scale=None, cu_seqlens=None,
-        impl="auto", chunk_size=64,
+        impl="auto", initial_state=None, output_final_state=False, chunk_size=64,
     ):
         """Context-parallel :func:`polyattn.ops.hla`. Summary: the last piece's chunk elements reduced by the
         variant's combine (``(a, state fields, extras)``); the op reruns from the incoming state."""
+        check_no_state(initial_state, output_final_state)
         shards, me, local_cu = self.layout(q, cu_seqlens)
         scale = resolve_scale(scale, q.shape[-1])
         rule = SCAN_RULES[resolve_variant(order, asymmetric).name]
@@ -402,10 +418,11 @@ class ContextParallel:
         )
         return self.tie(o), None
 
-    def loglinear_attn(self, q, k, v, lam, g=None, *, beta=None, scale=None, cu_seqlens=None, impl="auto"):
+    def loglinear_attn(self, q, k, v, lam, g=None, *, beta=None, scale=None, cu_seqlens=None, impl="auto", initial_state=None, output_final_state=False):
         """Context-parallel :func:`polyattn.ops.loglinear_attn`, levels of positions in the document. Summary: the
         last piece's levels ``b [B,H,L,K,V]`` from zero at its absolute position and the shard's transition
         (``a [B,H]``; ``M [B,H,K,K]`` with beta); combine ``merge_m(transition(levels)) + b``; the op reruns."""
+        check_no_state(initial_state, output_final_state)
         shards, me, local_cu = self.layout(q, cu_seqlens)
         scale = resolve_scale(scale, q.shape[-1])
         B, T, H, K = q.shape
@@ -448,3 +465,24 @@ class ContextParallel:
             )
         o, _ = ops.loglinear_attn(q, k, v, lam, g, beta=beta, scale=scale, initial_state=initial, cu_seqlens=local_cu, impl=impl)
         return self.tie(o), None
+
+
+def enable_context_parallel(model: torch.nn.Module, group=None, bounds: Sequence[int] | None = None) -> torch.nn.Module:
+    """Switch every mixer of ``model`` to context parallelism over ``group`` (None: the default group; use a
+    group of its own when data parallelism shares the ranks). Each rank then feeds its shard
+    ``[B, T_r]`` of the sequence (``bounds`` as :class:`ContextParallel`; ``cu_seqlens``: the whole row's
+    offsets) and gets exactly its part of the single-process result, forward and backward. ``group=False``
+    switches it off again. Raises ValueError for a mixer without a chunk summary (softmax)."""
+    from polyattn.layers import Mixer
+
+    mixers = [m for m in model.modules() if isinstance(m, Mixer)]
+    if group is False:
+        for m in mixers:
+            m.context_parallel = None
+        return model
+    unsupported = sorted({m.name for m in mixers if not m.supports_context_parallel})
+    if unsupported:
+        raise ValueError(f"enable_context_parallel: mixers {unsupported} have no chunk summary to exchange (softmax needs ring attention)")
+    for m in mixers:
+        m.context_parallel = ContextParallel(group, bounds)
+    return model
