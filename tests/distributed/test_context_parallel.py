@@ -19,7 +19,7 @@ from cp_cases import CASES, case_call, reference, row
 from polyattn.distributed import ContextParallel, enable_context_parallel, shard_bounds, shard_layout
 from polyattn.models import CausalLM, LMConfig
 from polyattn.ops.common import num_levels
-from polyattn.testing import rel_err
+from polyattn.testing import LOW_PRECISION_CEILING, LOW_PRECISION_FLOOR, rel_err
 
 TOL = 1e-10
 H, K, V = 2, 4, 3
@@ -74,6 +74,37 @@ def _ops_worker(rank, world, layouts, out_dir):
             results.append(dict(case=f"{name} bounds={bounds} docs={docs}", errors=errors, sent=sent,
                                 expected=8 * summary_numel(name, H, K, V, num_levels(T)), rank=rank))
     (out_dir / f"ops-{rank}.json").write_text(json.dumps(results))
+
+
+TRITON_CASES = ("linear-decay", "delta", "hla2")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter (tests/conftest.py)
+
+
+def _triton_worker(rank, world, out_dir):
+    """The Triton forms (on the GPU, or the interpreter) in fp32 inside the context-parallel methods: the error
+    against the float64 row within 2x that of the same context-parallel call on the fp32 PyTorch chunk forms,
+    and a ceiling."""
+    bounds, docs = (0, 45, 100), (0, 30, 100)
+    cu = torch.tensor(docs)
+    cp = ContextParallel(bounds=bounds)
+    start, end = bounds[rank : rank + 2]
+    part = lambda x: x[:, start:end].to(DEVICE)  # noqa: E731
+    weights = torch.randn(1, 100, H, 12, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    results = []
+    for name in TRITON_CASES:
+        tensors = {key: x.float().double() for key, x in row(100, H, 8, 12, **CASES[name][3]).items()}  # fp32-rounded
+        o_ref, grads_ref = reference(name, tensors, weights, cu)
+        errors = {}
+        for impl in ("chunk", "triton"):
+            leaves = {key: part(x).float().requires_grad_(True) for key, x in tensors.items()}
+            op, args, kwargs = case_call(name, leaves)
+            o, _ = getattr(cp, op)(*args, **kwargs, cu_seqlens=cu.to(DEVICE), impl=impl)
+            (o * part(weights).float()).sum().backward()
+            errors[impl] = {"o": rel_err(o, part(o_ref))}
+            errors[impl].update({f"d{key}": rel_err(leaves[key].grad, part(grads_ref[key])) for key in grads_ref})
+        checks = {key: (errors["triton"][key], errors["chunk"][key]) for key in errors["chunk"]}
+        results.append(dict(case=f"{name} triton", checks=checks, rank=rank))
+    (out_dir / f"triton-{rank}.json").write_text(json.dumps(results))
 
 
 def _model_worker(rank, world, out_dir):
@@ -136,6 +167,11 @@ def spawn(job, world, tmp_path, *args, timeout=60.0):
 def check_results(results):
     assert results, "no results came back"
     for r in results:
+        if "checks" in r:  # low precision: 2x the PyTorch chunk form's error in the same dtype, floor and ceiling
+            for name, (err, chunk_err) in r["checks"].items():
+                bound = min(max(2 * chunk_err, LOW_PRECISION_FLOOR[torch.float32]), LOW_PRECISION_CEILING[torch.float32])
+                assert err <= bound, f"rank {r['rank']} {r['case']} {name}: {err:.2e} > {bound:.2e} (chunk {chunk_err:.2e})"
+            continue
         if "alone" in r:
             assert r["rank"] == 0 or r["alone"] > 1e-3, f"rank {r['rank']} {r['case']}: relative error {r['alone']:.1e}"
             continue
@@ -156,6 +192,11 @@ def test_every_family_matches_one_process(world, tmp_path):
 def test_model_switch_matches_one_process(tmp_path):
     spawn(_model_worker, 2, tmp_path, tmp_path)
     check_results([r for rank in range(2) for r in json.loads((tmp_path / f"model-{rank}.json").read_text())])
+
+
+def test_triton_forms_inside(tmp_path):
+    spawn(_triton_worker, 2, tmp_path, tmp_path, timeout=120.0)
+    check_results([r for rank in range(2) for r in json.loads((tmp_path / f"triton-{rank}.json").read_text())])
 
 
 def test_layout():

@@ -91,21 +91,28 @@ def shard_layout(bounds: Sequence[int], documents: Sequence[int] | None = None) 
     return tuple(shards)
 
 
+def _staged(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` where the backend takes it: gloo collectives run on host copies of device tensors."""
+    return x.cpu() if x.device.type != "cpu" and dist.get_backend(group) == "gloo" else x
+
+
 class _GatherSummaries(torch.autograd.Function):
     """All-gather ``[n] -> [R, n]``; backward: the reverse exchange, a reduce-scatter of the gradients."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(out, x.contiguous(), group=group)
-        return torch.stack(out)  # R x [n] -> [R, n]
+        staged = _staged(x, group).contiguous()
+        out = [torch.empty_like(staged) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, staged, group=group)
+        return torch.stack(out).to(x.device)  # R x [n] -> [R, n]
 
     @staticmethod
     def backward(ctx, grad):
-        mine = torch.empty_like(grad[0])
-        dist.reduce_scatter(mine, list(grad.contiguous().unbind(0)), group=ctx.group)  # Σ over ranks of d/d(my summary)
-        return mine, None
+        staged = _staged(grad, ctx.group).contiguous()
+        mine = torch.empty_like(staged[0])
+        dist.reduce_scatter(mine, list(staged.unbind(0)), group=ctx.group)  # Σ over ranks of d/d(my summary)
+        return mine.to(grad.device), None
 
 
 class _Tie(torch.autograd.Function):
