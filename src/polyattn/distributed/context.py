@@ -34,7 +34,7 @@ from polyattn.ops.hla.variants import prepare as hla_prepare
 from polyattn.ops.hla.variants import resolve_variant
 from polyattn.ops.kata import KataState, make_feature_map
 from polyattn.ops.kata.state import normalized_read, with_ones
-from polyattn.ops.loglinear import LogLinearState
+from polyattn.ops.loglinear import LogLinearState, combine_levels
 
 
 @dataclass(frozen=True)
@@ -138,13 +138,6 @@ def check_no_state(initial_state, output_final_state) -> None:
             f"over the whole row), got initial_state={'set' if initial_state is not None else None}, "
             f"output_final_state={output_final_state}"
         )
-
-
-def merge_levels(levels: torch.Tensor, m: int) -> torch.Tensor:
-    """Log-linear levels ``[B, H, L, K, V]`` seen by a query ``m`` levels further: level ``l`` moves to
-    ``max(l, m)`` (levels ``0..m`` summed into ``m``)."""
-    low = levels[:, :, : m + 1].sum(2, keepdim=True)  # [B, H, 1, K, V]
-    return torch.cat([torch.zeros_like(levels[:, :, :m]), low, levels[:, :, m + 1 :]], dim=2)
 
 
 def apply_decayed(state, summary, shard: Shard):
@@ -455,11 +448,8 @@ class ContextParallel:
             transition, b = summary
             if not shard.passes_through:
                 return b
-            if beta is None:
-                carried = torch.exp(transition)[:, :, None, None, None] * levels
-            else:
-                carried = torch.einsum("bhij,bhljv->bhliv", transition, levels)  # M S[l] for every level
-            return merge_levels(carried, fenwick_shift(shard)) + b
+            m = torch.tensor(fenwick_shift(shard), device=levels.device)
+            return combine_levels((torch.zeros_like(transition), levels, m), (transition, b, m))[1]  # merge_m(T h) + b
 
         state = self.incoming(shards, (transition.to(dt), final.levels.to(dt)), apply, empty)
         if state is None:
