@@ -109,9 +109,14 @@ class _GatherSummaries(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        staged = _staged(grad, ctx.group).contiguous()
-        mine = torch.empty_like(staged[0])
-        dist.reduce_scatter(mine, list(staged.unbind(0)), group=ctx.group)  # Σ over ranks of d/d(my summary)
+        parts = list(_staged(grad, ctx.group).contiguous().unbind(0))
+        mine = torch.empty_like(parts[0])
+        try:
+            dist.reduce_scatter(mine, parts, group=ctx.group)  # Σ over ranks of d/d(my summary)
+        except RuntimeError:  # a backend without reduce-scatter: the same sums by an all-to-all
+            received = [torch.empty_like(mine) for _ in parts]
+            dist.all_to_all(received, parts, group=ctx.group)
+            mine = torch.stack(received).sum(0)
         return mine.to(grad.device), None
 
 
@@ -184,6 +189,7 @@ class ContextParallel:
             raise ValueError(f"bounds: expected {self.world_size + 1} offsets (world size + 1), got {len(bounds)}")
         self.bounds = None if bounds is None else tuple(int(b) for b in bounds)
         self.sent_bytes = 0
+        self._anchor = None  # the output of the last exchange (see tie)
         self._chain = False  # inside ordered(): each exchange waits for the previous one
         self._previous = None  # the output of the last exchange
 

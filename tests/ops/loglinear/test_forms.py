@@ -135,7 +135,7 @@ def test_varlen_positions_restart_per_sequence():
 @pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize("form", ["chunk", "scan"])
 @pytest.mark.parametrize("position", [5, 8], ids=lambda p: f"P{p}")
-def test_gradcheck_chunk(base, form, position):
+def test_gradcheck_chunked(base, form, position):
     # d q, k, v, lam, g, beta and d initial levels, through o and the final levels; chunks of 4 from an
     # unaligned (5) and an aligned (8) start
     T, L = 10, num_levels(10 + position)
@@ -151,7 +151,8 @@ def test_gradcheck_chunk(base, form, position):
         return o, s.levels
 
     args = [x[n].clone().requires_grad_() for n in names] + [state.levels.clone().requires_grad_()]
-    assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-8)
+    # the scan's Jacobian is checked along random directions (fast mode): the full one takes ~15 s per case
+    assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-8, fast_mode=form == "scan")
 
 
 @pytest.mark.parametrize("base", BASES)
