@@ -4,8 +4,8 @@ The last rank of R is simulated in one process (it folds the most summaries, R -
 replaced by R copies of this rank's own summary, so the figure is the compute a rank adds (summary,
 fold, read correction or rerun), not the network time; the exchanged bytes are printed beside it.
 
-    python benchmarks/context_parallel_cost.py                       # CUDA, bf16, shards of 8K tokens, R = 2, 8
-    python benchmarks/context_parallel_cost.py --device cpu --quick  # a CPU smoke run at tiny shapes
+    python benchmarks/context_parallel_cost.py                # CUDA: bf16, H = 16, shards of 8K tokens, R = 2 and 8
+    python benchmarks/context_parallel_cost.py --device cpu   # a CPU smoke run at tiny shapes (fp32)
 
 Writes ``context_parallel_cost.json`` under ``--out`` (default ``benchmarks/results/<date>-<device>``).
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from polyattn import ops
+from polyattn.bench.timing import bench_ms, environment, parse_sized_args, write_json
 from polyattn.distributed import ContextParallel, shard_bounds
 from polyattn.ops.common import num_levels
 
@@ -32,7 +32,7 @@ class SimulatedLastRank(ContextParallel):
     def __init__(self, world_size: int, shard: int):
         self.group, self.rank, self.world_size = None, world_size - 1, world_size
         self.bounds = shard_bounds(shard * world_size, world_size)
-        self.sent_bytes, self._chain, self._previous = 0, False, None
+        self.sent_bytes, self._anchor, self._chain, self._previous = 0, None, False, None
 
     def gather(self, flat):
         self.sent_bytes += flat.numel() * flat.element_size()
@@ -41,6 +41,7 @@ class SimulatedLastRank(ContextParallel):
 
 
 def inputs(B, T, H, K, V, dtype, device, L):
+    """Seeded per-token inputs (unit keys, so the delta rule stays contractive), leaves of the graph."""
     gen = torch.Generator(device=device).manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)  # noqa: E731
     q, k, v = rand(B, T, H, K), F.normalize(rand(B, T, H, K), dim=-1), rand(B, T, H, V)
@@ -65,41 +66,31 @@ CASES = {
 }
 
 
-def timer(device):
-    if device == "cuda":
-        from polyattn.bench.timing import bench_ms
+SIZES = {"cuda": {"shard": 8192, "heads": 16, "head_cap": 128}, "cpu": {"shard": 64, "heads": 2, "head_cap": 8}}
 
-        return bench_ms
 
-    def cpu_ms(fn, reps=3):
+def cpu_ms(fn, reps=3):
+    """Mean milliseconds of ``fn()`` after one warm-up call (host timer; CPU smoke runs)."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(reps):
         fn()
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - start) / reps * 1e3
-
-    return cpu_ms
+    return (time.perf_counter() - start) / reps * 1e3
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
-    parser.add_argument("--shard", type=int, default=8192, help="tokens per rank")
     parser.add_argument("--ranks", default="2,8")
-    parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    device = args.device
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    shard, H = (64, 2) if args.quick else (args.shard, args.heads)
-    measure = timer(device)
+    args, device = parse_sized_args(parser, argv, SIZES)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    measure = bench_ms if device.type == "cuda" else cpu_ms
+    shard, H = args.shard, args.heads
     rows = []
     for R in (int(r) for r in args.ranks.split(",")):
         L = num_levels(shard * R)
         for name, (op, names, options, K, V) in CASES.items():
-            if args.quick:
-                K, V = min(K, 8), min(V, 8)
+            K, V = min(K, args.head_cap), min(V, args.head_cap)
             x = inputs(1, shard, H, K, V, dtype, device, L)
             args_ = [x[n] for n in names]
             kwargs = {key: x[value] if value in x else value for key, value in options.items()}
@@ -122,10 +113,10 @@ def main(argv=None):
                 f"x{row['fwd_overhead']:.2f} / x{row['fwdbwd_overhead']:.2f}   summary {row['summary_bytes_per_rank'] / 2**20:.2f} MiB",
                 flush=True,
             )
-    name = "cpu" if device != "cuda" else torch.cuda.get_device_name(0).split()[-1].lower()
-    out = Path(args.out or f"benchmarks/results/{datetime.date.today()}-{name}")
+    tag = "h200" if "H200" in environment(device)["device"] else device.type
+    out = Path(args.out or f"benchmarks/results/{datetime.date.today()}-{tag}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "context_parallel_cost.json").write_text(json.dumps(rows, indent=1))
+    write_json(dict(environment=environment(device), rows=rows), out / "context_parallel_cost.json")
     print(f"wrote {out / 'context_parallel_cost.json'}")
 
 

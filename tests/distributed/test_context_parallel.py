@@ -126,7 +126,7 @@ def _triton_worker(rank, world, out_dir):
 
 def _model_worker(rank, world, out_dir):
     mixers = ["linear", "mamba2", "gdn", "hla2", "ahla", "hla3", "loglinear-mamba2", "loglinear-gdn",
-              "kata-m1", "kata-s2", "deltakata-m1"]
+              "kata-m1", "kata-m2", "kata-s2", "deltakata-m1"]
     layer_mixers = [{"name": m, "num_heads": 2} for m in mixers] + [{"name": "hla3", "num_heads": 2, "outer_decay": True}]
     torch.manual_seed(0)
     config = LMConfig(vocab_size=11, d_model=8, n_layers=len(layer_mixers), layer_mixers=layer_mixers, mlp_ratio=0)
