@@ -38,6 +38,7 @@ CASES = {
     "hla3-norm": ("hla", ("q", "k", "v", "g"), {"order": 3, "normalize": True}, {"positive": True}),
     "loglinear-mamba2": ("loglinear_attn", ("q", "k", "v", "lam", "g"), {}, {}),
     "loglinear-gdn": ("loglinear_attn", ("q", "k", "v", "lam", "g"), {"beta": "beta"}, {"unit_keys": True}),
+    "loglinear-gdn-scan": ("loglinear_attn", ("q", "k", "v", "lam", "g"), {"beta": "beta", "impl": "scan"}, {"unit_keys": True}),
     "kata-m1": ("kata", ("q", "k", "v", "g"), {}, {}),
     "kata-m2-unnormalized": ("kata", ("q", "k", "v", "g"), {"groups": 2, "normalize": False}, {}),
     "kata-s2": ("kata", ("q", "k", "v"), {"groups": 2, "combine": "sum"}, {}),

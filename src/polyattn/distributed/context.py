@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from polyattn import ops
 from polyattn.ops.common import associative_reduce, check_cu_seqlens, combine_decayed, compute_dtype, resolve_scale
+from polyattn.ops.delta import DELTA_RULE_FORMS
 from polyattn.ops.hla.scan import SCAN_RULES, hla_chunk_elements
 from polyattn.ops.hla.variants import prepare as hla_prepare
 from polyattn.ops.hla.variants import resolve_variant
@@ -196,8 +197,9 @@ class ContextParallel:
     @contextlib.contextmanager
     def ordered(self):
         """Exchanges made inside run their backward in exactly the reverse order on every rank: each one's
-        input is tied to the previous one's output (a mixer's short-convolution halo, the calls of a
-        composed op). Outside, one op call makes one exchange and needs no order."""
+        input is tied to the previous one's output. For the calls of a composed op (HLA's inner-decay mixer:
+        its Y and Z calls are independent), which no data dependency orders; a mixer's short-convolution
+        halo is ordered by the data already (the op's summary depends on the convolved tokens)."""
         self._chain, self._previous = True, None
         try:
             yield self
@@ -295,7 +297,7 @@ class ContextParallel:
         return g.to(like.dtype).sum(1)
 
     @staticmethod
-    def _local_states(state, me: Shard, local_cu, rows: int):
+    def _local_states(state, local_cu, rows: int):
         """Initial states of the local pieces: the incoming state for the first (when it continues), zeros
         for documents that start here; ``[N_local, ...]`` with cu_seqlens, else the state or None."""
         if local_cu is None:
@@ -306,7 +308,7 @@ class ContextParallel:
         return torch.cat([state, state.new_zeros(n - rows, *state.shape[1:])], dim=0)
 
     @staticmethod
-    def _add_first_piece(o: torch.Tensor, me: Shard, extra: torch.Tensor) -> torch.Tensor:
+    def _add_first_piece(o: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
         """``o [B, T_r, H, V]`` with ``extra [B, t1, H, V]`` added on the first piece's tokens."""
         t1 = extra.shape[1]
         return torch.cat([o[:, :t1] + extra.to(o.dtype), o[:, t1:]], dim=1)
@@ -316,7 +318,7 @@ class ContextParallel:
         t1 = me.offsets[1]
         dt = state.dtype
         G = torch.zeros(qs.shape[0], t1, qs.shape[2], dtype=dt, device=qs.device) if g is None else torch.cumsum(g[:, :t1].to(dt), 1)
-        return self._add_first_piece(o, me, torch.exp(G)[..., None] * read(qs[:, :t1].to(dt), state))  # [B, t1, H, W]
+        return self._add_first_piece(o, torch.exp(G)[..., None] * read(qs[:, :t1].to(dt), state))  # [B, t1, H, W]
 
     # -- the families --------------------------------------------------------------------------------
 
@@ -379,7 +381,7 @@ class ContextParallel:
             v = torch.cat([v.new_zeros(B, T, H, W), v], dim=-1)  # [B, T, H, W + V]
             eye = torch.eye(W, dtype=dt, device=q.device).expand(rows, H, W, W)
             initial = torch.cat([eye, eye.new_zeros(rows, H, W, v.shape[-1] - W)], dim=-1)  # [rows, H, W, W + V]
-            initial = self._local_states(initial, me, local_cu, rows)
+            initial = self._local_states(initial, local_cu, rows)
         else:
             initial = None
         out, finals = op(q, k, v, **kwargs, initial_state=initial, output_final_state=True, cu_seqlens=local_cu, impl=impl)
@@ -391,7 +393,7 @@ class ContextParallel:
             return self.tie(out), None
         t1 = me.offsets[1]
         read = torch.einsum("bthw,bhwv->bthv", out[:, :t1, :, :W].to(dt), state)  # [B, t1, H, V]
-        return self._add_first_piece(out[..., W:], me, read), None
+        return self._add_first_piece(out[..., W:], read), None
 
     def hla(
         self, q, k, v, g=None, *, order=2, asymmetric=False, normalize=False, eps=1e-6, scale=None, cu_seqlens=None,
@@ -417,7 +419,7 @@ class ContextParallel:
 
         state = self.incoming(shards, summary, apply, tuple(torch.zeros_like(x) for x in summary[1 : 1 + fields]))
         rows = 1 if local_cu is not None else q.shape[0]
-        initial = None if state is None else variant.state(*(self._local_states(x, me, local_cu, rows) for x in state))
+        initial = None if state is None else variant.state(*(self._local_states(x, local_cu, rows) for x in state))
         o, _ = ops.hla(
             q, k, v, g, order=order, asymmetric=asymmetric, normalize=normalize, eps=eps, scale=scale,
             initial_state=initial, cu_seqlens=local_cu, impl=impl,
@@ -444,8 +446,9 @@ class ContextParallel:
             transition = self._shard_log_decay(g, me, final.levels)  # [B, H]
         elif me.passes_through:  # M = A_T ... A_1: the delta rule's final state from I on zero values
             eye = torch.eye(K, dtype=dt, device=q.device).expand(B, H, K, K)
+            delta_impl = impl if impl in DELTA_RULE_FORMS else "auto"  # log-linear's "scan": the delta rule has none
             _, transition = ops.delta_rule(
-                q, k, q.new_zeros(B, T, H, K), beta, g, scale=scale, initial_state=eye, output_final_state=True, impl=impl
+                q, k, q.new_zeros(B, T, H, K), beta, g, scale=scale, initial_state=eye, output_final_state=True, impl=delta_impl
             )  # [B, H, K, K]
         else:
             transition = empty.new_zeros(B, H, K, K)  # unused: a document starts inside
@@ -464,7 +467,7 @@ class ContextParallel:
             rows = 1 if local_cu is not None else B
             position = torch.full((rows,), me.first_position, dtype=torch.int64, device=q.device)
             initial = LogLinearState(
-                self._local_states(state, me, local_cu, rows), self._local_states(position, me, local_cu, rows)
+                self._local_states(state, local_cu, rows), self._local_states(position, local_cu, rows)
             )
         o, _ = ops.loglinear_attn(q, k, v, lam, g, beta=beta, scale=scale, initial_state=initial, cu_seqlens=local_cu, impl=impl)
         return self.tie(o), None
