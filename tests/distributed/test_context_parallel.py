@@ -124,6 +124,28 @@ def _triton_worker(rank, world, out_dir):
     (out_dir / f"triton-{rank}.json").write_text(json.dumps(results))
 
 
+def layer_numel(mixer):
+    """Per rank and forward of one layer: the short-convolution halo plus the summaries (distributed/README.md)."""
+    H, K, V, cfg = mixer.heads, mixer.dk, mixer.dv, mixer.config
+    if mixer.name in ("mamba2", "loglinear-mamba2"):
+        halo, K, V = (cfg.conv_size - 1) * (mixer.d_inner + 2 * mixer.N), mixer.N, mixer.P
+    else:
+        halo = (cfg.conv_size - 1) * H * (2 * K + V)
+    linear = lambda width: H * (K * width + 1)  # noqa: E731 - one linear_attn call with values `width` wide
+    P = {"kata-m1": K * K, "kata-m2": 2 * (K // 2) ** 2, "kata-s2": (K // 2) ** 2, "deltakata-m1": K * K}.get(mixer.name)
+    summaries = {
+        "linear": linear(V), "mamba2": linear(V), "gdn": H * K * (K + V),
+        "hla2": linear(K) + linear(V), "ahla": linear(V) + linear(V), "hla3": linear(K) + linear(V) + linear(V),
+        "loglinear-mamba2": H * (cfg.max_levels * K * V + 1) if hasattr(cfg, "max_levels") else None,
+        "loglinear-gdn": H * (cfg.max_levels * K * V + K * K) if hasattr(cfg, "max_levels") else None,
+        "kata-m1": H * (P * (V + 1) + 1) if P else None, "kata-m2": H * (P * (V + 1) + 1) if P else None,
+        "kata-s2": H * (P * (V + 1) + 1) if P else None, "deltakata-m1": H * P * (P + V) if P else None,
+    }[mixer.name]
+    if mixer.name == "hla3" and cfg.outer_decay:  # ops.hla: one exchange of the third-order scan element
+        summaries = H * (1 + 3 * K * K + 3 * K * V)
+    return halo + summaries
+
+
 def _model_worker(rank, world, out_dir):
     mixers = ["linear", "mamba2", "gdn", "hla2", "ahla", "hla3", "loglinear-mamba2", "loglinear-gdn",
               "kata-m1", "kata-m2", "kata-s2", "deltakata-m1"]
@@ -145,11 +167,14 @@ def _model_worker(rank, world, out_dir):
         start, end = shard_bounds(96, world)[rank : rank + 2]
         logits, _ = model(ids[:, start:end], cu_seqlens=cu)
         (logits * logits_ref[:, start:end].detach().sin()).sum().backward()
+        sent = [block.mixer.context_parallel.sent_bytes for block in model.blocks]
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         dist.all_reduce(grads)  # the parameter gradients of the whole row are the sum over shards
         errors = {"logits": rel_err(logits, logits_ref[:, start:end]),
                   "params": rel_err(grads, torch.cat([g.flatten() for g in grads_ref]))}
         results.append(dict(case=f"model docs={docs}", errors=errors, rank=rank))
+        for block, nbytes in zip(model.blocks, sent):
+            results.append(dict(case=f"layer {block.mixer.name}", errors={}, sent=nbytes, expected=8 * layer_numel(block.mixer), rank=rank))
         with torch.no_grad():  # the check can fail: the shard alone, without the switch, is not its part of the row
             alone, _ = enable_context_parallel(model, False)(ids[:, start:end])
         results.append(dict(case=f"shard alone docs={docs}", alone=rel_err(alone, logits_ref[:, start:end]), rank=rank))
@@ -192,7 +217,7 @@ def check_results(results):
         if "alone" in r:
             assert r["rank"] == 0 or r["alone"] > 1e-3, f"rank {r['rank']} {r['case']}: relative error {r['alone']:.1e}"
             continue
-        worst = max(r["errors"].values())
+        worst = max(r["errors"].values(), default=0.0)
         assert worst <= TOL, f"rank {r['rank']} {r['case']}: relative errors {r['errors']}"
         if "sent" in r:  # the bytes of the summary exchange
             assert r["sent"] == r["expected"], f"rank {r['rank']} {r['case']}: sent {r['sent']} bytes, expected {r['expected']}"
