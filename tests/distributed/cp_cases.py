@@ -43,6 +43,7 @@ CASES = {
     "kata-m2-unnormalized": ("kata", ("q", "k", "v", "g"), {"groups": 2, "normalize": False}, {}),
     "kata-s2": ("kata", ("q", "k", "v"), {"groups": 2, "combine": "sum"}, {}),
     "kata-orthant": ("kata", ("q", "k", "v", "g"), {"feature": "orthant"}, {}),
+    "kata-lorentz": ("kata", ("q", "k", "v"), {"feature": "lorentz"}, {}),
     "deltakata": ("kata", ("q", "k", "v", "g"), {"beta": "beta", "normalize": False}, {}),
 }
 
