@@ -7,19 +7,17 @@ the bytes each rank contributes to the collective == the stated summary size; a 
 from __future__ import annotations
 
 import json
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from cp_cases import CASES, case_call, reference, row
 
 from polyattn.distributed import ContextParallel, enable_context_parallel, shard_bounds, shard_layout
 from polyattn.models import CausalLM, LMConfig
 from polyattn.ops.common import num_levels
-from polyattn.testing import LOW_PRECISION_CEILING, LOW_PRECISION_FLOOR, rel_err
+from polyattn.testing import LOW_PRECISION_CEILING, LOW_PRECISION_FLOOR, rel_err, run_ranks
 
 TOL = 1e-10
 H, K, V = 2, 4, 3
@@ -191,19 +189,9 @@ def _entry(rank, world, store, job, args):
 
 
 def spawn(job, world, tmp_path, *args, timeout=60.0):
-    """Run ``job(rank, world, *args)`` on ``world`` gloo processes; fail (and stop them) past ``timeout`` seconds."""
-    context = mp.start_processes(  # fork: the children start with torch imported (spawn costs seconds each)
-        _entry, args=(world, str(tmp_path / "store"), job, args), nprocs=world, join=False, start_method="fork"
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{world} processes did not finish in {timeout:.0f} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
+    """Run ``job(rank, world, *args)`` on ``world`` gloo processes, forked: the children start with torch imported
+    (spawning costs seconds each); stopped past ``timeout`` seconds."""
+    run_ranks(_entry, world, (world, str(tmp_path / "store"), job, args), timeout=timeout, start_method="fork")
 
 
 def check_results(results):

@@ -33,7 +33,7 @@ from polyattn.ops.delta import DELTA_RULE_FORMS
 from polyattn.ops.hla.scan import SCAN_RULES, hla_chunk_elements
 from polyattn.ops.hla.variants import prepare as hla_prepare
 from polyattn.ops.hla.variants import resolve_variant
-from polyattn.ops.kata import KataState, make_feature_map
+from polyattn.ops.kata import make_feature_map
 from polyattn.ops.kata.state import normalized_read, with_ones
 from polyattn.ops.loglinear import LogLinearState, combine_levels
 
