@@ -188,10 +188,10 @@ def _entry(rank, world, store, job, args):
         dist.destroy_process_group()
 
 
-def spawn(job, world, tmp_path, *args, timeout=60.0):
-    """Run ``job(rank, world, *args)`` on ``world`` gloo processes, forked: the children start with torch imported
-    (spawning costs seconds each); stopped past ``timeout`` seconds."""
-    run_ranks(_entry, world, (world, str(tmp_path / "store"), job, args), timeout=timeout, start_method="fork")
+def spawn(job, world, tmp_path, *args, timeout=60.0, start_method="fork"):
+    """Run ``job(rank, world, *args)`` on ``world`` gloo processes, forked by default: the children start with torch
+    imported (spawning costs seconds each); stopped past ``timeout`` seconds."""
+    run_ranks(_entry, world, (world, str(tmp_path / "store"), job, args), timeout=timeout, start_method=start_method)
 
 
 def check_results(results):
@@ -225,7 +225,8 @@ def test_model_switch_matches_one_process(tmp_path):
 
 
 def test_triton_forms_inside(tmp_path):
-    spawn(_triton_worker, 2, tmp_path, tmp_path, timeout=120.0)
+    # on CUDA the children start fresh: CUDA does not survive a fork of a process that has used it
+    spawn(_triton_worker, 2, tmp_path, tmp_path, timeout=120.0, start_method="spawn" if DEVICE == "cuda" else "fork")
     check_results([r for rank in range(2) for r in json.loads((tmp_path / f"triton-{rank}.json").read_text())])
 
 
