@@ -223,3 +223,22 @@ def assert_fused_steps(fused_step, reference_step, steps: list, state: torch.Ten
         assert same is fused, "the fused step must update the state in place"
         assert rel_err(o, o_ref) <= rtol, f"step {t}: o rel err {rel_err(o, o_ref):.2e}"
         assert rel_err(fused, reference) <= rtol, f"step {t}: state rel err {rel_err(fused, reference):.2e}"
+
+
+def run_ranks(fn, world_size: int, args: tuple = (), *, timeout: float, start_method: str = "spawn") -> None:
+    """Run ``fn(rank, *args)`` in ``world_size`` processes (``torch.multiprocessing``); an error in one is raised
+    here, and past ``timeout`` seconds every process is stopped and ``TimeoutError`` raised."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(fn, args=args, nprocs=world_size, join=False, start_method=start_method)
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=max(min(deadline - time.monotonic(), 1.0), 0.05)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world_size} processes did not finish in {timeout:.0f} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()

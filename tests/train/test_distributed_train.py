@@ -7,14 +7,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from polyattn.testing import run_ranks
 from polyattn.train import TrainConfig, train
 from polyattn.train.distributed import full_model_state
 from polyattn.train.loop import build_data, build_model
@@ -92,16 +91,7 @@ def rank_main(rank, world_size, tmp, job):
 
 def spawn(job, world_size, tmp):
     """Run `job` on `world_size` gloo ranks; its rank-0 output. Fails (and stops the ranks) after TIMEOUT_S."""
-    context = mp.start_processes(rank_main, args=(world_size, str(tmp), job), nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {world_size}-rank job {job!r} ran past {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
+    run_ranks(rank_main, world_size, (world_size, str(tmp), job), timeout=TIMEOUT_S)
     return torch.load(tmp / f"{job}.pt", weights_only=False)
 
 

@@ -15,6 +15,7 @@ give alone: the tokens are packed into one row by `pack_rows`, run with ``cu_seq
 (zeros at the padding). Padding is for prompts: with a state, ``attention_mask`` must be all ones.
 """
 
+import contextlib
 import math
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polyattn import ops
 from polyattn.ops.common import FORMS, check_cu_seqlens, check_flag, check_positive, check_value, compute_dtype
 
 
@@ -65,11 +67,13 @@ class ShortConv(nn.Module):
         self.bias = nn.Parameter(torch.zeros(channels))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
-    def forward(self, x, cache=None, cu_seqlens=None):
+    def forward(self, x, cache=None, cu_seqlens=None, first_offset=0):
         """``x: [B, T, C]``, ``cache: [B, size-1, C]`` or None -> ``(silu(conv(x)) [B, T, C], new cache)``.
 
-        ``cu_seqlens`` (B = 1, no cache): no tap reads across a document boundary, and the new cache
-        holds each document's last ``size - 1`` inputs (zeros before its start), ``[N, size-1, C]``."""
+        ``cu_seqlens`` (B = 1): no tap reads across a document boundary, and the new cache holds each
+        document's last ``size - 1`` inputs (zeros before its start), ``[N, size-1, C]``. A cache with
+        ``cu_seqlens`` holds the tokens before the row (context parallelism: the previous shard's tail), of
+        which the first document has ``first_offset``."""
         B, T, C = x.shape
         if cache is None:
             cache = x.new_zeros(B, self.size - 1, C)
@@ -78,6 +82,7 @@ class ShortConv(nn.Module):
         taps = [xp[:, i : i + T] for i in range(self.size)]  # tap i reads token t - (size-1-i)
         if cu_seqlens is not None:
             offset = document_offsets(cu_seqlens, T)  # [T] index of each token in its document
+            offset = offset + first_offset * (offset == torch.arange(T, device=x.device))  # the first document began earlier
             taps = [torch.where((offset >= self.size - 1 - i)[:, None], tap, 0.0) for i, tap in enumerate(taps)]
         y = self.bias.to(x.dtype) + sum(tap * w[:, i] for i, tap in enumerate(taps))  # [B, T, C]
         if cu_seqlens is None:
@@ -267,6 +272,8 @@ class Mixer(nn.Module):
 
     config_class = MixerConfig
     defaults: dict = {}
+    context_parallel = None  # a polyattn.distributed.ContextParallel: the sequence is sharded across its ranks
+    supports_context_parallel = True
 
     def __init__(self, d_model, **config):
         super().__init__()
@@ -309,6 +316,40 @@ class Mixer(nn.Module):
     def impl_for(self, T):
         """The op form for a call on T tokens."""
         return self.config.decode_impl if T == 1 else self.config.impl
+
+    @property
+    def ops(self):
+        """The ops this mixer calls: `polyattn.ops`, or their context-parallel forms (``context_parallel`` set,
+        by ``polyattn.distributed.enable_context_parallel``)."""
+        return ops if self.context_parallel is None else self.context_parallel
+
+    def context_length(self, T):
+        """Tokens of the whole sequence when this call holds T of them (T without context parallelism)."""
+        return T if self.context_parallel is None else self.context_parallel.context_length(T)
+
+    def ordered_exchanges(self):
+        """A scope whose context-parallel exchanges run their backward in reverse order on every rank."""
+        return contextlib.nullcontext() if self.context_parallel is None else self.context_parallel.ordered()
+
+    def short_conv(self, x, state, cu_seqlens):
+        """``self.conv`` over ``x [B, T, C]``; with context parallelism its cache is the previous shard's tail."""
+        cp = self.context_parallel
+        if cp is None:
+            return self.conv(x, None if state is None else state.conv, cu_seqlens)
+        if state is not None:
+            raise ValueError("state: context parallelism runs whole sequences (training, prefill without a cache), got a state")
+        _, shard, local_cu = cp.layout(x, cu_seqlens)
+        halo = cp.conv_halo(x, self.conv.size - 1)  # [B, size-1, C]
+        return self.conv(x, halo, local_cu, first_offset=shard.first_position)
+
+    def check_context_parallel(self, state, use_cache, attention_mask):
+        """Context parallelism runs whole sequences: no state, no cache, packed documents by ``cu_seqlens``."""
+        if self.context_parallel is not None and (state is not None or use_cache or attention_mask is not None):
+            raise ValueError(
+                "context parallelism: expected state=None, use_cache=False and no attention_mask (pack documents with "
+                f"cu_seqlens), got state={'set' if state is not None else None}, use_cache={use_cache}, "
+                f"attention_mask={'set' if attention_mask is not None else None}"
+            )
 
     def conv_state_size(self):
         """Floats in the short-conv cache (per sequence)."""
@@ -363,15 +404,16 @@ class QKVMixer(Mixer):
 
     def forward(self, x, state=None, use_cache=False, attention_mask=None, cu_seqlens=None):
         self.check_forward(x, state, use_cache)
+        self.check_context_parallel(state, use_cache, attention_mask)
         if attention_mask is not None:
             return self.padded_forward(x, attention_mask, state, use_cache, cu_seqlens)
-        if cu_seqlens is not None:
+        if cu_seqlens is not None and self.context_parallel is None:  # context parallel: offsets of the whole row
             self.check_packed(x, state, cu_seqlens)
         H, dk = self.heads, self.dk
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, H*(2dk+dv)]
         conv_cache = None
         if self.conv is not None:
-            qkv, conv_cache = self.conv(qkv, None if state is None else state.conv, cu_seqlens)
+            qkv, conv_cache = self.short_conv(qkv, state, cu_seqlens)
         q, k, v = qkv.split([H * dk, H * dk, H * self.dv], dim=-1)
         q, k, v = (split_heads(t, H) for t in (q, k, v))  # [B, T, H*D] -> [B, T, H, D]
         core = None if state is None else state.core

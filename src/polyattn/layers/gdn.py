@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from polyattn import ops
 from polyattn.layers.common import DecayGate, LevelScales, MixerConfig, QKVMixer, l2_normalize
 from polyattn.ops.common import compute_dtype, num_levels
 from polyattn.ops.loglinear import widen_levels
@@ -48,7 +47,7 @@ class GatedDeltaNet(QKVMixer):
     def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None, position=0):
         beta, g = self.gates(x)
         q, k = l2_normalize(q), l2_normalize(k)
-        return ops.delta_rule(
+        return self.ops.delta_rule(
             q, k, v, beta, g, initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens,
             impl=self.impl_for(q.shape[1]),
         )
@@ -68,8 +67,8 @@ class LogLinearGatedDeltaNet(GatedDeltaNet):
     def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None, position=0):
         beta, g = self.gates(x)
         q, k = l2_normalize(q), l2_normalize(k)
-        lam, core = widen_levels(self.lam(x), core, q.shape[1], position=position)  # [B, T, H, L] fp32; more levels past 2**(L-1) tokens
-        return ops.loglinear_attn(
+        lam, core = widen_levels(self.lam(x), core, self.context_length(q.shape[1]), position=position)  # [B, T, H, L] fp32; more levels past 2**(L-1) tokens
+        return self.ops.loglinear_attn(
             q, k, v, lam, g, beta=beta, scale=1.0,
             initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens, impl=self.impl_for(q.shape[1]),
         )

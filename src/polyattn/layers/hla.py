@@ -31,7 +31,6 @@ HLA2 ``S (dk×dk) + F (dk×dv')``; AHLA ``P, E (dk×dv')``; HLA3 ``S (dk×dk) + 
 
 from dataclasses import dataclass
 
-from polyattn import ops
 from polyattn.layers.common import (
     FEATURE_MAPS,
     POSITIVE_FEATURE_MAPS,
@@ -86,7 +85,7 @@ class HigherOrderLinearAttention(QKVMixer):
         options = dict(order=cfg.order, asymmetric=cfg.asymmetric, normalize=cfg.normalize)
         if g is not None and not cfg.outer_decay:
             return self.inner_decay_hla(q, k, v, g, core, use_cache, cu_seqlens=cu_seqlens, **options)
-        return ops.hla(
+        return self.ops.hla(
             q, k, v, g, **options, eps=cfg.eps, initial_state=core, output_final_state=use_cache,
             cu_seqlens=cu_seqlens, impl=self.impl_for(q.shape[1]),
         )
@@ -97,13 +96,14 @@ class HigherOrderLinearAttention(QKVMixer):
         scale = q.shape[-1] ** -0.5
         variant, q, k, v, g, state, dtype = prepare(q, k, v, g, scale=scale, initial_state=core, **options)
         env, finals = {"k": k, "v": v}, []
-        for call, initial in zip(variant.calls, state):  # no state given: None (not prepare's zeros) for cu_seqlens
-            env[call.out], final = ops.linear_attn(
-                q, env[call.key], env[call.value], None if call.out == "o" else g, scale=1.0,
-                initial_state=None if core is None else initial, output_final_state=use_cache, cu_seqlens=cu_seqlens,
-                impl=self.impl_for(q.shape[1]),
-            )  # [B, T, H, width of the call's values]
-            finals.append(final)
+        with self.ordered_exchanges():  # context parallel: one exchange per call, in one order on every rank
+            for call, initial in zip(variant.calls, state):  # no state given: None (not prepare's zeros) for cu_seqlens
+                env[call.out], final = self.ops.linear_attn(
+                    q, env[call.key], env[call.value], None if call.out == "o" else g, scale=1.0,
+                    initial_state=None if core is None else initial, output_final_state=use_cache, cu_seqlens=cu_seqlens,
+                    impl=self.impl_for(q.shape[1]),
+                )  # [B, T, H, width of the call's values]
+                finals.append(final)
         o = finish_output(env["o"], options["normalize"], self.config.eps, dtype)
         return o, (variant.state(*finals) if use_cache else None)
 

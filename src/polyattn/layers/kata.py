@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from polyattn import ops
 from polyattn.layers.common import DecayGate, MixerConfig, QKNorm, QKVMixer, check_option
 from polyattn.ops.common import compute_dtype
 
@@ -61,7 +60,7 @@ class KernelizedAttention(QKVMixer):
         q, k = self.qk_norm(q), self.qk_norm(k)
         g = None if self.decay is None else self.decay(x)
         beta = None if self.b_proj is None else torch.sigmoid(self.b_proj(x).to(compute_dtype(x)))
-        return ops.kata(
+        return self.ops.kata(
             q, k, v, g, feature=cfg.feature, groups=cfg.groups, combine=cfg.combine,
             normalize=not cfg.delta, beta=beta, eps=cfg.eps, scale=1.0 if cfg.delta else None,
             initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens, impl=self.impl_for(q.shape[1]),

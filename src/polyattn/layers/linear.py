@@ -6,7 +6,6 @@ output RMSNorm keeps the growing sums in range. State: one ``dk × dv`` matrix p
 
 from dataclasses import dataclass
 
-from polyattn import ops
 from polyattn.layers.common import FEATURE_MAPS, MixerConfig, QKNorm, QKVMixer, check_option
 
 
@@ -28,7 +27,7 @@ class LinearAttention(QKVMixer):
     def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None, position=0):
         phi = FEATURE_MAPS[self.config.feature_map]
         q, k = phi(self.qk_norm(q)), phi(self.qk_norm(k))
-        return ops.linear_attn(
+        return self.ops.linear_attn(
             q, k, v, initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens, impl=self.impl_for(q.shape[1])
         )
 

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from polyattn import ops
 from polyattn.layers.common import (
     LevelScales,
     Mixer,
@@ -86,13 +85,14 @@ class Mamba2(Mixer):
 
     def forward(self, x, state=None, use_cache=False, attention_mask=None, cu_seqlens=None):
         self.check_forward(x, state, use_cache)
+        self.check_context_parallel(state, use_cache, attention_mask)
         if attention_mask is not None:
             return self.padded_forward(x, attention_mask, state, use_cache, cu_seqlens)
-        if cu_seqlens is not None:
+        if cu_seqlens is not None and self.context_parallel is None:  # context parallel: offsets of the whole row
             self.check_packed(x, state, cu_seqlens)
         H, P, N = self.heads, self.P, self.N
         z, xBC, dt = self.in_proj(x).split([self.z_dim, self.d_inner + 2 * N, H], dim=-1)
-        xBC, conv_cache = self.conv(xBC, None if state is None else state.conv, cu_seqlens)
+        xBC, conv_cache = self.short_conv(xBC, state, cu_seqlens)
         xs, Bm, Cm = xBC.split([self.d_inner, N, N], dim=-1)
         xs = split_heads(xs, H)  # [B, T, H*P] -> [B, T, H, P]
         cdt = compute_dtype(x)
@@ -113,7 +113,7 @@ class Mamba2(Mixer):
         return out, MixerState(conv_cache, cast_state(core, x), position + x.shape[1])
 
     def ssd(self, q, k, v, g, x, core, use_cache, cu_seqlens=None, position=0):
-        return ops.linear_attn(
+        return self.ops.linear_attn(
             q, k, v, g, scale=1.0, initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens,
             impl=self.impl_for(q.shape[1]),
         )
@@ -131,8 +131,8 @@ class LogLinearMamba2(Mamba2):
         self.lam = LevelScales(d_model, self.heads, self.config.max_levels)
 
     def ssd(self, q, k, v, g, x, core, use_cache, cu_seqlens=None, position=0):
-        lam, core = widen_levels(self.lam(x), core, q.shape[1], position=position)  # past 2**(max_levels - 1) tokens: more levels
-        return ops.loglinear_attn(
+        lam, core = widen_levels(self.lam(x), core, self.context_length(q.shape[1]), position=position)  # past 2**(max_levels - 1) tokens: more levels
+        return self.ops.loglinear_attn(
             q, k, v, lam, g, scale=1.0, initial_state=core, output_final_state=use_cache, cu_seqlens=cu_seqlens,
             impl=self.impl_for(q.shape[1]),
         )

@@ -59,6 +59,7 @@ class SoftmaxAttention(QKVMixer):
     registry_name = "softmax"
     config_class = SoftmaxConfig
     output_norm = False
+    supports_context_parallel = False  # no chunk summary: softmax over shards is ring attention, not built here
 
     def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None, position=0):
         if cu_seqlens is not None:

@@ -73,5 +73,5 @@ def test_chunk_size_must_be_a_power_of_two():
 
 
 def test_missing_impl_names_the_available_ones():
-    with pytest.raises(NotImplementedError, match=r"loglinear_attn has no impl='scan'; it has \['chunk', 'naive', 'recurrent', 'triton'\]"):
-        ops.loglinear_attn(**_ok(), impl="scan")
+    with pytest.raises(NotImplementedError, match=r"loglinear_attn has no impl='parallel'; it has \['chunk', 'naive', 'recurrent', 'scan', 'triton'\]"):
+        ops.loglinear_attn(**_ok(), impl="parallel")

@@ -5,7 +5,7 @@ from polyattn.ops.common.chunking import heads_chunks, heads_unchunk, pad_time, 
 from polyattn.ops.common.dispatch import FORMS, resolve_impl
 from polyattn.ops.common.dtypes import compute_dtype
 from polyattn.ops.common.fenwick import level, level_matrix, level_table, num_levels
-from polyattn.ops.common.scan import associative_scan, carry_decayed, combine_decayed
+from polyattn.ops.common.scan import associative_reduce, associative_scan, carry_decayed, combine_decayed
 from polyattn.ops.common.segsum import causal_mask, causal_scores, exp_segsum, scaled_log_decay, segsum, suffix_sum
 from polyattn.ops.common.validate import (
     Dims,
@@ -27,6 +27,7 @@ from polyattn.ops.common.varlen import run_padded_batches, run_varlen, run_with_
 __all__ = [
     "Dims",
     "FORMS",
+    "associative_reduce",
     "associative_scan",
     "carry_decayed",
     "causal_mask",

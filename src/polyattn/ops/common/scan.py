@@ -49,3 +49,18 @@ def associative_scan(combine: Callable, elems: tuple[torch.Tensor, ...], dim: in
         out = tuple(torch.cat([x.narrow(d, 0, step), m], dim=d) for x, m, d in zip(out, merged, dims))
         step *= 2
     return out
+
+
+def associative_reduce(combine: Callable, elems: tuple[torch.Tensor, ...], dim: int) -> tuple[torch.Tensor, ...]:
+    """The combine of all ``n`` elements along ``dim`` (the last entry of :func:`associative_scan`) by pairwise
+    halving: ``n - 1`` combines in ``ceil(log2 n)`` steps, the element dimension removed from the result."""
+    dims = [dim % x.dim() for x in elems]
+    out = tuple(elems)
+    while out[0].shape[dims[0]] > 1:
+        n = out[0].shape[dims[0]]
+        pairs = n // 2
+        left = tuple(x.narrow(d, 0, 2 * pairs).unflatten(d, (pairs, 2)).select(d + 1, 0) for x, d in zip(out, dims))
+        right = tuple(x.narrow(d, 0, 2 * pairs).unflatten(d, (pairs, 2)).select(d + 1, 1) for x, d in zip(out, dims))
+        merged = combine(left, right)  # [..., pairs, ...]
+        out = tuple(torch.cat([m, x.narrow(d, 2 * pairs, n - 2 * pairs)], dim=d) for x, m, d in zip(out, merged, dims))
+    return tuple(x.squeeze(d) for x, d in zip(out, dims))

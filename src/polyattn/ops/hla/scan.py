@@ -86,18 +86,12 @@ SCAN_RULES = {
 }
 
 
-def hla_scan(
-    q, k, v, g=None, *, order=2, asymmetric=False, normalize=False, eps=1e-6, scale,
-    initial_state=None, output_final_state=False, chunk_size=64,
-):
-    """Chunk states by a log-depth scan of segment summaries. Returns ``(o [B, T, H, V], final_state or None)``."""
-    variant, q, k, v, g, h0, out_dtype = prepare(
-        q, k, v, g, order=order, asymmetric=asymmetric, normalize=normalize, scale=scale, initial_state=initial_state
-    )  # compute dtype; v: [B, T, H, V']
+def hla_chunk_elements(variant, q, k, v, g, chunk_size):
+    """Step 1 for inputs already prepared (:func:`~polyattn.ops.hla.variants.prepare`): every chunk's segment summary
+    from a zero state, ``(a [B, H, N], *state fields, *extras)`` with fields ``[B, H, N, K, W]``, and the chunked
+    inputs ``(qc, kc, vc, gc)`` that step 3 reads."""
     rule, T = SCAN_RULES[variant.name], q.shape[1]
     qc, kc, vc, gc = chunk_inputs(q, k, v, g, 1.0, min(chunk_size, T))  # [B, H, N, C, D], gc: [B, H, N, C]
-    N = qc.shape[2]
-
     local = {"q": qc, "k": kc, "v": vc}  # chunk-local sequences, every chunk from a zero state
     summaries = []
     for call in variant.calls:
@@ -108,11 +102,24 @@ def hla_scan(
             local[call.out] = chunk_outputs(qc, key, value, scaled_log_decay(gc, call.decay), zeros)  # [B, H, N, C, W]
     a = gc.sum(dim=-1)  # [B, H, N]: each chunk's total log-decay
     summaries += [chunk_summaries(local[e.left], local[e.right], scaled_log_decay(gc, e.decay))[1] for e in rule.extras]
+    return (a, *summaries), (qc, kc, vc, gc)
 
-    first = [a.new_zeros(a.shape[:2] + (1,))] + [h[:, :, None] for h in h0]  # [B, H, 1, ...]
-    first += [torch.zeros_like(x[:, :, :1]) for x in summaries[len(h0):]]
-    elems = tuple(torch.cat([x0, x], dim=2) for x0, x in zip(first, [a] + summaries))  # [B, H, N + 1, ...]
-    prefix = associative_scan(rule.combine, elems, dim=2)  # prefix[..., n, ...] = state after n chunks
+
+def hla_scan(
+    q, k, v, g=None, *, order=2, asymmetric=False, normalize=False, eps=1e-6, scale,
+    initial_state=None, output_final_state=False, chunk_size=64,
+):
+    """Chunk states by a log-depth scan of segment summaries. Returns ``(o [B, T, H, V], final_state or None)``."""
+    variant, q, k, v, g, h0, out_dtype = prepare(
+        q, k, v, g, order=order, asymmetric=asymmetric, normalize=normalize, scale=scale, initial_state=initial_state
+    )  # compute dtype; v: [B, T, H, V']
+    T = q.shape[1]
+    chunks, (qc, kc, vc, gc) = hla_chunk_elements(variant, q, k, v, g, chunk_size)
+    N = qc.shape[2]
+    first = [torch.zeros_like(x[:, :, :1]) for x in chunks]  # [B, H, 1, ...]: the initial state as element 0
+    first[1 : 1 + len(h0)] = [h[:, :, None] for h in h0]
+    elems = tuple(torch.cat([x0, x], dim=2) for x0, x in zip(first, chunks))  # [B, H, N + 1, ...]
+    prefix = associative_scan(SCAN_RULES[variant.name].combine, elems, dim=2)  # prefix[..., n, ...] = state after n chunks
     states = prefix[1 : 1 + len(variant.calls)]
 
     env = {"k": kc, "v": vc}

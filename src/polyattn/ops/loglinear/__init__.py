@@ -8,6 +8,7 @@ from polyattn.ops.common import check_inputs, check_per_token, resolve_impl, res
 from polyattn.ops.loglinear.chunk import loglinear_attn_chunk
 from polyattn.ops.loglinear.naive import loglinear_attn_naive
 from polyattn.ops.loglinear.recurrent import loglinear_attn_recurrent, loglinear_attn_step
+from polyattn.ops.loglinear.scan import combine_levels, loglinear_attn_scan
 from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, check_loglinear_state, widen_levels
 from polyattn.ops.loglinear.triton import loglinear_attn_triton  # lazy: triton loads on first call
 
@@ -15,6 +16,7 @@ LOGLINEAR_ATTN_FORMS = {
     "naive": loglinear_attn_naive,
     "recurrent": loglinear_attn_recurrent,
     "chunk": loglinear_attn_chunk,
+    "scan": loglinear_attn_scan,
     "triton": loglinear_attn_triton,
 }
 
@@ -59,7 +61,7 @@ def loglinear_attn(
             ``position [N]`` int64 (N = B, or the number of sequences with ``cu_seqlens``).
         output_final_state: also return the :class:`LogLinearState` after the last token.
         cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1); positions restart per sequence.
-        impl: ``"naive" | "recurrent" | "chunk" | "triton" | "auto"`` (chunk size 64; ``"triton"`` has the
+        impl: ``"naive" | "recurrent" | "chunk" | "scan" | "triton" | "auto"`` (chunk size 64; ``"triton"`` has the
             Mamba-2 base only and raises ValueError with ``beta``; chosen by name: ``"auto"`` does not pick it yet).
 
     Returns:
@@ -81,10 +83,12 @@ def loglinear_attn(
 __all__ = [
     "LOGLINEAR_ATTN_FORMS",
     "LogLinearState",
+    "combine_levels",
     "loglinear_attn",
     "loglinear_attn_chunk",
     "loglinear_attn_naive",
     "loglinear_attn_recurrent",
+    "loglinear_attn_scan",
     "loglinear_attn_step",
     "widen_levels",
 ]

@@ -31,6 +31,8 @@ Cost per head: intra ``O(T·C·(K + V))``, inter ``O(T·K·V·log(T/C))``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -65,24 +67,31 @@ def _carry_through(X, decay, Kdec, w):
     return decayed - torch.einsum("bhck,bhlcv->bhlkv", Kdec, wX)  # [B, H, l, K, V]
 
 
-def _chunk_at(q, k, v, lam, g, beta, levels0, P, *, scale, C, output_final_state):
-    """All sequences of the batch start at the same absolute position ``P`` (host int)."""
-    dt = q.dtype
-    B, T, H, K = q.shape
-    V, L = v.shape[-1], lam.shape[-1]
-    c = C.bit_length() - 1
-    Lp = max(L, c + 1)  # levels 0..c exist in every chunk table (beyond L only for padding rows)
-    Lc = Lp - c - 1  # chunk-levels
-    r0 = P % C
-    first = P // C  # absolute index of the first chunk
-    if P > 0 and r0 == 0:
-        levels0 = fenwick_carry(levels0, torch.full((B,), P, dtype=torch.int64, device=q.device))  # view of query P
-    levels0 = F.pad(levels0, [0, 0, 0, 0, 0, Lp - L])  # [B, H, L, K, V] -> [B, H, Lp, K, V]
-    low, Hs = levels0[:, :, : c + 1], levels0[:, :, c + 1 :]  # keys of the first chunk; chunk-levels
-    has_low = P > 0 and r0 > 0
+class ChunkParts(NamedTuple):
+    """The per-chunk pieces of the table above for every chunk at once (chunked ``[B, H, N, C, ...]``)."""
 
+    qc: torch.Tensor  # scale q
+    kc: torch.Tensor
+    vc: torch.Tensor
+    lamc: torch.Tensor  # [B, H, N, C, Lp]
+    bc: torch.Tensor | None  # beta
+    log_decay: torch.Tensor  # [B, H, N]: gc_last, the chunk's total log-decay
+    decay: torch.Tensor  # [B, H, N]: exp(gc_last)
+    Kdec: torch.Tensor  # K̃
+    qt: torch.Tensor  # q̃
+    U: torch.Tensor
+    w: torch.Tensor | None
+    Minv: torch.Tensor | None
+    lut: torch.Tensor  # [C, C] level table
+    intra: torch.Tensor  # [B, H, N, C, V]: (W ⊙ lam[t, LUT[t, s]]) V
+
+
+def chunk_parts(q, k, v, lam, g, beta, r0, *, scale, C, Lp) -> ChunkParts:
+    """``r0`` empty rows before the inputs, lam padded to ``Lp`` levels, then every chunk's pieces (one dtype)."""
+    dt = q.dtype
+    B, _, H, _ = q.shape
     q, k, v, lam, g, beta = (_front_pad(x, r0) for x in (q, k, v, lam, g, beta))
-    lam = F.pad(lam, [0, Lp - L])  # [B, r0 + T, H, Lp]
+    lam = F.pad(lam, [0, Lp - lam.shape[-1]])  # [B, r0 + T, H, Lp]
     qc, kc, vc, gl = chunk_inputs(q, k, v, g, scale, C)  # [B, H, N, C, D]; g: [B, H, N, C]
     lamc = heads_chunks(lam, C)  # [B, T', H, Lp] -> [B, H, N, C, Lp]
     N = qc.shape[2]
@@ -90,9 +99,10 @@ def _chunk_at(q, k, v, lam, g, beta, levels0, P, *, scale, C, output_final_state
     decay = torch.exp(gc[..., -1])  # [B, H, N]
     Kdec = kc * torch.exp(suffix_sum(gl))[..., None]  # [B, H, N, C, K]: exp(g_{s+1} + ... + g_last) k_s
     qt = torch.exp(gc)[..., None] * qc  # [B, H, N, C, K] (qc carries the scale)
+    bc = Minv = w = None
     if beta is None:
         W = causal_scores(qc @ kc.transpose(-1, -2), exp_segsum(gl))  # [B, H, N, C, C]
-        U, w = vc, None
+        U = vc
     else:
         bc = heads_chunks(beta.to(dt), C)  # [B, T', H] -> [B, H, N, C]
         D, M = delta_rule_system(kc, bc, gl)  # [B, H, N, C, C] each
@@ -103,10 +113,30 @@ def _chunk_at(q, k, v, lam, g, beta, levels0, P, *, scale, C, output_final_state
         w = causal_matmul(Minv, bc[..., None] * torch.exp(gc)[..., None] * kc)  # [B, H, N, C, K]
         U = causal_matmul(Minv, bc[..., None] * vc)  # [B, H, N, C, V]
         qt = qt - causal_matmul(A, w)  # [B, H, N, C, K]
-
     lut = level_table(C, device=q.device)  # [C, C], -1 above the diagonal
     lam_intra = torch.gather(lamc, -1, lut.clamp(min=0).expand(B, H, N, C, C))  # [B, H, N, C, C]: lam[t, LUT[t, s]]
-    o = causal_matmul(causal_scores(W, lam_intra), vc)  # [B, H, N, C, C] @ [B, H, N, C, V] -> [B, H, N, C, V]
+    intra = causal_matmul(causal_scores(W, lam_intra), vc)  # [B, H, N, C, C] @ [B, H, N, C, V] -> [B, H, N, C, V]
+    return ChunkParts(qc, kc, vc, lamc, bc, gc[..., -1], decay, Kdec, qt, U, w, Minv, lut, intra)
+
+
+def _chunk_at(q, k, v, lam, g, beta, levels0, P, *, scale, C, output_final_state):
+    """All sequences of the batch start at the same absolute position ``P`` (host int)."""
+    dt = q.dtype
+    B, T, H, K = q.shape
+    L = lam.shape[-1]
+    c = C.bit_length() - 1
+    Lp = max(L, c + 1)  # levels 0..c exist in every chunk table (beyond L only for padding rows)
+    r0 = P % C
+    first = P // C  # absolute index of the first chunk
+    if P > 0 and r0 == 0:
+        levels0 = fenwick_carry(levels0, torch.full((B,), P, dtype=torch.int64, device=q.device))  # view of query P
+    levels0 = F.pad(levels0, [0, 0, 0, 0, 0, Lp - L])  # [B, H, L, K, V] -> [B, H, Lp, K, V]
+    low, Hs = levels0[:, :, : c + 1], levels0[:, :, c + 1 :]  # keys of the first chunk; chunk-levels
+    has_low = P > 0 and r0 > 0
+
+    p = chunk_parts(q, k, v, lam, g, beta, r0, scale=scale, C=C, Lp=Lp)
+    qt, lamc, Kdec, U, w, decay, vc, bc, Minv, lut = p.qt, p.lamc, p.Kdec, p.U, p.w, p.decay, p.vc, p.bc, p.Minv, p.lut
+    o, N = p.intra, qt.shape[2]
 
     if has_low:
         prev = lut[:, r0 - 1]  # [C]: level(t, P - 1) for the first chunk's rows t >= r0
@@ -151,11 +181,13 @@ def _chunk_at(q, k, v, lam, g, beta, levels0, P, *, scale, C, output_final_state
 
 
 def loglinear_attn_chunk(q, k, v, lam, g=None, *, beta=None, scale, initial_state=None, output_final_state=False, chunk_size=64):
-    """Returns ``(o [B,T,H,V], LogLinearState | None)``; ``chunk_size`` must be a power of two.
+    """Returns ``(o [B,T,H,V], LogLinearState | None)``; ``chunk_size`` must be a power of two."""
+    return run_by_position(_chunk_at, q, k, v, lam, g, beta, scale, initial_state, output_final_state, chunk_size)
 
-    Sequences whose initial states sit at different positions are run in groups of equal position (the
-    chunk grid is aligned to absolute positions).
-    """
+
+def run_by_position(at, q, k, v, lam, g, beta, scale, initial_state, output_final_state, chunk_size):
+    """``at(q, k, v, lam, g, beta, levels0, P, ...)`` on the sequences whose initial states sit at each position P,
+    in groups of equal position (the chunk grid is aligned to absolute positions); ``(o, LogLinearState | None)``."""
     out_dtype, dt = q.dtype, compute_dtype(q)
     B, T, H, K = q.shape
     V, L = v.shape[-1], lam.shape[-1]
@@ -172,7 +204,7 @@ def loglinear_attn_chunk(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
     for P in sorted(set(positions)):
         rows = [b for b in range(B) if positions[b] == P]
         pick = (lambda x: x) if len(rows) == B else (lambda x: None if x is None else x[rows])
-        o, final = _chunk_at(*(pick(x) for x in tensors), pick(levels0), P, scale=scale, C=C, output_final_state=output_final_state)
+        o, final = at(*(pick(x) for x in tensors), pick(levels0), P, scale=scale, C=C, output_final_state=output_final_state)
         outputs.append(o)
         finals.append(final)
         order += rows
