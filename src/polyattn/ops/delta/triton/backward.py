@@ -30,7 +30,7 @@ import triton.language as tl
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.precision import mma, mma_fp32, mma_left_fp32, mma_right_fp32, to_output
 
-from .forward import sequence_tile
+from .forward import chunk_program, sequence_tile
 from .wy import factor_tiles
 
 
@@ -59,12 +59,7 @@ def delta_grad_factors_kernel(
 ):
     """grid: (num_chunks, H). `X = (Tinv^T A_qk^T) dO` and `Y = (Tinv^T diag(exp(gc_last - gc))) K`
     of one chunk, in [C, BD] column tiles (fp32 left factors split in two halves)."""
-    i_ch, i_h = tl.program_id(0), tl.program_id(1)
-    bos = tl.load(chunks + i_ch * 4).to(tl.int64)
-    eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
-    o_t = tl.arange(0, C)
-    t = bos + o_t
-    m_t = t < eos
+    _, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
     b_q, _, _, b_tinv, b_att, _, b_gs, _ = chunk_rows(
         q, k, beta, g, t_inv, t, m_t, tl.arange(0, BK), tl.arange(0, BK) < K, scale, H, i_h, K, C, USE_G, F32,
     )
@@ -128,13 +123,9 @@ def delta_grads_kernel(
     ([C, BK]) in fp32; writes its dq, dk columns and its share of dbeta and `q . dq` (the
     per-key-tile shares `dbeta[i_k]`, `dgterm[i_k]` are summed on the host); the first key tile
     also writes `dv = diag(beta) dR` and `v . dv`."""
-    i_ch, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(chunks + i_ch * 4).to(tl.int64)
-    eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
-    o_t = tl.arange(0, C)
+    i_ch, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
+    i_k = tl.program_id(2)
     o_k = i_k * BK + tl.arange(0, BK)
-    t = bos + o_t
-    m_t = t < eos
     m_k = o_k < K
     row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
     m_tk = m_t[:, None] & m_k[None, :]

@@ -41,6 +41,18 @@ def sequence_tile(seqs, cu_chunks, K, V, BK: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
+def chunk_program(chunks, C: tl.constexpr):
+    """This program's chunk and head in a (chunk, head, ...) grid and the chunk's rows:
+    `(i_ch, i_h, bos, eos, o_t, t, m_t)`, `t = bos + o_t` masked by `m_t = t < eos`."""
+    i_ch, i_h = tl.program_id(0), tl.program_id(1)
+    bos = tl.load(chunks + i_ch * 4).to(tl.int64)
+    eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
+    o_t = tl.arange(0, C)
+    t = bos + o_t
+    return i_ch, i_h, bos, eos, o_t, t, t < eos
+
+
+@triton.jit
 def delta_states_kernel(
     k, g, w, u_bar, seqs, cu_chunks, h0, ht, hs, us, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -82,11 +94,8 @@ def delta_outputs_kernel(
 ):
     """grid: (num_chunks, H, cdiv(V, BV)). `O = A_qk U + diag(exp(gc)) (scale Q) h` for one chunk,
     head and value tile, from the stored U and entering state h: every chunk in parallel."""
-    i_ch, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(chunks + i_ch * 4).to(tl.int64)
-    eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
-    t = bos + tl.arange(0, C)
-    m_t = t < eos
+    i_ch, i_h, _, _, _, t, m_t = chunk_program(chunks, C)
+    i_v = tl.program_id(2)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K

@@ -22,6 +22,8 @@ from polyattn.ops.triton.decay import chunk_decay, exact_segsum, exact_suffix
 from polyattn.ops.triton.plan import block
 from polyattn.ops.triton.precision import LOG2E, dot_f32, mma, mma_left_fp32
 
+from .forward import chunk_program
+
 
 @triton.jit
 def fp32_dot(x, y):
@@ -176,12 +178,7 @@ def wy_factors_kernel(
 ):
     """grid: (num_chunks, H). `W = (Tinv diag(beta exp(gc))) K` and `Ū = (Tinv diag(beta)) V`:
     the fp32 left factors scale Tinv's columns, the products keep them split in two halves."""
-    i_ch, i_h = tl.program_id(0), tl.program_id(1)
-    bos = tl.load(chunks + i_ch * 4).to(tl.int64)
-    eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
-    o_t = tl.arange(0, C)
-    t = bos + o_t
-    m_t = t < eos
+    _, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
     b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
     b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
     _, b_gc, _ = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C]
