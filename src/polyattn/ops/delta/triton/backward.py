@@ -30,39 +30,28 @@ import triton.language as tl
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.precision import mma, mma_fp32, mma_left_fp32, mma_right_fp32, to_output
 
-from .forward import chunk_program, sequence_tile
+from .forward import chunk_program, chunk_scores, sequence_tile
 from .wy import factor_tiles
 
 
 @triton.jit
-def chunk_rows(q, k, beta, g, t_inv, t, m_t, o_k, m_k, scale, H, i_h, K, C: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr):
-    """What the backward reads of one chunk: q, k [C, BK], beta [C], Tinv [C, C], the score
-    tile `A_qk = scale Q K^T ⊙ exp2(D)` [C, C] (0 above the diagonal), the query-side and
-    key-side log2-decays `gc`, `gs` [C] and the chunk's total log2-decay."""
-    row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
-    b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
-    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
-    o_t = tl.arange(0, C)
-    b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
-    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-    b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32)) * scale)  # [C, BK] @ [BK, C]
-    return b_q, b_k, b_beta, b_tinv, b_att, b_gc, chunk_suffix(b_g, b_gc, b_last, F32), b_last
-
-
-@triton.jit
 def delta_grad_factors_kernel(
-    q, k, do, beta, g, t_inv, chunks, xs, ys, scale, H, K, V,
+    q, k, do, g, t_inv, chunks, xs, ys, scale, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
     """grid: (num_chunks, H). `X = (Tinv^T A_qk^T) dO` and `Y = (Tinv^T diag(exp(gc_last - gc))) K`
     of one chunk, in [C, BD] column tiles (fp32 left factors split in two halves)."""
     _, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
-    b_q, _, _, b_tinv, b_att, _, b_gs, _ = chunk_rows(
-        q, k, beta, g, t_inv, t, m_t, tl.arange(0, BK), tl.arange(0, BK) < K, scale, H, i_h, K, C, USE_G, F32,
-    )
+    o_k = tl.arange(0, BK)
+    row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
+    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+    b_att = chunk_scores(b_q, b_k, b_g, b_gc, b_last, scale, F32)  # [C, C]
+    b_gs = chunk_suffix(b_g, b_gc, b_last, F32)  # [C]
     b_m = mma_fp32(tl.trans(b_tinv), tl.trans(b_att), b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, C]: Tinv^T A_qk^T
     factor_tiles(do, b_m, xs, t, m_t, H, i_h, V, C, BD, F32)
     factor_tiles(k, tl.trans(b_tinv) * tl.exp2(b_gs)[None, :], ys, t, m_t, H, i_h, K, C, BD, F32)

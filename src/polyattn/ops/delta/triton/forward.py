@@ -41,6 +41,13 @@ def sequence_tile(seqs, cu_chunks, K, V, BK: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
+def chunk_scores(b_q, b_k, b_g, b_gc, b_last, scale, F32: tl.constexpr):
+    """The chunk's score tile `A_qk = scale Q K^T ⊙ exp2(D)` [C, C] (0 above the diagonal) from
+    q, k [C, BK] and the chunk's log2-decays (ops/triton/decay.py)."""
+    return mma(b_q, tl.trans(b_k), F32) * (tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32)) * scale)  # [C, BK] @ [BK, C]
+
+
+@triton.jit
 def chunk_program(chunks, C: tl.constexpr):
     """This program's chunk and head in a (chunk, head, ...) grid and the chunk's rows:
     `(i_ch, i_h, bos, eos, o_t, t, m_t)`, `t = bos + o_t` masked by `m_t = t < eos`."""
@@ -105,7 +112,7 @@ def delta_outputs_kernel(
     b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
     b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
     b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-    b_att = mma(b_q, tl.trans(b_k), F32) * (tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32)) * scale)  # [C, BK] @ [BK, C]
+    b_att = chunk_scores(b_q, b_k, b_g, b_gc, b_last, scale, F32)  # [C, C]
     row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
     m_tv = m_t[:, None] & m_v[None, :]
     b_u = tl.load(us + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32

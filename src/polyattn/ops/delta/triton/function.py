@@ -110,7 +110,7 @@ def delta_rule_backward(
     F32 = dot_f32(qf.dtype)
     xs, ys = torch.empty_like(us), torch.empty(B * T, H, K, dtype=torch.float32, device=qf.device)
     delta_grad_factors_kernel[(chunks[2], H)](
-        qf, kf, dof, bf, gf, t_inv, chunks[0], xs, ys, scale, H, K, V,
+        qf, kf, dof, gf, t_inv, chunks[0], xs, ys, scale, H, K, V,
         C=C, BK=BK, BD=64, USE_G=gf is not None, F32=F32, FP32_DOT=fp32_dot(config), num_warps=config.num_warps,
     )
     delta_state_grad_kernel[(n_v, N, H)](
