@@ -3,7 +3,8 @@
 # benchmark and the delta-rule profile; logs and results under $1.
 # usage: benchmarks/triton_gpu.sh OUTDIR [extra args for `python -m polyattn.bench kernels`]
 # fla wheels in .whl/ (if any) are installed to /tmp/site first. Kernel compilation (CPU-bound)
-# runs in parallel with the tests before anything is timed. TESTS (pytest paths), TEST_TIMEOUT,
+# runs in parallel with the tests before anything is timed (COMPILE_ARGS: its bench arguments, default
+# `--dims 128`). TESTS (pytest paths), TEST_TIMEOUT,
 # BENCH_TIMEOUT, DECODE_TIMEOUT, TUNE_TIMEOUT (default 0: off), PROFILE_TIMEOUT and
 # PRECISION_TIMEOUT (s; 0 skips the step) bound the steps.
 set -uo pipefail
@@ -16,7 +17,7 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > /tmp/compile.log 2>&1
-python3 -m polyattn.bench kernels --out /tmp/compile --dims 128 --compile-only >> /tmp/compile.log 2>&1 &
+python3 -m polyattn.bench kernels --out /tmp/compile ${COMPILE_ARGS:---dims 128} --compile-only >> /tmp/compile.log 2>&1 &
 c1=$!
 tests=${TESTS:-tests/ops/delta/test_delta_triton.py tests/ops/triton tests/ops/linear/test_triton.py tests/ops/hla/test_hla_triton.py tests/ops/kata/test_kata_triton.py}
 timeout -s INT "${TEST_TIMEOUT:-300}" python3 -m pytest -n "${TEST_WORKERS:-6}" -q -p no:cacheprovider $tests -rA --durations=15 > "$out/test_triton_gpu.log" 2>&1
@@ -26,7 +27,7 @@ wait $c1
 tail -n 3 /tmp/compile.log
 if [ "${BENCH_TIMEOUT:-400}" != 0 ]; then
   timeout "${BENCH_TIMEOUT:-400}" python3 -m polyattn.bench kernels --out "$out" "$@" > "$out/kernels.log" 2>&1
-  grep -E "delta_rule|decay" "$out/kernels.log" | tail -n 40
+  grep -E "${BENCH_GREP:-delta_rule|decay}" "$out/kernels.log" | tail -n 40
 fi
 if [ "${DECODE_TIMEOUT:-120}" != 0 ]; then
   timeout "${DECODE_TIMEOUT:-120}" python3 -m polyattn.bench decode --out "$out" --seqlens 4096 32768 > /tmp/decode.log 2>&1

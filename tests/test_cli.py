@@ -84,9 +84,10 @@ def test_sweep_and_demo_reject_bad_arguments(args, message, capsys, tmp_path):
     [
         (["--skip", "sdpa-flash"], "--skip: expected IMPL:D pairs"),
         (["--dims", "0"], "--dims: expected positive integers"),
+        (["--ops", "kata_m1", "mamba"], "--ops: unknown ['mamba']"),
         ([], "bench: needs a CUDA GPU"),
     ],
-    ids=["skip", "dims", "gpu"],
+    ids=["skip", "dims", "ops", "gpu"],
 )
 def test_bench_rejects_bad_arguments_first(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU build, wherever the test runs

@@ -12,6 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 64], help="head dims K = V (kernels)")
     parser.add_argument("--seqlens", type=int, nargs="+", default=None, help="T values (kernels) or contexts (decode)")
     parser.add_argument("--impls", nargs="+", default=None, help="kernels: time only these impls (e.g. polyattn-triton)")
+    parser.add_argument("--ops", nargs="+", default=None, help="kernels: time only these ops (e.g. kata_m1 softmax)")
     parser.add_argument("--skip", nargs="+", default=[], help="kernels: skip IMPL:D pairs (e.g. sdpa-flash:128)")
     parser.add_argument("--compile-only", action="store_true", help="kernels: run our kernels once to compile them, no timing")
 
@@ -38,6 +39,11 @@ def run(args: argparse.Namespace) -> int:
         for flag, values in (("--dims", args.dims), ("--seqlens", args.seqlens or [])):
             if any(n < 1 for n in values):
                 raise ValueError(f"{flag}: expected positive integers, got {values}")
+        from polyattn.bench.kernels import OPS
+
+        unknown = sorted(set(args.ops or ()) - set(OPS))
+        if unknown:
+            raise ValueError(f"--ops: unknown {unknown}; expected some of {list(OPS)}")
         if not torch.cuda.is_available():
             raise ValueError("bench: needs a CUDA GPU, found none")
         prepare_out_dir(args.out)
@@ -49,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
 
         t_grid = tuple(args.seqlens or kernels.T_GRID)
         if args.compile_only:
-            kernels.compile_only(dims=tuple(args.dims), t_grid=t_grid)
+            kernels.compile_only(dims=tuple(args.dims), t_grid=t_grid, ops=args.ops)
         else:
-            kernels.run(args.out, dims=tuple(args.dims), t_grid=t_grid, impls=args.impls, skip=skip)
+            kernels.run(args.out, dims=tuple(args.dims), t_grid=t_grid, impls=args.impls, ops=args.ops, skip=skip)
     else:
         from polyattn.bench import decode
 

@@ -34,9 +34,13 @@ H = 16
 CHUNK = 64
 
 
+OPS = ("linear_attn", "linear_attn_decay", "delta_rule", "hla2", "hla2_decay", "loglinear_mamba2", "kata_m1", "kata_m2",
+       "kata_s2", "softmax")
+
+
 @dataclass(frozen=True)
 class Case:
-    op: str  # "linear_attn", "linear_attn_decay", "delta_rule", "hla2", "hla2_decay", "loglinear_mamba2", "kata_m1", "kata_m2", "kata_s2", "softmax"
+    op: str  # one of OPS
     impl: str
     make: object  # (q, k, v, g, beta) -> callable returning the output tensor
 
@@ -185,23 +189,24 @@ def measure(case: Case, B: int, T: int, D: int, mode: str, timed: bool = True) -
         torch.cuda.empty_cache()
 
 
-def compile_only(dims=(128, 64), t_grid=T_GRID) -> None:
-    """Run each polyattn case once per mode at the shortest and longest T (with and without the
-    segment split) so that Triton compiles every kernel variant; no timing."""
+def compile_only(dims=(128, 64), t_grid=T_GRID, ops=None) -> None:
+    """Run each polyattn case (of `ops`, default all) once per mode at the shortest and longest T
+    (with and without the segment split) so that Triton compiles every kernel variant; no timing."""
     for D in dims:
         for T in sorted({min(t_grid), max(t_grid)}):
             for case in cases():
-                if case.impl.startswith("polyattn"):
+                if case.impl.startswith("polyattn") and (ops is None or case.op in ops):
                     for mode in ("fwd", "fwdbwd"):
                         measure(case, max(1, TOKENS // T), T, D, mode, timed=False)
     torch.cuda.synchronize()
 
 
-def run(out: Path, dims=(128, 64), t_grid=T_GRID, modes=("fwd", "fwdbwd"), impls=None, skip=()) -> list[dict]:
-    """Time every case (or those whose impl is in `impls`) at every (D, T, mode) not in `skip`
-    (a set of `(impl, D)`), write kernels.json / kernels.md / kernels.png into `out`."""
+def run(out: Path, dims=(128, 64), t_grid=T_GRID, modes=("fwd", "fwdbwd"), impls=None, ops=None,
+        skip=()) -> list[dict]:
+    """Time every case (or those whose impl is in `impls` and op in `ops`) at every (D, T, mode) not
+    in `skip` (a set of `(impl, D)`), write kernels.json / kernels.md / kernels.png into `out`."""
     rows = []
-    all_cases = [c for c in cases() if impls is None or c.impl in impls]
+    all_cases = [c for c in cases() if (impls is None or c.impl in impls) and (ops is None or c.op in ops)]
     print(device_line(), flush=True)
     for D in dims:
         for T in t_grid:
