@@ -4,7 +4,8 @@ The interpreter (`TRITON_INTERPRET=1`) runs kernels as Python and so never sees 
 GPU's Triton (a kernel that passes every CPU test can fail to compile on the GPU machine). This script
 records each distinct launch (signature and constexprs) of a pytest selection under the interpreter, then
 compiles each for Hopper with the Triton found on the path, the fp32 branch (`F32`, which the interpreter
-takes) switched to the tensor-core one wherever the inputs are bf16/fp16.
+takes) switched to the tensor-core one wherever the inputs are bf16/fp16, and reports each kernel whose
+shared memory exceeds the H200's 227 KiB per block (a launch the GPU refuses with OutOfResources).
 
     python benchmarks/triton_compile_check.py record LAUNCHES tests/ops/kata/test_kata_triton.py ...
     PYTHONPATH=DIR_WITH_OTHER_TRITON python benchmarks/triton_compile_check.py compile LAUNCHES
@@ -17,6 +18,7 @@ import pickle
 import sys
 import warnings
 
+SHARED_LIMIT = 232448  # bytes of shared memory one block may use on the H200 (sm_90)
 POINTER_TYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "float64": "*fp64",
                  "int32": "*i32", "int64": "*i64", "bool": "*i1", "uint8": "*u8"}
 
@@ -68,7 +70,7 @@ def compile_all(path: str) -> int:
     warnings.filterwarnings("ignore")
     with open(path, "rb") as f:
         launches = pickle.load(f)
-    ok, failed = collections.Counter(), collections.Counter()
+    ok, failed, peak = collections.Counter(), collections.Counter(), collections.Counter()
     for x in launches:
         if "*fp64" in x["signature"].values():
             continue  # float64 runs only the PyTorch forms on a GPU
@@ -78,7 +80,10 @@ def compile_all(path: str) -> int:
         fn = getattr(importlib.import_module(x["module"]), x["name"])
         src = ASTSource(fn=fn, signature=x["signature"], constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
         try:
-            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=x["num_warps"], num_stages=x["num_stages"]))
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=x["num_warps"], num_stages=x["num_stages"]))
+            peak[x["name"]] = max(peak[x["name"]], kernel.metadata.shared)
+            if kernel.metadata.shared > SHARED_LIMIT:
+                raise RuntimeError(f"shared memory {kernel.metadata.shared} > {SHARED_LIMIT} bytes")
             ok[x["name"]] += 1
         except Exception as e:  # every compile error is reported, the rest still compile
             failed[x["name"]] += 1
@@ -87,7 +92,7 @@ def compile_all(path: str) -> int:
                 chain.append(str(e).strip().splitlines()[-1][:160])
                 e = e.__cause__
             print(f"FAIL {x['name']} {constexprs}: {' <- '.join(chain)}")
-    print(f"triton {triton.__version__}, sm_90a: compiled {dict(ok)}; failed {dict(failed)}")
+    print(f"triton {triton.__version__}, sm_90a: compiled {dict(ok)}; failed {dict(failed)}; peak shared bytes {dict(peak)}")
     return 1 if failed else 0
 
 

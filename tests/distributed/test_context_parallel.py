@@ -71,7 +71,7 @@ def _ops_worker(rank, world, layouts, out_dir):
             errors.update({f"d{key}": rel_err(leaves[key].grad, grads_ref[key][:, start:end]) for key in grads_ref})
             results.append(dict(case=f"{name} bounds={bounds} docs={docs}", errors=errors, sent=sent,
                                 expected=8 * summary_numel(name, H, K, V, num_levels(T)), rank=rank))
-    if world == 2:  # a backend without reduce-scatter: the backward's all-to-all gives the same gradients
+    if world == 2:  # a backend without reduce-scatter: the backward's all-reduce gives the same gradients
         def refuse(*args, **kwargs):
             raise RuntimeError("reduce_scatter is not supported here")
 
@@ -85,7 +85,7 @@ def _ops_worker(rank, world, layouts, out_dir):
             o, _ = ContextParallel(bounds=(0, 64, 150)).linear_attn(*case_call("linear-decay", leaves)[1], cu_seqlens=cu)
             (o * weights[:, start:end]).sum().backward()
             errors = {f"d{key}": rel_err(leaves[key].grad, grads_ref[key][:, start:end]) for key in grads_ref}
-            results.append(dict(case="all-to-all backward", errors=errors, rank=rank))
+            results.append(dict(case="all-reduce backward", errors=errors, rank=rank))
         finally:
             dist.reduce_scatter = kept
     (out_dir / f"ops-{rank}.json").write_text(json.dumps(results))
@@ -188,9 +188,11 @@ def _entry(rank, world, store, job, args):
         dist.destroy_process_group()
 
 
-def spawn(job, world, tmp_path, *args, timeout=60.0, start_method="fork"):
-    """Run ``job(rank, world, *args)`` on ``world`` gloo processes, forked by default: the children start with torch
-    imported (spawning costs seconds each); stopped past ``timeout`` seconds."""
+def spawn(job, world, tmp_path, *args, timeout=60.0):
+    """Run ``job(rank, world, *args)`` on ``world`` gloo processes, stopped past ``timeout`` seconds. Forked on a
+    CPU-only machine: the children start with torch imported (spawning costs seconds each). Spawned where CUDA is:
+    neither CUDA nor autograd's device threads (started by any earlier CUDA backward in this process) survive a fork."""
+    start_method = "spawn" if torch.cuda.is_available() else "fork"
     run_ranks(_entry, world, (world, str(tmp_path / "store"), job, args), timeout=timeout, start_method=start_method)
 
 
@@ -225,8 +227,7 @@ def test_model_switch_matches_one_process(tmp_path):
 
 
 def test_triton_forms_inside(tmp_path):
-    # on CUDA the children start fresh: CUDA does not survive a fork of a process that has used it
-    spawn(_triton_worker, 2, tmp_path, tmp_path, timeout=120.0, start_method="spawn" if DEVICE == "cuda" else "fork")
+    spawn(_triton_worker, 2, tmp_path, tmp_path, timeout=120.0)
     check_results([r for rank in range(2) for r in json.loads((tmp_path / f"triton-{rank}.json").read_text())])
 
 

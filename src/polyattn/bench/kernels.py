@@ -278,6 +278,8 @@ def ratio_table(rows: list[dict], device: str) -> str:
                     a = _ms(rows, op=ours, impl=our_impl, T=t, K=D, mode=mode)
                     b = _ms(rows, op=anchor_op, impl=anchor, T=t, K=D, mode=mode)
                     cells.append(f"{a / b:.2f}x" if a and b else "-")
+                if set(cells) == {"-"}:
+                    continue  # neither side measured at this D
                 lines.append(f"| {ours} / {our_impl} | {anchor_op} / {anchor} | {mode} | " + " | ".join(cells) + " |")
         lines += ["", f"| op | impl | mode | {head} |", "|---|---|---|" + "---|" * len(ts)]
         for op, impl in sorted({(r["op"], r["impl"]) for r in rows if r["K"] == D}):

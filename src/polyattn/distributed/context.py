@@ -114,10 +114,10 @@ class _GatherSummaries(torch.autograd.Function):
         mine = torch.empty_like(parts[0])
         try:
             dist.reduce_scatter(mine, parts, group=ctx.group)  # Σ over ranks of d/d(my summary)
-        except RuntimeError:  # a backend without reduce-scatter: the same sums by an all-to-all
-            received = [torch.empty_like(mine) for _ in parts]
-            dist.all_to_all(received, parts, group=ctx.group)
-            mine = torch.stack(received).sum(0)
+        except RuntimeError:  # a backend without reduce-scatter (some gloo builds lack all-to-all too): an all-reduce, R x the bytes
+            full = torch.stack(parts)  # [R, n]
+            dist.all_reduce(full, group=ctx.group)
+            mine = full[dist.get_rank(ctx.group)]
         return mine.to(grad.device), None
 
 

@@ -190,3 +190,17 @@ def test_decoding_step_matches_the_recurrent_form():
         assert torch.equal(fused.position, reference.position)
         assert rel_err(o[:, 0], o_ref) <= 1e-5, f"step {t}: o rel err {rel_err(o[:, 0], o_ref):.2e}"
         assert rel_err(fused.levels, reference.levels) <= 1e-5, f"step {t}: state rel err {rel_err(fused.levels, reference.levels):.2e}"
+
+
+def test_auto_takes_the_kernels_for_the_mamba2_base_only(monkeypatch):
+    """`impl="auto"` offers the Triton form to the dispatcher without `beta` (it picks it for CUDA inputs)
+    and keeps it out with `beta` (the Gated DeltaNet base has no kernel)."""
+    import polyattn.ops.loglinear as loglinear
+
+    offered = []
+    resolve = loglinear.resolve_impl
+    monkeypatch.setattr(loglinear, "resolve_impl", lambda name, impl, forms, q: offered.append(set(forms)) or resolve(name, impl, forms, q))
+    x = {n: t.float() for n, t in _inputs(1, 8).items()}
+    ops.loglinear_attn(**x, impl="auto")
+    ops.loglinear_attn(**x, beta=torch.rand(1, 8, H, device=DEVICE), impl="auto")
+    assert "triton" in offered[0] and "triton" not in offered[1] and "chunk" in offered[1]

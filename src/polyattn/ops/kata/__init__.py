@@ -70,7 +70,7 @@ def kata(
         cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1).
         impl: KATA ``"naive" | "recurrent" | "chunk" | "scan" | "parallel" | "triton_parallel" | "triton" | "auto"``
             (``"triton"`` is the flash-style quadratic kernel ``"triton_parallel"``, PSD maps only, chosen by
-            name: ``"auto"`` does not pick it yet);
+            name: ``"auto"`` does not pick it, its cost grows as T²);
             DeltaKATA ``"naive" | "recurrent" | "chunk" | "auto"``.
 
     Returns:
@@ -93,7 +93,7 @@ def kata(
             raise ValueError(f"initial_state: expected a KataState(S, z), got {type(initial_state).__name__}")
         check_state("initial_state.S", initial_state.S, (N, H, P, V), q)
         check_state("initial_state.z", initial_state.z, (N, H, P), q)
-    # auto keeps to the PyTorch forms: the Triton kernel is chosen by name until it has run at real shapes on a GPU
+    # auto keeps to the PyTorch forms: the quadratic Triton kernel is chosen by name (ops/kata/README.md, "Open on the GPU")
     forms = KATA_FORMS if impl != "auto" else {n: f for n, f in KATA_FORMS.items() if "triton" not in n}
     fn = resolve_impl("kata", impl, forms, q)
     # with states, packed sequences run one by one: a padded batch of P×V states is slower (measured, P = 512)

@@ -62,7 +62,7 @@ def loglinear_attn(
         output_final_state: also return the :class:`LogLinearState` after the last token.
         cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1); positions restart per sequence.
         impl: ``"naive" | "recurrent" | "chunk" | "scan" | "triton" | "auto"`` (chunk size 64; ``"triton"`` has the
-            Mamba-2 base only and raises ValueError with ``beta``; chosen by name: ``"auto"`` does not pick it yet).
+            Mamba-2 base only and raises ValueError with ``beta``; ``"auto"`` picks it for CUDA inputs without ``beta``).
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, LogLinearState or None)``.
@@ -73,8 +73,8 @@ def loglinear_attn(
     if initial_state is not None:
         check_loglinear_state(initial_state, N, H, L, K, V, q)
     check_lam_levels(L, initial_state, T if cu_seqlens is None else torch.diff(cu_seqlens))
-    # auto keeps to the PyTorch forms: the Triton kernels are chosen by name until they have run at real shapes on a GPU
-    forms = LOGLINEAR_ATTN_FORMS if impl != "auto" else {n: f for n, f in LOGLINEAR_ATTN_FORMS.items() if n != "triton"}
+    # auto takes the Triton kernels on a GPU for the Mamba-2 base; the Gated DeltaNet base has none yet
+    forms = LOGLINEAR_ATTN_FORMS if impl != "auto" or beta is None else {n: f for n, f in LOGLINEAR_ATTN_FORMS.items() if n != "triton"}
     fn = resolve_impl("loglinear_attn", impl, forms, q)
     scale = resolve_scale(scale, K)
     return run_varlen(_per_sequence(fn), (q, k, v, lam, g, beta), cu_seqlens, initial_state, output_final_state, scale=scale)

@@ -36,7 +36,8 @@ class KernelConfig:
     tests' error bound; "tf32" and "rounded" trade accuracy for fewer tensor-core products and
     are there to be measured). KATA's quadratic kernels (ops/kata/triton) tile queries by
     kata_block_m and keys by kata_block_n (kata_block_m a multiple of it: kata_block_m / kata_block_n
-    key tiles per diagonal), run kata_num_warps (forward) and kata_bwd_warps (the two gradient kernels) warps
+    key tiles per diagonal; both for G <= 2 groups and bf16/fp16, divided by G / 2 for more groups and
+    by 2 for fp32 inputs, at least 16: ops/kata/README.md, "Forward tiling"), run kata_num_warps (forward) and kata_bwd_warps (the two gradient kernels) warps
     with kata_num_stages pipeline stages; kata_score_dot is how their fp32 tiles (scores, score
     gradients) enter the bf16/fp16 products with values, keys and queries: "split" (the default,
     the tests' error bound) in two halves, precision.mma_left_fp32, two products with ~16

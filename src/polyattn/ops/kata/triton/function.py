@@ -37,8 +37,10 @@ def _launch(q, v, seq_lens, groups: int, combine: str, warps: int) -> dict:
     """The arguments every kernel launch shares: tile table, sequence starts, sizes, tiles, flags."""
     config = get_config()
     BM, BN = config.kata_block_m, config.kata_block_n
-    if BM % BN or BN < 16:
-        raise ValueError(f"KernelConfig: expected kata_block_m a multiple of kata_block_n >= 16, got {BM}, {BN}")
+    if BM % BN or BN < 16 or BM & (BM - 1) or BN & (BN - 1):
+        raise ValueError(f"KernelConfig: expected powers of two kata_block_m >= kata_block_n >= 16, got {BM}, {BN}")
+    shrink = max(groups // 2, 1) * (2 if q.dtype == torch.float32 else 1)  # [G·BM, G·BN] scores <= 2x2 M1's; fp32: shared memory
+    BM, BN = max(BM // shrink, 16), max(BN // shrink, 16)
     _, _, H, K = q.shape
     E, BE, BV = block_sizes(K, v.shape[-1], groups)
     tiles, _, NT = chunk_table(tuple(seq_lens), BM, q.device)

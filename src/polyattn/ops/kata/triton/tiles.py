@@ -2,9 +2,9 @@
 
 A program owns a *row tile* of R rows (queries in the forward and dq kernels, keys in the dk/dv
 kernel) and loops over *column tiles* of the other side. Heads are split into G groups of width E
-(K = G·E); a group-major row tile `[G·R, BE]` holds row `t` of group `i` at `i·R + t`, so for
-KATA-Σg one `[G·R, BE] @ [BE, G·C]` product gives every group pair's dot product, and for KATA-Mg
-a batched `[G, R, BE] @ [G, BE, C]` product gives the dot products within each group:
+(K = G·E); a group-major row tile `[G·R, BE]` holds row `t` of group `i` at `i·R + t`, so one
+`[G·R, BE] @ [BE, G·C]` product gives every group pair's dot product: KATA-Σg uses them all,
+KATA-Mg the block diagonal, the pairs within a group (the other blocks are zeroed):
 
     Mg:  κ[t, s] = Σ_i u_i[t, s]²,       u_i = q_i k_iᵀ           (G products of width E)
     Σg:  κ[t, s] = Σ_{i,j} u_ij[t, s]²,  u_ij = q_i k_jᵀ          (G² products of width E)
@@ -73,53 +73,46 @@ def group_rowdot(x, y, G: tl.constexpr, R: tl.constexpr):
 
 @triton.jit
 def pair_dots(a, b, G: tl.constexpr, SUM: tl.constexpr, F32: tl.constexpr):
-    """Group dot products of two group-major tiles `a: [G·R, BE]`, `b: [G·C, BE]`:
-    Σg (or G = 1) all pairs `[G·R, G·C]`; Mg per group `[G, R, C]` (fp32). One return after an
-    if/else chain: Triton 3.6 type-checks every return of a function, also those past a taken
-    constexpr branch's return."""
-    if SUM:
-        u = mma(a, tl.trans(b), F32)  # [G·R, BE] @ [BE, G·C] -> [G·R, G·C]
-    elif G == 1:
-        u = mma(a, tl.trans(b), F32)  # [R, BE] @ [BE, C] -> [R, C]
-    else:
-        a3 = tl.reshape(a, (G, a.shape[0] // G, a.shape[1]))  # [G, R, BE]
-        b3 = tl.reshape(b, (G, b.shape[0] // G, b.shape[1]))  # [G, C, BE]
-        u = mma(a3, tl.permute(b3, (0, 2, 1)), F32)  # [G, R, BE] @ [G, BE, C] -> [G, R, C]
+    """Group dot products of two group-major tiles `a: [G·R, BE]`, `b: [G·C, BE]` as one
+    `[G·R, G·C]` fp32 tile (block `(i, j)`: `u_ij = a_i b_jᵀ`): every block for Σg, the block
+    diagonal for Mg (the others 0). One 2D tensor-core product either way: a batched `[G, R, BE]`
+    product runs far slower on the H200, and the masked blocks cost G times the Mg FLOPs."""
+    u = mma(a, tl.trans(b), F32)  # [G·R, BE] @ [BE, G·C] -> [G·R, G·C]
+    if not SUM:
+        if G > 1:
+            rows = tl.arange(0, a.shape[0]) // (a.shape[0] // G)  # group of each row
+            cols = tl.arange(0, b.shape[0]) // (b.shape[0] // G)  # group of each column
+            u = tl.where(rows[:, None] == cols[None, :], u, 0.0)
     return u
 
 
 @triton.jit
 def square_sum(u, G: tl.constexpr, SUM: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
-    """κ = the sum of the squared group dot products of `pair_dots`: `-> [R, C]`."""
+    """κ = the sum of the squared group dot products of `pair_dots`: `[G·R, G·C] -> [R, C]`."""
     if G == 1:
         a = u * u
-    elif SUM:
-        a = tl.sum(tl.sum(tl.reshape(u * u, (G, R, G, C)), axis=2), axis=0)  # [G, R, G, C] -> [R, C]
     else:
-        a = tl.sum(u * u, axis=0)  # [G, R, C] -> [R, C]
+        a = tl.sum(tl.sum(tl.reshape(u * u, (G, R, G, C)), axis=2), axis=0)  # [G, R, G, C] -> [R, C]
     return a
 
 
 @triton.jit
 def group_grad(u, w, mask, G: tl.constexpr, SUM: tl.constexpr, MASKED: tl.constexpr):
-    """The dot products' gradient `w ⊙ u` per group (pair), `w: [R, C]` broadcast over the groups of
-    `u` (the factor 2 of the square is in w); with MASKED, exactly 0 where `mask: [R, C]` is false
-    (selected, so that a non-finite score there cannot leak)."""
+    """The dot products' gradient `w ⊙ u` per group pair (0 where u is, Mg's off-diagonal
+    blocks), `w: [R, C]` broadcast over the blocks of `u: [G·R, G·C]` (the factor 2 of the square
+    is in w); with MASKED, exactly 0 where `mask: [R, C]` is false (selected, so that a non-finite
+    score there cannot leak)."""
     R: tl.constexpr = w.shape[0]
     C: tl.constexpr = w.shape[1]
     if G == 1:
         du = u * w
         if MASKED:
             du = tl.where(mask, du, 0.0)
-    elif SUM:
+    else:
         du = tl.reshape(u, (G, R, G, C)) * w[None, :, None, :]  # [G, R, G, C]
         if MASKED:
             du = tl.where(mask[None, :, None, :], du, 0.0)
         du = tl.reshape(du, (G * R, G * C))
-    else:
-        du = u * w[None, :, :]  # [G, R, C]
-        if MASKED:
-            du = tl.where(mask[None, :, :], du, 0.0)
     return du
 
 
@@ -136,16 +129,9 @@ def score_values(a, v, SPLIT: tl.constexpr, F32: tl.constexpr):
 
 @triton.jit
 def grad_dot(du, b, G: tl.constexpr, SUM: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr):
-    """Row gradient `du @ b` of a group-major tile, `[G·R, BE]` fp32 (du entering as in `score_values`)."""
-    if SUM:
-        out = score_values(du, b, SPLIT, F32)  # [G·R, G·C] @ [G·C, BE] -> [G·R, BE]
-    elif G == 1:
-        out = score_values(du, b, SPLIT, F32)  # [R, C] @ [C, BE] -> [R, BE]
-    else:
-        R: tl.constexpr = du.shape[1]
-        b3 = tl.reshape(b, (G, b.shape[0] // G, b.shape[1]))  # [G, C, BE]
-        out = tl.reshape(score_values(du, b3, SPLIT, F32), (G * R, b.shape[1]))  # [G, R, C] @ [G, C, BE] -> [G·R, BE]
-    return out
+    """Row gradient `du @ b` of a group-major tile: `[G·R, G·C] @ [G·C, BE] -> [G·R, BE]` fp32 (du
+    entering as in `score_values`)."""
+    return score_values(du, b, SPLIT, F32)
 
 
 @triton.jit

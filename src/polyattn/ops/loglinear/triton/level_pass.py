@@ -81,7 +81,7 @@ def level_pass_kernel(
 
     grid: (cdiv(DC, BC), N, H). Tiling: a, b rows of the full DA (padded to BA); c / out columns
     [BC]; per chunk the products `[C, BA] @ [BA, C]` (scores), `[C, C] @ [C, BC]` (intra),
-    `[C, BA] @ [BA, BC]` per level read and `[BA, C] @ [C, BC]` per add (once for a causal pass).
+    `[C, BA] @ [BA, BC]` per level read and `[BA, C] @ [C, BC]` per add.
     `seg` rows are the sequences' `(bos, eos, ., .)`, `pos [N]` their start positions. ROWDOT:
     `rowdot[i_c, t] = sum(dot_x * out, -1)` per tile (the log-decay gradient's term); DLAM (causal
     only): `dlam[i_c, t, l]` = the tile's part of the unweighted level-l share of `out_t` dotted with
@@ -145,8 +145,6 @@ def level_pass_kernel(
 
         # inter-chunk: one read or one add per chunk-level
         b_wa = tl.exp2(b_wq) * scale  # [C]
-        if not REVERSE:
-            b_kv = keys_times_values(b_b, b_v, b_wk, USE_G, F32)  # [BA, BC], shared by every add
         for ell in range(0, NL):
             bit = (n >> ell) & 1
             p_ell = tl.sum(tl.where(o_l == ell, b_p, 0.0), axis=0)
@@ -171,8 +169,9 @@ def level_pass_kernel(
                 if REVERSE:
                     b_lam = tl.load(lam + row_l + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
                     b_add = mma_right_fp32(tl.trans(b_b), b_v.to(tl.float32) * (tl.exp2(b_wk) * b_lam)[:, None], F32)
-                else:
-                    b_add = b_kv
+                else:  # formed per add, not once before the loop: a product held live across this loop's
+                    # products miscompiles on the H200 (Triton 3.6: wrong outputs, illegal addresses)
+                    b_add = keys_times_values(b_b, b_v, b_wk, USE_G, F32)  # [BA, C] @ [C, BC] -> [BA, BC]
                 if p_ell > float("-inf"):
                     b_add += tl.load(p_s, mask=m_s, other=0.0) * tl.exp2(p_ell + b_last)
                 tl.store(p_s, b_add, mask=m_s)
