@@ -11,7 +11,7 @@ from polyattn.ops.common import (
     segsum,
     to_chunks,
 )
-from polyattn.testing import assert_close_rel
+from polyattn.testing import assert_close_rel, low_precision_errors
 
 
 def test_segsum_matches_definition():
@@ -104,3 +104,19 @@ def test_cu_seqlens_dtype_and_batch():
         check_cu_seqlens(torch.tensor([0.0, 8.0]), q)
     with pytest.raises(ValueError, match="B = 1"):
         check_cu_seqlens(torch.tensor([0, 8]), torch.zeros(2, 8, 1, 2))
+
+
+@pytest.mark.parametrize("fast_noise, passes", [(1e-9, True), (1e-3, False)])
+def test_low_precision_bound_of_a_tensor_that_is_zero_to_rounding(fast_noise, passes):
+    """An output whose float64 reference is zero to rounding (1e-17 of the call's scale) is judged on
+    that scale: fp32 noise passes, an error of 1e-3 of the scale fails (a relative error would fail both)."""
+    x = {"q": torch.randn(1, 4, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))}
+    x["v"] = x["q"]
+
+    def form(noise):
+        def run(q, v, *, scale, initial_state, output_final_state):
+            return noise * q.to(q.dtype), q.sum(1)  # o ~ noise, the final state O(1): the call's scale
+        return run
+
+    err, bound = low_precision_errors(form(1e-17), form(1e-9), form(fast_noise), x, None, torch.float32)["o"]
+    assert (err <= bound) == passes, (err, bound)
