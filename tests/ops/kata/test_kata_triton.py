@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from polyattn import ops
-from polyattn.ops.kata import KATA_FORMS, KataState, kata_naive, kata_parallel, make_feature_map
-from polyattn.ops.kata.triton import kata_triton_parallel
+from polyattn.ops.kata import KATA_FORMS, KataState, kata_chunk, kata_naive, kata_parallel, make_feature_map
+from polyattn.ops.kata.triton import kata_triton, kata_triton_first_order, kata_triton_parallel
 from polyattn.ops.kata.triton.tiles import diagonal_decay_ref, key_diagonal_decay, query_diagonal_decay
 from polyattn.ops.triton.decay import chunk_decay
 from polyattn.ops.triton.precision import LOG2E
@@ -244,15 +244,54 @@ def test_compiles_as_one_graph():
 
 
 def test_dispatch():
-    """`impl="triton"` is the quadratic kernel, chosen by name; `auto` keeps to the PyTorch forms."""
-    assert KATA_FORMS["triton"] is KATA_FORMS["triton_parallel"] is kata_triton_parallel
+    """`impl="triton"`: the quadratic kernel for PSD maps, linear attention's kernels for first-order
+    ones, chosen by name; `auto` keeps to the PyTorch forms."""
+    assert KATA_FORMS["triton"] is kata_triton and KATA_FORMS["triton_parallel"] is kata_triton_parallel
     x = {n: t.float() for n, t in _inputs(1, 20, True).items()}
     with use_config(CONFIG):
         o, _ = ops.kata(*x.values(), groups=2, impl="triton")
         o_ref, _ = ops.kata(*x.values(), groups=2, impl="parallel")
         assert_close_rel(o, o_ref, 1e-5)
-        o_auto, _ = ops.kata(*x.values(), feature="orthant", impl="auto")  # no kernel for first-order maps
-        assert_close_rel(o_auto, ops.kata(*x.values(), feature="orthant", impl="chunk")[0], 1e-6)
+        o, _ = ops.kata(*x.values(), feature="lorentz", impl="triton")
+        assert_close_rel(o, ops.kata(*x.values(), feature="lorentz", impl="chunk")[0], 1e-5)
+        o_auto, _ = ops.kata(*x.values(), feature="orthant", impl="auto")
+        assert torch.equal(o_auto, ops.kata(*x.values(), feature="orthant", impl="chunk")[0])
+
+
+def _first_order_state(N, seed):
+    """A first-order `KataState` (P = K): a numerator of either sign, a normaliser of positive weights."""
+    gen = torch.Generator().manual_seed(seed)
+    S = 0.5 * torch.randn(N, H, K, V, generator=gen, dtype=torch.float64)
+    z = torch.rand(N, H, K, generator=gen, dtype=torch.float64)
+    return KataState(S.to(DEVICE), z.to(DEVICE))
+
+
+def _first_order_check(feature, T, dtype, decay, normalize, with_state, lengths=None, seed=0):
+    N = (B if T <= 64 else 1) if lengths is None else len(lengths)
+    x = _inputs(N if lengths is None else 1, T if lengths is None else sum(lengths), decay, seed=seed)
+    h0 = _first_order_state(N, seed + 1) if with_state else None
+    opts = dict(feature=feature, normalize=normalize, eps=1e-6)
+    forms = [functools.partial(f, **opts) for f in (kata_naive, kata_chunk, kata_triton_first_order)]
+    forms[2].native_varlen = True
+    with use_config(CONFIG):
+        assert_low_precision_matches(*forms, x, h0, dtype, lengths=lengths)
+
+
+FIRST_ORDER = [(f, T, dt, d, d, d) for f in ("orthant", "lorentz") for T in (1, 65) for dt in (torch.float32, torch.bfloat16)
+               for d in (False, True)]
+
+
+@pytest.mark.parametrize("feature, T, dtype, decay, normalize, with_state", FIRST_ORDER,
+                         ids=[f"{f}-T{T}-{dtype_id(dt)}-{'all' if d else 'none'}" for f, T, dt, d, _, _ in FIRST_ORDER])
+def test_first_order_maps_on_the_linear_kernels(feature, T, dtype, decay, normalize, with_state):
+    """Orthant and Lorentz KATA through linear attention's kernels: o, the final `[S | z]` and every
+    gradient (through the lift into q and k, into g and the initial state), with and without decay,
+    normalizer and initial state."""
+    _first_order_check(feature, T, dtype, decay, normalize, with_state)
+
+
+def test_first_order_varlen():
+    _first_order_check("lorentz", None, torch.float32, True, True, True, lengths=[1, 40, 17, 70], seed=4)
 
 
 @pytest.mark.parametrize("bad", ["orthant", "groups3", "float64", "tiles"])

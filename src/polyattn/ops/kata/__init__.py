@@ -13,7 +13,7 @@ from polyattn.ops.kata.parallel import kata_parallel
 from polyattn.ops.kata.recurrent import deltakata_recurrent, kata_recurrent
 from polyattn.ops.kata.scan import kata_scan
 from polyattn.ops.kata.state import KataState
-from polyattn.ops.kata.triton import kata_triton_parallel  # lazy: triton loads on first call
+from polyattn.ops.kata.triton import kata_triton, kata_triton_first_order, kata_triton_parallel  # lazy: triton loads on first call
 
 KATA_FORMS = {
     "naive": kata_naive,
@@ -22,7 +22,7 @@ KATA_FORMS = {
     "scan": kata_scan,
     "parallel": kata_parallel,
     "triton_parallel": kata_triton_parallel,
-    "triton": kata_triton_parallel,  # the quadratic kernel until the chunked-state kernel joins it
+    "triton": kata_triton,  # PSD: the quadratic kernel (until the chunked-state kernel joins it); first order: linear attention's
 }
 
 DELTAKATA_FORMS = {
@@ -69,8 +69,9 @@ def kata(
         output_final_state: also return the state after the last token (fp32, float64 for float64 inputs).
         cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1).
         impl: KATA ``"naive" | "recurrent" | "chunk" | "scan" | "parallel" | "triton_parallel" | "triton" | "auto"``
-            (``"triton"`` is the flash-style quadratic kernel ``"triton_parallel"``, PSD maps only, chosen by
-            name: ``"auto"`` does not pick it, its cost grows as T²);
+            (``"triton_parallel"``: the flash-style quadratic kernel, PSD maps only; ``"triton"``: that kernel
+            for PSD maps and linear attention's kernels for the first-order ones; chosen by name: ``"auto"``
+            does not pick them, the quadratic one's cost grows as T²);
             DeltaKATA ``"naive" | "recurrent" | "chunk" | "auto"``.
 
     Returns:
@@ -116,6 +117,8 @@ __all__ = [
     "kata_recurrent",
     "kata_scan",
     "kata_state_size",
+    "kata_triton",
+    "kata_triton_first_order",
     "kata_triton_parallel",
     "make_feature_map",
 ]

@@ -4,10 +4,16 @@ Files by stage (on the shared core ops/triton: precision helpers, tile tables, c
 tiles.py (grouped loads, squared group scores and their gradient, diagonal decay tiles),
 forward.py (the flash-style quadratic forward), backward.py (dq pass over key tiles, dk/dv pass
 over query tiles), function.py (custom ops, autograd, the host's state read and write). Each
-kernel file holds its PyTorch twin (`*_ref`). Importing this package does not import triton: the
-entry point loads the kernels on first call, so CPU-only installs never need it.
+kernel file holds its PyTorch twin (`*_ref`). The first-order maps need no kernel of their own:
+`kata_triton_first_order` runs them on linear attention's. Importing this package does not import
+triton: the entry points load the kernels on first call, so CPU-only installs never need it.
 """
 from __future__ import annotations
+
+import torch
+
+from polyattn.ops.kata.feature_maps import make_feature_map
+from polyattn.ops.kata.state import join_state, normalized_read, split_state, with_ones
 
 
 def kata_triton_parallel(
@@ -30,4 +36,41 @@ def kata_triton_parallel(
 
 kata_triton_parallel.native_varlen = True
 
-__all__ = ["kata_triton_parallel"]
+
+def kata_triton_first_order(
+    q, k, v, g=None, *, feature, groups=1, combine="concat", normalize=True, eps=1e-6, scale,
+    initial_state=None, output_final_state=False, cu_seqlens=None,
+):
+    """KATA with a first-order map (orthant, Lorentz: ψ as wide as the head, P = K) on the Triton
+    kernels of `linear_attn`: linear attention of the lifted queries ψ(scale·q) and keys ψ(k) (built
+    by PyTorch, which differentiates them) on the values `[v | 1]`, whose last column is the
+    normaliser; the state `[S | z]` is linear attention's `[P, V + 1]` state. Everything enters in
+    fp32 (IEEE products) and o is rounded once, after the division: lifted features rounded to bf16
+    exceed twice the PyTorch chunk form's error (ops/kata/README.md, "First-order maps on the linear
+    kernels"). Returns `(o [B, T, H, V] in q's dtype, KataState fp32 or None)`."""
+    from polyattn.ops.linear.triton import linear_attn_triton
+
+    fmap = make_feature_map(feature, q.shape[-1], groups, combine)
+    qf = fmap.lift(scale * q.float())  # [B, T, H, P] fp32
+    kf = fmap.lift(k.float())  # [B, T, H, P] fp32
+    out, final = linear_attn_triton(
+        qf, kf, with_ones(v.float()), g, scale=1.0, initial_state=join_state(initial_state, torch.float32),
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+    )  # [B, T, H, V + 1] fp32 (numerator | normaliser), [N, H, P, V + 1]
+    o = normalized_read(out, normalize, eps).to(q.dtype)  # [B, T, H, V]
+    return o, (split_state(final) if output_final_state else None)
+
+
+kata_triton_first_order.native_varlen = True
+
+
+def kata_triton(q, k, v, g=None, *, feature="psd", **options):
+    """`impl="triton"`: the quadratic kernel for the PSD maps, linear attention's kernels for the
+    first-order ones."""
+    form = kata_triton_parallel if feature == "psd" else kata_triton_first_order
+    return form(q, k, v, g, feature=feature, **options)
+
+
+kata_triton.native_varlen = True
+
+__all__ = ["kata_triton", "kata_triton_first_order", "kata_triton_parallel"]
