@@ -229,8 +229,7 @@ def test_mixer_form_names_the_form_a_call_runs():
     with pytest.raises(NotImplementedError, match="DeltaKATA has no impl='scan'"):
         mixer_form("deltakata-m1", "scan")
     assert mixer_form("kata-m2", "triton", 64) == "triton"
-    with pytest.raises(NotImplementedError, match="DeltaKATA has no impl='triton'"):
-        mixer_form("deltakata-m1", "triton", 1)
+    assert mixer_form("deltakata-m1", "triton", 1) == "triton"
     with pytest.raises(ValueError, match="unknown mixer"):
         mixer_form("nope", "auto")
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from polyattn import ops
-from polyattn.ops.kata import KATA_FORMS, KataState, kata_chunk, kata_naive, kata_parallel, make_feature_map
+from polyattn.ops.kata import DELTAKATA_FORMS, KATA_FORMS, KataState, kata_chunk, kata_naive, kata_parallel, make_feature_map
 from polyattn.ops.kata.triton import kata_triton, kata_triton_first_order, kata_triton_parallel
 from polyattn.ops.kata.triton.tiles import diagonal_decay_ref, key_diagonal_decay, query_diagonal_decay
 from polyattn.ops.triton.decay import chunk_decay
@@ -306,3 +306,42 @@ def test_bad_input_raises(bad):
         x = {n: t.double() for n, t in x.items()}
     with pytest.raises(ValueError), use_config(KernelConfig(kata_block_m=48, kata_block_n=32) if bad == "tiles" else get_config()):
         ops.kata(*x.values(), **kw)
+
+
+DELTA_CASES = [("orthant", 1, "concat", 65, torch.float32, True, True), ("lorentz", 1, "concat", 1, torch.bfloat16, True, False),
+               ("lorentz", 1, "concat", 65, torch.bfloat16, False, True), ("psd", 2, "sum", 65, torch.float32, True, True)]
+
+
+@pytest.mark.parametrize("feature, groups, combine, T, dtype, decay, with_state", DELTA_CASES,
+                         ids=[f"{f}-{c}-G{G}-T{T}-{dtype_id(dt)}-{'g' if d else 'nog'}-{'h0' if s else 'noh0'}"
+                              for f, G, c, T, dt, d, s in DELTA_CASES])
+def test_deltakata_on_the_delta_kernels(feature, groups, combine, T, dtype, decay, with_state):
+    """DeltaKATA through the delta-rule kernels on unit lifted keys: o, the final state and every
+    gradient (q, k, v, beta, g, the initial state) against the float64 naive form."""
+    Kx = 8 if feature == "psd" else K  # psd: P = E^2 = 16 features
+    x = seeded_inputs(1, T, H, Kx, V, decay=decay, beta=True, seed=7, device=DEVICE)
+    x = {n: x[n] for n in ("q", "k", "v", "beta", "g")}
+    P = make_feature_map(feature, Kx, groups, combine).dim()
+    h0 = 0.5 * torch.randn(1, H, P, V, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(DEVICE) if with_state else None
+    opts = dict(feature=feature, groups=groups, combine=combine, eps=1e-6)
+    forms = [functools.partial(DELTAKATA_FORMS[n], **opts) for n in ("naive", "chunk", "triton")]
+    with use_config(CONFIG):
+        assert_low_precision_matches(*forms, x, h0, dtype)
+
+
+def test_deltakata_triton_rejects_wide_maps():
+    x = seeded_inputs(1, 8, H, 16, V, beta=True, device=DEVICE)  # psd M1 at K = 16: P = 256
+    with pytest.raises(ValueError, match="at most 128 lifted features, got P = 256"):
+        ops.kata(x["q"].float(), x["k"].float(), x["v"].float(), x["g"].float(), beta=x["beta"].float(), groups=1,
+                 normalize=False, impl="triton")
+
+
+def test_deltakata_triton_varlen():
+    lengths = [1, 40, 17, 70] if not CUDA else [1, 64, 1000, 130]
+    x = seeded_inputs(1, sum(lengths), H, K, V, decay=True, beta=True, seed=9, device=DEVICE)
+    x = {n: x[n] for n in ("q", "k", "v", "beta", "g")}
+    h0 = 0.5 * torch.randn(len(lengths), H, K, V, generator=torch.Generator().manual_seed(10), dtype=torch.float64).to(DEVICE)
+    forms = [functools.partial(DELTAKATA_FORMS[n], feature="lorentz", eps=1e-6) for n in ("naive", "chunk", "triton")]
+    forms[2].native_varlen = True
+    with use_config(CONFIG):
+        assert_low_precision_matches(*forms, x, h0, torch.float32, lengths=lengths)

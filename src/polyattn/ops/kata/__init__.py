@@ -13,7 +13,7 @@ from polyattn.ops.kata.parallel import kata_parallel
 from polyattn.ops.kata.recurrent import deltakata_recurrent, kata_recurrent
 from polyattn.ops.kata.scan import kata_scan
 from polyattn.ops.kata.state import KataState
-from polyattn.ops.kata.triton import kata_triton, kata_triton_first_order, kata_triton_parallel  # lazy: triton loads on first call
+from polyattn.ops.kata.triton import deltakata_triton, kata_triton, kata_triton_first_order, kata_triton_parallel  # lazy: triton loads on first call
 
 KATA_FORMS = {
     "naive": kata_naive,
@@ -29,6 +29,7 @@ DELTAKATA_FORMS = {
     "naive": deltakata_naive,
     "recurrent": deltakata_recurrent,
     "chunk": deltakata_chunk,
+    "triton": deltakata_triton,  # the delta-rule kernels on lifted keys, up to DELTA_MAX_FEATURES features
 }
 
 
@@ -72,7 +73,8 @@ def kata(
             (``"triton_parallel"``: the flash-style quadratic kernel, PSD maps only; ``"triton"``: that kernel
             for PSD maps and linear attention's kernels for the first-order ones; chosen by name: ``"auto"``
             does not pick them, the quadratic one's cost grows as T²);
-            DeltaKATA ``"naive" | "recurrent" | "chunk" | "auto"``.
+            DeltaKATA ``"naive" | "recurrent" | "chunk" | "triton" | "auto"`` (``"triton"``: the delta-rule kernels
+            on lifted keys, for maps of at most 128 features, by name).
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state or None)``.
@@ -87,7 +89,9 @@ def kata(
             raise ValueError("beta: DeltaKATA's read is unnormalized; expected normalize=False with beta, got normalize=True")
         if initial_state is not None:
             check_state("initial_state", initial_state, (N, H, P, V), q)
-        fn = resolve_impl("DeltaKATA", impl, DELTAKATA_FORMS, q)
+        # auto keeps to the PyTorch forms: the Triton form has not run on a GPU
+        forms = DELTAKATA_FORMS if impl != "auto" else {n: f for n, f in DELTAKATA_FORMS.items() if n != "triton"}
+        fn = resolve_impl("DeltaKATA", impl, forms, q)
         return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, decay_index=4, **options)
     if initial_state is not None:
         if not isinstance(initial_state, KataState):
@@ -109,6 +113,7 @@ __all__ = [
     "deltakata_chunk",
     "deltakata_naive",
     "deltakata_recurrent",
+    "deltakata_triton",
     "kata",
     "kata_chunk",
     "kata_convex_gate",

@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 
 from polyattn.ops.kata.feature_maps import make_feature_map
-from polyattn.ops.kata.state import join_state, normalized_read, split_state, with_ones
+from polyattn.ops.kata.recurrent import lifted_delta_rule, lifted_linear_attn
+
+DELTA_MAX_FEATURES = 128  # the widest key the delta-rule kernels run (and are tested at) on the H200
 
 
 def kata_triton_parallel(
@@ -50,15 +52,11 @@ def kata_triton_first_order(
     kernels"). Returns `(o [B, T, H, V] in q's dtype, KataState fp32 or None)`."""
     from polyattn.ops.linear.triton import linear_attn_triton
 
-    fmap = make_feature_map(feature, q.shape[-1], groups, combine)
-    qf = fmap.lift(scale * q.float())  # [B, T, H, P] fp32
-    kf = fmap.lift(k.float())  # [B, T, H, P] fp32
-    out, final = linear_attn_triton(
-        qf, kf, with_ones(v.float()), g, scale=1.0, initial_state=join_state(initial_state, torch.float32),
+    return lifted_linear_attn(
+        linear_attn_triton, q, k, v, g, fmap=make_feature_map(feature, q.shape[-1], groups, combine),
+        normalize=normalize, eps=eps, scale=scale, dtype=torch.float32, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-    )  # [B, T, H, V + 1] fp32 (numerator | normaliser), [N, H, P, V + 1]
-    o = normalized_read(out, normalize, eps).to(q.dtype)  # [B, T, H, V]
-    return o, (split_state(final) if output_final_state else None)
+    )
 
 
 kata_triton_first_order.native_varlen = True
@@ -73,4 +71,30 @@ def kata_triton(q, k, v, g=None, *, feature="psd", **options):
 
 kata_triton.native_varlen = True
 
-__all__ = ["kata_triton", "kata_triton_first_order", "kata_triton_parallel"]
+
+def deltakata_triton(
+    q, k, v, beta, g=None, *, feature="psd", groups=1, combine="concat", eps=1e-6, scale,
+    initial_state=None, output_final_state=False, cu_seqlens=None,
+):
+    """DeltaKATA on the Triton kernels of `delta_rule`: the gated delta rule on the unit lifted keys
+    ψ̂(k), read with ψ(scale·q), for maps of at most DELTA_MAX_FEATURES features (the first-order
+    maps at K <= 128, PSD maps of small groups; wider PSD maps need the kernel-trick form, `impl="chunk"`).
+    In fp32 like `kata_triton_first_order`. Returns `(o [B, T, H, V] in q's dtype, S [N, H, P, V] fp32 or None)`."""
+    from polyattn.ops.delta.triton import delta_rule_triton
+
+    fmap = make_feature_map(feature, q.shape[-1], groups, combine)
+    if fmap.dim() > DELTA_MAX_FEATURES:
+        raise ValueError(
+            f"impl='triton': DeltaKATA runs the delta-rule kernels on at most {DELTA_MAX_FEATURES} lifted features, "
+            f"got P = {fmap.dim()} (feature={feature!r}, K = {q.shape[-1]}, groups = {groups}); use impl='chunk'"
+        )
+    return lifted_delta_rule(
+        delta_rule_triton, q, k, v, beta, g, fmap=fmap, eps=eps, scale=scale, dtype=torch.float32,
+        initial_state=None if initial_state is None else initial_state.float(), output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+    )
+
+
+deltakata_triton.native_varlen = True
+
+__all__ = ["DELTA_MAX_FEATURES", "deltakata_triton", "kata_triton", "kata_triton_first_order", "kata_triton_parallel"]
