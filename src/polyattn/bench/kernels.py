@@ -15,7 +15,9 @@ Log-linear Mamba-2 (ops/loglinear/README.md,
 "Triton kernels"; `scale = 1`, lam = softplus of a normal draw, `num_levels(T)` columns, differentiated)
 reads about half of its `NL = log2(T / C)` chunk-levels per token: forward FLOPs
 `2C(K+V) + 2KV (1 + NL / 2)`, fwd+bwd 3x forward plus the two anticausal passes' per-level adds
-`2KV NL`; bytes add lam (and dlam) at `2L` bytes per token.
+`2KV NL`; bytes add lam (and dlam) at `2L` bytes per token. First-order KATA and DeltaKATA
+(`kata_lorentz`, `deltakata_lorentz`: the Lorentz map, P = K, on the linear and delta-rule kernels in
+fp32) count as linear attention and the delta rule (the normaliser column and the lift not counted).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ CHUNK = 64
 
 
 OPS = ("linear_attn", "linear_attn_decay", "delta_rule", "hla2", "hla2_decay", "loglinear_mamba2", "kata_m1", "kata_m2",
-       "kata_s2", "softmax")
+       "kata_s2", "kata_lorentz", "deltakata_lorentz", "softmax")
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,8 @@ class Case:
     make: object  # (q, k, v, g, beta) -> callable returning the output tensor
 
 
-GATED = ("linear_attn_decay", "hla2_decay", "delta_rule", "loglinear_mamba2")  # ops whose fwd+bwd differentiates g
+GATED = ("linear_attn_decay", "hla2_decay", "delta_rule", "loglinear_mamba2", "kata_lorentz", "deltakata_lorentz")  # fwd+bwd differentiates g
+WITH_BETA = ("delta_rule", "deltakata_lorentz")  # ops whose fwd+bwd differentiates beta
 KATA = {"kata_m1": (1, "concat"), "kata_m2": (2, "concat"), "kata_s2": (2, "sum")}  # op -> (groups, combine)
 
 
@@ -110,6 +113,12 @@ def cases() -> list[Case]:
              lambda q, k, v, g, b, G=G, c=c: lambda: ops.kata(q, k, v, groups=G, combine=c, impl="triton_parallel")[0])
         for op, (G, c) in KATA.items()
     ]
+    out += [  # first-order KATA and DeltaKATA (P = K) on the linear and delta-rule kernels, in fp32
+        Case("kata_lorentz", "polyattn-triton",
+             lambda q, k, v, g, b: lambda: ops.kata(q, k, v, g, feature="lorentz", impl="triton")[0]),
+        Case("deltakata_lorentz", "polyattn-triton",
+             lambda q, k, v, g, b: lambda: ops.kata(q, k, v, g, feature="lorentz", beta=b, normalize=False, impl="triton")[0]),
+    ]
     out += [
         Case("softmax", "sdpa-flash", _sdpa(SDPBackend.FLASH_ATTENTION)),
         Case("softmax", "sdpa-cudnn", _sdpa(SDPBackend.CUDNN_ATTENTION)),
@@ -142,7 +151,7 @@ def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int, T: int | None =
         bytes_ = (2 * K + 2 * V) * 2 if mode == "fwd" else (5 * K + 6 * V) * 2
         return flops * tokens * H, bytes_ * tokens * H
     fwd_flops = 2 * CHUNK * (K + V) + 4 * K * V
-    if op == "delta_rule":
+    if op in WITH_BETA:
         fwd_flops = 2 * (2 * CHUNK * (K + V) + 3 * K * V)
     fwd_bytes = (2 * K + 2 * V) * 2
     flops, bytes_ = (fwd_flops, fwd_bytes) if mode == "fwd" else (3 * fwd_flops, (5 * K + 6 * V) * 2)
@@ -178,7 +187,7 @@ def measure(case: Case, B: int, T: int, D: int, mode: str, timed: bool = True) -
         if mode == "fwd":
             with torch.no_grad():
                 return bench(fn)
-        leaves = [q, k, v] + ([g] if case.op in GATED else []) + ([beta] if case.op == "delta_rule" else [])
+        leaves = [q, k, v] + ([g] if case.op in GATED else []) + ([beta] if case.op in WITH_BETA else [])
         leaves += getattr(fn, "extra_leaves", [])
         do = torch.randn_like(fn())
         return bench(lambda: torch.autograd.grad(fn(), leaves, do))
@@ -260,6 +269,8 @@ RATIOS = (  # (our op, our impl, anchor op, anchor impl)
     ("loglinear_mamba2", "polyattn-triton", "loglinear_mamba2", "fla-chunk_log_linear_attn"),
     ("loglinear_mamba2", "polyattn-triton", "linear_attn_decay", "polyattn-triton"),
     ("loglinear_mamba2", "polyattn-triton", "softmax", "sdpa-cudnn"),
+    ("kata_lorentz", "polyattn-triton", "linear_attn_decay", "polyattn-triton"),
+    ("deltakata_lorentz", "polyattn-triton", "delta_rule", "polyattn-triton"),
 )
 
 
