@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from polyattn import ops
+from polyattn.bench.timing import kernel_times, print_kernel_times
 from polyattn.ops.triton.plan import get_config, use_config
 
 
@@ -50,20 +51,8 @@ def profile(T, warps):
         o, _ = ops.delta_rule(q, k, v, beta, g, impl="triton")
         torch.autograd.grad(o, leaves, do)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-    rows = {}
-    for e in prof.key_averages():
-        if e.device_time_total > 0:
-            rows[e.key] = e.device_time_total / 5 / 1e3  # ms per call
-    print(f"T={T} B={B} num_warps={warps}: total {sum(rows.values()):.3f} ms per fwd+bwd")
-    for name, ms in sorted(rows.items(), key=lambda kv: -kv[1])[:8]:
-        print(f"  {ms:8.3f} ms  {name[:90]}")
+    rows = kernel_times(step)
+    print_kernel_times(f"T={T} B={B} num_warps={warps}, fwd+bwd", rows)
     return rows
 
 

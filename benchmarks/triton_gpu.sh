@@ -6,7 +6,8 @@
 # runs in parallel with the tests before anything is timed (COMPILE_ARGS: its bench arguments, default
 # `--dims 128`). TESTS (pytest paths), TEST_TIMEOUT,
 # BENCH_TIMEOUT, DECODE_TIMEOUT, TUNE_TIMEOUT (default 0: off), PROFILE_TIMEOUT and
-# PRECISION_TIMEOUT (s; 0 skips the step) bound the steps.
+# PRECISION_TIMEOUT (s; 0 skips the step) bound the steps. PROFILE_OPS (bench op names) adds the
+# per-kernel profile of those rows at PROFILE_T (default 8192) tokens per sequence.
 set -uo pipefail
 out=${1:?usage: triton_gpu.sh OUTDIR [bench args...]}
 shift
@@ -40,4 +41,7 @@ fi
 if [ "${PROFILE_TIMEOUT:-60}" != 0 ]; then
   timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/profile_delta.py --T 8192 --warps 4 --block-v 32 --fp32-dot ${PROFILE_DOTS:-split} --out "$out/profile.json" 2>&1 | grep -v -i warn | tail -n 20
   [ "${PRECISION_TIMEOUT:-60}" != 0 ] && timeout "${PRECISION_TIMEOUT:-60}" python3 benchmarks/delta_precision.py --out "$out/precision.json" 2>&1 | tail -n 4
+fi
+if [ -n "${PROFILE_OPS:-}" ]; then
+  timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/profile_kernels.py --ops $PROFILE_OPS --T ${PROFILE_T:-8192} --out "$out/profile_kernels.json" 2>&1 | grep -v -i warn | tail -n 40
 fi

@@ -81,3 +81,29 @@ def test_hf_generate_reports_steps_that_do_not_match_the_form(tmp_path, monkeypa
                              "--out", str(out)]) == 1
     (row,) = json.loads(out.read_text())["rows"]
     assert "fused steps" in row["failures"][0]
+
+
+def test_kernel_benchmark_differentiates_each_rows_inputs():
+    """The leaves of a fwd+bwd row (shared by the benchmark and `profile_kernels.py`): g where the op is
+    gated, beta for the delta rules, lam for log-linear attention."""
+    from polyattn.bench import kernels
+
+    q, k, v, g, beta = (torch.zeros(1) for _ in range(5))
+    lam = torch.zeros(1)
+
+    def fn():
+        return None
+
+    fn.extra_leaves = [lam]
+    by_op = {c.op: c for c in kernels.cases()}
+    ids = lambda xs: [id(x) for x in xs]  # noqa: E731
+    assert ids(kernels.leaves(by_op["linear_attn"], lambda: None, q, k, v, g, beta)) == ids([q, k, v])
+    assert ids(kernels.leaves(by_op["deltakata_lorentz"], lambda: None, q, k, v, g, beta)) == ids([q, k, v, g, beta])
+    assert ids(kernels.leaves(by_op["loglinear_mamba2"], fn, q, k, v, g, beta)) == ids([q, k, v, g, lam])
+
+
+def test_profile_kernels_refuses_without_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU build, wherever the test runs
+    with pytest.raises(SystemExit):
+        load("profile_kernels").main(["--ops", "kata_m1"])
+    assert "needs a CUDA GPU" in capsys.readouterr().err

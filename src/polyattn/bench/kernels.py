@@ -179,6 +179,13 @@ def inputs(B, T, D, requires_grad, seed=0):
     return q, k, v, g, beta
 
 
+def leaves(case: Case, fn, q, k, v, g, beta) -> list:
+    """The tensors a fwd+bwd of `case` differentiates: q, k, v, g for the gated ops, beta for the delta
+    rules, and the maker's `extra_leaves` (log-linear lam)."""
+    out = [q, k, v] + ([g] if case.op in GATED else []) + ([beta] if case.op in WITH_BETA else [])
+    return out + getattr(fn, "extra_leaves", [])
+
+
 def measure(case: Case, B: int, T: int, D: int, mode: str, timed: bool = True) -> float | str:
     q, k, v, g, beta = inputs(B, T, D, requires_grad=mode == "fwdbwd")
     bench = try_bench if timed else (lambda fn: fn())
@@ -187,10 +194,9 @@ def measure(case: Case, B: int, T: int, D: int, mode: str, timed: bool = True) -
         if mode == "fwd":
             with torch.no_grad():
                 return bench(fn)
-        leaves = [q, k, v] + ([g] if case.op in GATED else []) + ([beta] if case.op in WITH_BETA else [])
-        leaves += getattr(fn, "extra_leaves", [])
+        grad_leaves = leaves(case, fn, q, k, v, g, beta)
         do = torch.randn_like(fn())
-        return bench(lambda: torch.autograd.grad(fn(), leaves, do))
+        return bench(lambda: torch.autograd.grad(fn(), grad_leaves, do))
     except Exception as exc:  # noqa: BLE001 -- an anchor that cannot run is a table entry
         return error_entry(exc)
     finally:

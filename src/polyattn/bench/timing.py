@@ -14,6 +14,26 @@ def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def kernel_times(step, *, warmup: int = 3, reps: int = 5) -> dict[str, float]:
+    """Mean CUDA milliseconds per call of `step()` of every kernel it launches (torch.profiler), after
+    `warmup` untimed calls (compilation, autotuning)."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / reps / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def print_kernel_times(title: str, rows: dict[str, float], top: int = 8) -> None:
+    """The total and the `top` slowest kernels of `kernel_times`."""
+    print(f"{title}: total {sum(rows.values()):.3f} ms per call")
+    for name, ms in sorted(rows.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {ms:8.3f} ms  {name[:90]}")
+
+
 def error_entry(exc: Exception) -> str:
     """A table entry for a call that raised: type and first line of the message."""
     first = str(exc).splitlines()[0][:120] if str(exc) else ""
