@@ -52,6 +52,8 @@ def kata_triton_first_order(
     kernels"). Returns `(o [B, T, H, V] in q's dtype, KataState fp32 or None)`."""
     from polyattn.ops.linear.triton import linear_attn_triton
 
+    if feature == "psd":
+        raise ValueError("kata_triton_first_order: expected a first-order feature ('orthant', 'lorentz'); psd runs on kata_triton_parallel")
     return lifted_linear_attn(
         linear_attn_triton, q, k, v, g, fmap=make_feature_map(feature, q.shape[-1], groups, combine),
         normalize=normalize, eps=eps, scale=scale, dtype=torch.float32, initial_state=initial_state,
