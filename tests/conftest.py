@@ -9,3 +9,21 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # one intra-op thread per xdist worker: the workers already fill the cores
     torch.set_num_threads(1)
+
+
+# A CUDA error that poisons the context (an illegal address, a device-side assert) makes every later
+# test of the same process fail too. Under xdist the worker leaves after reporting such a failure, and
+# xdist starts a fresh one for the remaining tests, so one faulting kernel fails only its own tests
+# (reported twice: as the failure and as the worker's crash).
+_POISONED = ("illegal memory access", "device-side assert", "unspecified launch failure", "an illegal instruction")
+_poisoned = []
+
+
+def pytest_runtest_makereport(item, call):
+    if call.excinfo is not None and any(text in str(call.excinfo.value) for text in _POISONED):
+        _poisoned.append(item.nodeid)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if _poisoned and os.environ.get("PYTEST_XDIST_WORKER"):
+        os._exit(3)  # after the report went out: xdist restarts the worker
