@@ -73,10 +73,14 @@ def test_minus_inf_is_an_exact_reset(name, impl, r):
     assert_close_rel(o[:, :r], case.call({n: t[:, :r] for n, t in x.items()}, impl)[0], 1e-10, "before the reset")
 
 
-def test_validation_accepts_minus_inf_and_rejects_nan():
+def test_validation_accepts_minus_inf_and_nan_and_rejects_positive():
+    """-inf is a reset, NaN non-finite input (test_nonfinite_causality.py); g > 0 is refused."""
     x = case_inputs(T=8)
     x["g"][:, 3] = float("-inf")
     BY_NAME["linear"].call(x, "chunk")
     x["g"][:, 3] = float("nan")
-    with pytest.raises(ValueError, match=r"g: expected a log-decay g <= 0 .*NaN"):
+    o, _ = BY_NAME["linear"].call(x, "chunk")
+    assert bool(torch.isfinite(o[:, :3]).all()) and not bool(torch.isfinite(o[:, 3:]).all())
+    x["g"][:, 4] = 0.5
+    with pytest.raises(ValueError, match=r"g: expected a log-decay g <= 0 .*got a value > 0 \(max 0\.5\)"):
         BY_NAME["linear"].call(x, "chunk")

@@ -32,7 +32,7 @@ BAD = {
     "int-dtype": (lambda x: {**x, "q": x["q"].long(), "k": x["k"].long(), "v": x["v"].long()}, r"expected a floating dtype"),
     "device-mix": (lambda x: {**x, "k": x["k"].to("meta")}, r"k: expected device cpu"),
     "g-positive": (lambda x: {**x, "g": x["g"].abs() + 0.1}, r"g: expected a log-decay g <= 0"),
-    "g-nan": (lambda x: {**x, "g": x["g"].masked_fill(x["g"] < -0.5, float("nan"))}, r"g: expected a log-decay g <= 0 .* or NaN"),
+    "g-positive-beside-nan": (lambda x: {**x, "g": torch.where(x["g"] < -0.5, float("nan"), 0.1)}, r"g: expected a log-decay g <= 0"),
     "g-shape": (lambda x: {**x, "g": x["g"][..., None]}, r"g: expected shape \[B, T, H\]"),
     "state-shape": (lambda x: {**x, "initial_state": torch.zeros(1, 2, 3, 4)}, r"initial_state: expected shape \[1, 2, 4, 3\]"),
     "cu-with-B2": (

@@ -11,11 +11,14 @@ import torch
 from op_cases import BY_NAME, FORM_IDS, FORM_PARAMS, case_inputs
 
 PLANTS = [(field, value, p) for field in ("q", "k", "v", "beta", "lam") for value in ("nan", "inf") for p in (64, 100)]
+PLANTS += [("g", "nan", p) for p in (64, 100)]  # -inf in g is a reset (test_extreme_decay.py), NaN is non-finite input
 
 
 def uses(name, field):
     if field == "beta":
         return name.startswith(("delta", "loglinear-gdn", "deltakata"))
+    if field == "g":
+        return True  # every case that has a g
     return field != "lam" or name.startswith("loglinear")
 
 
@@ -26,11 +29,11 @@ def test_future_nonfinite_leaves_earlier_outputs_bit_identical(name, impl):
     o_clean, _ = case.call(clean, impl)
     assert bool(torch.isfinite(o_clean).all())
     for field, value, p in PLANTS:
-        if not uses(name, field):
+        if not uses(name, field) or clean.get(field) is None:
             continue
         x = {n: t.clone() for n, t in clean.items()}
         x[field][:, p, 0] = float(value)  # head 0
         o, _ = case.call(x, impl)
         assert torch.equal(o[:, :p], o_clean[:, :p]), f"{field}={value} at {p} changed an earlier output"
-        if field in ("k", "v"):
+        if field in ("k", "v", "g"):
             assert not bool(torch.isfinite(o[:, p:, 0]).all()), f"{field}={value} at {p} never reached an output"

@@ -55,7 +55,7 @@ INPUT_ERRORS = {  # (change of the inputs, or None; keyword arguments; message)
     "k-device": (_with("k", lambda k: k.to("meta")), {}, r"k: expected device cpu"),
     "v-length": (_with("v", lambda v: v[:, :5]), {}, r"v: expected shape \[B, T, H, V\]"),
     "g-positive": (_with("g", lambda g: g.abs() + 0.1), {}, r"g: expected a log-decay g <= 0"),
-    "g-nan": (_with("g", lambda g: g.masked_fill(g < -0.05, float("nan"))), {}, r"g: expected a log-decay g <= 0 .* or NaN"),
+    "g-positive-beside-nan": (_with("g", lambda g: torch.where(g < -0.05, float("nan"), 0.1)), {}, r"g: expected a log-decay g <= 0 .*got a value > 0 \(max 0\.1\)"),
     "g-shape": (_with("g", lambda g: g[..., None]), {}, r"g: expected shape \[B, T, H\]"),
     "g-device": (_with("g", lambda g: g.to("meta")), {}, r"g: expected device cpu"),
     "cu-list": (None, dict(cu_seqlens=[0, 6]), r"cu_seqlens: expected an int64 tensor"),

@@ -7,11 +7,12 @@ prefill with ``use_cache=True`` followed by one-token calls that pass the state 
 packed documents and ``forward(x, attention_mask=...)`` padded rows, each exactly as alone
 (`polyattn.layers.common`).
 
-Non-finite input: a NaN or Inf in a token never changes an earlier output of a mixer without a learned
-decay (softmax included: `layers.softmax.causal_attention`), in one sequence, across packed documents
-and after a cache. A mixer that computes its log-decay from the input (mamba2, gdn, the HLA mixers, the
-log-linear mixers) gets a NaN decay there, which the op's value check rejects (``ValueError`` on CPU; an
-asynchronous device assert on CUDA, `polyattn.ops.common.set_value_checks`).
+Non-finite input: a NaN or Inf in a token never changes an earlier output of a mixer (softmax included:
+`layers.softmax.causal_attention`), in one sequence, across packed documents and after a cache, on the
+PyTorch forms. A mixer that computes its log-decay from the input (mamba2, gdn, the HLA mixers, the
+log-linear mixers) gets a NaN decay there, which the ops take as non-finite input like one in q, k or v.
+The Triton forms of the delta rule and HLA let a non-finite token reach the earlier outputs of its chunk
+(ops/README.md, "Guarantees of the Triton forms").
 """
 
 import torch

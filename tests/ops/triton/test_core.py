@@ -22,6 +22,7 @@ from polyattn.ops.linear.triton import linear_attn_triton
 from polyattn.ops.triton.decay import (
     chunk_decay, chunk_decay_ref, chunk_segsum, chunk_segsum_ref, chunk_suffix, chunk_suffix_ref,
 )
+from polyattn.ops.triton.plan import KernelConfig, get_config, use_config
 from polyattn.testing import rel_err, seeded_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,3 +111,50 @@ def test_triton_forms_empty_calls(op, shape):
     o, ht = fast(*args, scale=0.3, initial_state=h0, output_final_state=True)
     assert o.shape == (B, T, H, V) and ht.shape == (B, H, K, V)
     assert torch.equal(ht, h0)
+
+
+def _triton_call(op, x):
+    """One Triton form on `x` (fp32) with its op's default options."""
+    from polyattn import ops
+
+    q, k, v, g, beta, lam = (x[n] for n in ("q", "k", "v", "g", "beta", "lam"))
+    unit_k = torch.nn.functional.normalize(k, dim=-1)
+    calls = {
+        "linear_attn": lambda: ops.linear_attn(q, k, v, g, impl="triton"),
+        "delta_rule": lambda: ops.delta_rule(q, unit_k, v, beta, g, impl="triton"),
+        "hla2": lambda: ops.hla(q, k, v, g, impl="triton"),
+        "loglinear_mamba2": lambda: ops.loglinear_attn(q, k, v, lam, g, impl="triton"),
+        "kata_m2": lambda: ops.kata(q, k, v, g, groups=2, impl="triton"),
+        "kata_lorentz": lambda: ops.kata(q, k, v, g, feature="lorentz", impl="triton"),
+        "deltakata_lorentz": lambda: ops.kata(q, k, v, g, feature="lorentz", beta=beta, normalize=False, impl="triton"),
+    }
+    return calls[op]()[0]
+
+
+# ops whose Triton form keeps a NaN gate out of every earlier output; the others (the delta rule's
+# solve and HLA's composed calls multiply masked zeros by the NaN rows of a chunk) out of every output
+# before the NaN's chunk, as for a NaN in k or v (ops/README.md, "Guarantees of the Triton forms")
+NAN_GATE_CAUSAL = ("linear_attn", "loglinear_mamba2", "kata_m2", "kata_lorentz")
+
+
+@pytest.mark.parametrize("position", [64, 100], ids=["chunk-start", "inside"])
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla2", "loglinear_mamba2", "kata_m2", "kata_lorentz", "deltakata_lorentz"])
+def test_triton_forms_under_a_nan_gate(op, position):
+    """A NaN log-decay at one token (a NaN activation under a learned gate) is non-finite input: it
+    reaches the outputs from that token on, and leaves every earlier output bit-identical (the ops of
+    NAN_GATE_CAUSAL: their decays are direct sums across the token, and the chunk that holds it takes
+    the exact path) or every output before its chunk (the others)."""
+    from polyattn.ops.common import num_levels
+
+    T, H, K, V = (150, 2, 8, 12) if DEVICE == "cpu" else (1000, 16, 128, 96)
+    x = {n: t.float() for n, t in seeded_inputs(1, T, H, K, V, decay=True, beta=True, seed=5, device=DEVICE).items()}
+    x["lam"] = torch.rand(1, T, H, num_levels(T), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    with use_config(KernelConfig(kata_block_m=32, kata_block_n=16) if DEVICE == "cpu" else get_config()):
+        clean = _triton_call(op, x)
+        x["g"][:, position, 0] = float("nan")  # head 0
+        o = _triton_call(op, x)
+    chunk = get_config().chunk_size
+    kept = position if op in NAN_GATE_CAUSAL else position - position % chunk
+    assert bool(torch.isfinite(clean).all())
+    assert torch.equal(o[:, :kept], clean[:, :kept]), f"a NaN gate at {position} changed an output before {kept}"
+    assert not bool(torch.isfinite(o[:, position:, 0]).all()), "the NaN gate never reached an output"
