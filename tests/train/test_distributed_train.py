@@ -1,5 +1,5 @@
-"""Training on several processes (gloo, CPU, float64): DDP and FSDP2 on 2 and 4 ranks equal one process on
-the concatenated batch, evaluation reduced across ranks equals one process, a sharded training state saved
+"""Training on several processes (gloo, CPU, float64): DDP, FSDP2 and context parallelism on 2 and 4 ranks
+equal one process on the whole batch, evaluation reduced across ranks equals one process, a sharded training state saved
 on 2 ranks loads on 1 and on 4 with identical weights and resumes to the uninterrupted run; the CLI under
 torchrun. Every spawned job runs several checks and is bounded in time."""
 
@@ -55,7 +55,7 @@ def run(config):
 def job_two_ranks(tmp):
     """DDP and FSDP runs; FSDP on compiled blocks; an FSDP run that saves its state at steps 2 and 3; a resume
     from step 2."""
-    out = {"ddp": run(replace(TINY, parallel="ddp")), "fsdp": run(replace(TINY, parallel="fsdp"))}
+    out = {"ddp": run(replace(TINY, parallel="ddp")), "fsdp": run(replace(TINY, parallel="fsdp")), "cp": run(replace(TINY, parallel="cp"))}
     out["compiled"] = run(replace(COMPILED, parallel="fsdp"))
     saving = replace(TINY, parallel="fsdp", out_dir=os.path.join(tmp, "saved"), save_every=2)
     out["saving"] = run(saving)
@@ -69,6 +69,7 @@ def job_four_ranks(tmp):
     state = os.path.join(tmp, "saved", "train_state")
     return {
         "ddp": run(replace(TINY, parallel="ddp")),
+        "cp": run(replace(TINY, parallel="cp")),
         "loaded": run(replace(TINY, parallel="fsdp", resume=os.path.join(state, "step-3"))),
         "resumed": run(replace(TINY, parallel="fsdp", resume=os.path.join(state, "step-2"))),
     }
@@ -126,7 +127,7 @@ def test_ranks_train_as_one_process_and_sharded_states_load_on_other_world_sizes
     assert not torch.equal(unclipped["embed.weight"], one[2]["embed.weight"]), "the gradients are clipped"
 
     two = spawn("two", 2, tmp_path)
-    for name in ("ddp", "fsdp", "saving", "resumed"):
+    for name in ("ddp", "fsdp", "cp", "saving", "resumed"):
         assert_same_run(two[name], one, f"2 ranks {name}")
     assert_same_run(two["compiled"], run(replace(COMPILED, compile=None)), "2 ranks fsdp, compiled blocks")
 
@@ -142,7 +143,7 @@ def test_ranks_train_as_one_process_and_sharded_states_load_on_other_world_sizes
     four = spawn("four", 4, tmp_path)
     for key, w in two["saving"][2].items():
         assert torch.equal(four["loaded"][2][key], w), f"2 -> 4: {key}"
-    for name in ("ddp", "loaded", "resumed"):
+    for name in ("ddp", "cp", "loaded", "resumed"):
         assert_same_run(four[name], one, f"4 ranks {name}")
 
 
@@ -175,8 +176,10 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR"
         (dict(save_every=2), {}, "expected an out_dir"),
         (dict(compile="nope"), {}, "compile: expected a torch.compile backend"),
         (dict(resume="/nonexistent"), {}, "resume: expected a training state"),
+        (dict(parallel="cp"), TORCHRUN_ENV, r"under parallel='cp' each length is split evenly over the 3 ranks, got lengths \[32\]"),
+        (dict(parallel="cp", mixer="softmax", mixer_config={}), TORCHRUN_ENV, "needs a mixer with a chunk summary"),
     ],
-    ids=["no-torchrun", "batch-split", "unknown", "save-without-out", "backend", "resume-missing"],
+    ids=["no-torchrun", "batch-split", "unknown", "save-without-out", "backend", "resume-missing", "cp-length-split", "cp-softmax"],
 )
 def test_bad_parallel_options_raise_value_error_before_any_work(options, env, match, monkeypatch):
     for name in TORCHRUN_ENV:

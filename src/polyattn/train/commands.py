@@ -84,7 +84,8 @@ def add_train_arguments(parser):
     parser.add_argument("--no-checkpoint", action="store_true")
     parser.add_argument("--out", default=None, help="directory for results.json, PNGs and the checkpoint")
     parser.add_argument("--parallel", default=d.parallel, choices=PARALLEL,
-                        help="none: one process; ddp or fsdp (FSDP2, fully_shard per block): one rank of a torchrun launch")
+                        help="none: one process; ddp or fsdp (FSDP2, fully_shard per block): one rank of a torchrun launch, "
+                             "its rows of each batch; cp (context parallelism): one rank, its 1/N of every sequence")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                         help="torch.compile every block (backend: inductor unless named)")
 

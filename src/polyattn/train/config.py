@@ -45,7 +45,8 @@ class TrainConfig:
     fresh samples, so this tracks held-out accuracy at no extra cost).
 
     ``parallel``: ``"none"`` (one process), ``"ddp"`` or ``"fsdp"`` (one rank of a ``torchrun`` launch; each rank
-    trains on ``batch_size / world_size`` rows of the same global batch). ``compile``: a ``torch.compile``
+    trains on ``batch_size / world_size`` rows of the same global batch), ``"cp"`` (context parallelism: each
+    rank trains on every row's contiguous ``1 / world_size`` of the positions, the mixers exchanging shard summaries). ``compile``: a ``torch.compile``
     backend applied to every block (``"inductor"``), or None. ``save_every``: write the sharded training state
     (model, optimizer, schedule, data order) to ``out_dir/train_state/step-N`` every N steps and at the end;
     ``resume``: continue from such a state (a ``step-N`` folder, or an output folder: its latest), written by

@@ -1,11 +1,17 @@
-"""Training on several processes (``torchrun``): the process group, DDP or FSDP2, each rank's rows of the
-global batch, sums across ranks, and sharded training states through ``torch.distributed.checkpoint``.
+"""Training on several processes (``torchrun``): the process group, DDP, FSDP2 or context parallelism, each
+rank's share of the global batch, sums across ranks, and sharded training states through
+``torch.distributed.checkpoint``.
 
 A run with ``parallel="none"`` is one process and uses none of the collectives. Under ``torchrun`` every rank
 draws the same global batch from the same seeded generator and keeps its contiguous slice of rows, so N ranks
 of ``batch_size / N`` sequences see exactly the batch one process sees. The loss of a rank is the sum over its
 scored tokens divided by the global count of scored tokens (known on every rank from the global batch) and
 multiplied by N; DDP and FSDP2 average gradients over the N ranks, so the update equals the single-process one.
+Context parallelism (``parallel="cp"``) gives every rank all rows of the batch and its contiguous 1/N of every
+sequence instead: the mixers exchange their shard summaries (`polyattn.distributed.enable_context_parallel`,
+on a process group of their own beside DDP's), so each rank's forward is its part of the whole sequences'
+and its backward sends the other ranks their gradients; the same loss scaling and DDP's average then give the
+single-process update. Evaluation runs the whole sequences, rows split across the ranks, exchange off.
 
 A training state (model, optimizer, schedule, data generator, history) is a DCP folder: each rank writes its
 own shards, and a later run on any number of processes (one included, without a process group) reads them
@@ -22,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-PARALLEL = ("none", "ddp", "fsdp")
+PARALLEL = ("none", "ddp", "fsdp", "cp")
 TRAIN_STATE_DIR = "train_state"
 STEP_DIR = re.compile(r"step-(\d+)")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -44,6 +50,14 @@ class Ranks:
         """This rank's contiguous share of ``n`` rows (``n`` a multiple of the world size)."""
         size = n // self.world_size
         return slice(self.rank * size, (self.rank + 1) * size)
+
+    def share(self, batch, parallel):
+        """The part of a global batch ``[n, T]`` this rank trains on: its rows (DDP, FSDP), or every row and
+        its contiguous 1/N of the positions (CP; ``T`` a multiple of the world size)."""
+        if parallel == "cp":
+            size = batch.shape[1] // self.world_size
+            return batch[:, self.rank * size : (self.rank + 1) * size]
+        return batch[self.rows(batch.shape[0])]
 
     def sum(self, tensor):
         """``tensor`` summed over the ranks (in place on its device; unchanged for a single process)."""
@@ -70,7 +84,15 @@ def check_parallel(config, device):
     if device.type == "cuda" and int(os.environ.get("LOCAL_RANK", 0)) >= torch.cuda.device_count():
         raise ValueError(f"LOCAL_RANK {os.environ['LOCAL_RANK']}: this node has {torch.cuda.device_count()} GPUs (--nproc-per-node at most that)")
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
-    if config.batch_size % world:
+    if config.parallel == "cp":
+        from polyattn.layers import MIXERS
+
+        if not MIXERS[config.mixer].supports_context_parallel:
+            raise ValueError(f"parallel: 'cp' needs a mixer with a chunk summary to exchange, got mixer={config.mixer!r}")
+        lengths = sorted({seg.seq_len for seg in config.train_segments if seg.seq_len % world})
+        if lengths:
+            raise ValueError(f"train_segments: under parallel='cp' each length is split evenly over the {world} ranks, got lengths {lengths}")
+    elif config.batch_size % world:
         raise ValueError(f"batch_size: expected a multiple of the world size {world} (each rank takes an equal share), got {config.batch_size}")
 
 
@@ -102,7 +124,11 @@ def parallelize(objective, config, device, ranks):
     if config.compile:
         for block in objective.lm.blocks:
             block.compile(backend=config.compile)
-    if config.parallel == "ddp":
+    if config.parallel == "cp":
+        from polyattn.distributed import enable_context_parallel
+
+        enable_context_parallel(objective.lm, dist.new_group(list(range(ranks.world_size))))
+    if config.parallel in ("ddp", "cp"):
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None)

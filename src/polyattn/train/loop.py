@@ -256,8 +256,7 @@ def train_on(config, device, ranks, quiet, label):
         data = train_data[int(torch.multinomial(weights, 1, generator=gen))]
         idx = torch.randint(len(data), (config.batch_size,), generator=gen)  # the global batch, the same on every rank
         scored = int((data.labels[idx] != IGNORE_INDEX).sum())  # scored tokens in the global batch
-        idx = idx[ranks.rows(config.batch_size)]  # this rank's rows
-        inputs, labels = data.inputs[idx].to(device), data.labels[idx].to(device)
+        inputs, labels = (ranks.share(x[idx], config.parallel).to(device) for x in (data.inputs, data.labels))  # this rank's part
         with autocast(device, config.bf16):
             losses, hits, _ = objective(inputs, labels)
         loss = losses.sum() * (ranks.world_size / max(scored, 1))  # ranks average gradients: the global mean's
@@ -285,6 +284,10 @@ def train_on(config, device, ranks, quiet, label):
         if stop:
             break
     bar.close()
+    if config.parallel == "cp":
+        from polyattn.distributed import enable_context_parallel
+
+        enable_context_parallel(model, False)  # evaluation (and the returned model) on whole sequences
     results = {
         "config": asdict(config),
         "mixer": config.mixer,
