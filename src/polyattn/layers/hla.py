@@ -21,7 +21,8 @@ Measured on ``polyattn demo``'s MQAR (450 steps, length-64 accuracy, single runs
 HLA2 canonical 0.06, no decay 0.07 (q/k norm off), inner decay only 0.63 (0.90 with ``A ~ U(0, 8)``);
 AHLA canonical 0.24 (0.80 at lr 3e-2), inner decay only 0.93; HLA3 does not learn in that budget
 whichever placement: canonical 0.24 (0.23 at lr 3e-2; with ``A ~ U(0, 16/3)`` 0.24, and 0.34 or 0.54 in
-two runs at lr 3e-2), no decay 0.27 (0.65 at lr 3e-2), inner decay only 0.12 (0.34). Before finding this, HLA2 stayed at
+two runs at lr 3e-2), no decay 0.27 (0.65 at lr 3e-2), inner decay only 0.12 (0.34), the normalized form
+(inner decay) 0.12 with elu+1 and 0.14 with relu features (length 64, 8 pairs). Before finding this, HLA2 stayed at
 chance with lr 3e-2, q/k RMSNorm, relu or elu+1 features, the normalized form, 8 heads, ``scale=1``,
 q = k at init, and 1500 steps. The decode state is the calls' states either way.
 
