@@ -51,13 +51,14 @@ class Ranks:
         size = n // self.world_size
         return slice(self.rank * size, (self.rank + 1) * size)
 
-    def share(self, batch, parallel):
-        """The part of a global batch ``[n, T]`` this rank trains on: its rows (DDP, FSDP), or every row and
-        its contiguous 1/N of the positions (CP; ``T`` a multiple of the world size)."""
+    def share(self, x, idx, parallel):
+        """This rank's part of the global batch ``x[idx]`` (``x: [N, T]``, ``idx: [n]`` rows), gathering only
+        that part: its rows (DDP, FSDP), or every row's contiguous 1/N of the positions (CP; ``T`` a multiple
+        of the world size)."""
         if parallel == "cp":
-            size = batch.shape[1] // self.world_size
-            return batch[:, self.rank * size : (self.rank + 1) * size]
-        return batch[self.rows(batch.shape[0])]
+            size = x.shape[1] // self.world_size
+            return x[:, self.rank * size : (self.rank + 1) * size][idx]
+        return x[idx[self.rows(len(idx))]]
 
     def sum(self, tensor):
         """``tensor`` summed over the ranks (in place on its device; unchanged for a single process)."""
@@ -127,7 +128,7 @@ def parallelize(objective, config, device, ranks):
     if config.parallel == "cp":
         from polyattn.distributed import enable_context_parallel
 
-        enable_context_parallel(objective.lm, dist.new_group(list(range(ranks.world_size))))
+        enable_context_parallel(objective.lm, dist.new_group())  # every rank, a communicator apart from DDP's
     if config.parallel in ("ddp", "cp"):
         from torch.nn.parallel import DistributedDataParallel
 

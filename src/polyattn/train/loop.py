@@ -256,7 +256,7 @@ def train_on(config, device, ranks, quiet, label):
         data = train_data[int(torch.multinomial(weights, 1, generator=gen))]
         idx = torch.randint(len(data), (config.batch_size,), generator=gen)  # the global batch, the same on every rank
         scored = int((data.labels[idx] != IGNORE_INDEX).sum())  # scored tokens in the global batch
-        inputs, labels = (ranks.share(x[idx], config.parallel).to(device) for x in (data.inputs, data.labels))  # this rank's part
+        inputs, labels = (ranks.share(x, idx, config.parallel).to(device) for x in (data.inputs, data.labels))  # this rank's part
         with autocast(device, config.bf16):
             losses, hits, _ = objective(inputs, labels)
         loss = losses.sum() * (ranks.world_size / max(scored, 1))  # ranks average gradients: the global mean's
