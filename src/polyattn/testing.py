@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -23,6 +25,18 @@ def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rtol: float, 
     assert bool(torch.isfinite(actual).all()), f"{label}non-finite values"
     err = rel_err(actual, expected)
     assert err <= rtol, f"{label}relative error {err:.3e} > {rtol:.1e}"
+
+
+def assert_decay_weights_close(got: torch.Tensor, want: torch.Tensor, name: str = "") -> None:
+    """A kernel's log2-decays `got` against direct sums `want` of the same (reset-limited) log-decays,
+    compared as the fp32 weights `exp2(.)` the kernels use: equal where either is 0 (a weight across
+    a reset), else within 8 fp32 ulps of the largest |want|, the rounding of a difference of two
+    in-chunk cumsums."""
+    w_got, w_want = torch.exp2(got.float()).cpu(), torch.exp2(want.float()).cpu()
+    finite = torch.isfinite(want.cpu())
+    tol = 8 * torch.finfo(torch.float32).eps * max(1.0, float(want.cpu()[finite].abs().max())) * math.log(2)
+    bad = ~((w_got - w_want).abs() <= w_want * tol + torch.finfo(torch.float32).tiny)
+    assert not bool(bad.any()), f"{name}: {int(bad.sum())} weights beyond {tol:.1e} relative, e.g. {w_got[bad][:3].tolist()} vs {w_want[bad][:3].tolist()}"
 
 
 def seeded_inputs(B, T, H, K, V, *, dtype=torch.float64, decay=True, beta=False, seed=0, device="cpu") -> dict:

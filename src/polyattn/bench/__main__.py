@@ -14,6 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impls", nargs="+", default=None, help="kernels: time only these impls (e.g. polyattn-triton)")
     parser.add_argument("--ops", nargs="+", default=None, help="kernels: time only these ops (e.g. kata_m1 softmax)")
     parser.add_argument("--skip", nargs="+", default=[], help="kernels: skip IMPL:D pairs (e.g. sdpa-flash:128)")
+    parser.add_argument("--modes", nargs="+", choices=["fwd", "fwdbwd"], default=["fwd", "fwdbwd"],
+                        help="kernels: time these modes (fwd, fwdbwd)")
     parser.add_argument("--compile-only", action="store_true", help="kernels: run our kernels once to compile them, no timing")
 
 
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         if args.compile_only:
             kernels.compile_only(dims=tuple(args.dims), t_grid=t_grid, ops=args.ops)
         else:
-            kernels.run(args.out, dims=tuple(args.dims), t_grid=t_grid, impls=args.impls, ops=args.ops, skip=skip)
+            kernels.run(args.out, dims=tuple(args.dims), t_grid=t_grid, modes=tuple(args.modes), impls=args.impls,
+                        ops=args.ops, skip=skip)
     else:
         from polyattn.bench import decode
 

@@ -1,9 +1,9 @@
 """The shared kernel core against its PyTorch twins, and the Triton forms under extreme gates.
 
 Decay stages run inside a small test kernel on the same chunk of log-decays as their twins,
-including a huge finite log-decay and a reset (`g = -inf`). The Triton forms of `linear_attn`, `delta_rule` and HLA
-(orders 2 and 3; fp32) then match the float64 spec (within 1e-5, or twice the PyTorch chunk form's
-error) when one token's log-decay is -1e4, -1e30, two adjacent `finfo(float32).min`, or -inf, at a
+including a huge finite log-decay, a reset (`g = -inf`) and a NaN. The Triton forms of `linear_attn`, `delta_rule`
+and HLA (orders 2 and 3; fp32, and bf16 with CUDA) then match the float64 spec (within 1e-5 or bf16's
+rounding, or twice the PyTorch chunk form's error in the same dtype) when one token's log-decay is -1e4, -1e30, two adjacent `finfo(float32).min`, or -inf, at a
 chunk's first token and inside a chunk; with CUDA at real shapes.
 """
 from __future__ import annotations
@@ -23,7 +23,9 @@ from polyattn.ops.triton.decay import (
     chunk_decay, chunk_decay_ref, chunk_segsum, chunk_segsum_ref, chunk_suffix, chunk_suffix_ref,
 )
 from polyattn.ops.triton.plan import KernelConfig, get_config, use_config
-from polyattn.testing import rel_err, seeded_inputs
+from polyattn.testing import (
+    LOW_PRECISION_CEILING, LOW_PRECISION_FLOOR, assert_decay_weights_close, dtype_id, rel_err, seeded_inputs,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 C = 16
@@ -40,25 +42,37 @@ def decay_stages_kernel(g, gc, gs, last, d_causal, d_anti, C: tl.constexpr, EXAC
     tl.store(d_anti + o[:, None] * C + o[None, :], chunk_segsum(b_g, b_gc, b_last, True, EXACT))
 
 
-@pytest.mark.parametrize("exact", [True, False], ids=["exact", "fast-unless-extreme"])
-@pytest.mark.parametrize("plant", [None, -1e30, float("-inf")], ids=["plain", "huge", "reset"])
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "differences"])
+@pytest.mark.parametrize("plant", [None, -1e30, float("-inf"), float("nan")], ids=["plain", "huge", "reset", "nan"])
 def test_decay_stages_match_twins(plant, exact):
-    """Both paths of the stages (EXACT, as for fp32 inputs; and the bf16 one, which takes differences in an
-    ordinary chunk and direct sums in one with a huge log-decay or a reset) against the direct-sum twins."""
+    """Both paths of the stages (EXACT direct sums, as for fp32 inputs; differences of the cumsum, as for
+    bf16/fp16) against the direct-sum twins of the reset-limited log-decays: as log2-decays on the
+    exact path, as the fp32 weights on both (a huge log-decay or a reset: every weight across it 0, the
+    others as without it). A NaN at row p leaves the causal sums of the rows before p as they were
+    (the differences spread it over the rest of the chunk, which only later rows and the gradient
+    passes read)."""
     g = -0.3 * torch.rand(C, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    p = 5
     if plant is not None:
-        g[5] = plant
+        g[p] = plant
     g = g.float().to(DEVICE)
     out = [torch.empty(C, device=DEVICE), torch.empty(C, device=DEVICE), torch.empty(1, device=DEVICE),
            torch.empty(C, C, device=DEVICE), torch.empty(C, C, device=DEVICE)]
     decay_stages_kernel[(1,)](g, *out, C=C, EXACT=exact)
     _, gc_ref, last_ref = chunk_decay_ref(g)
     refs = [gc_ref, chunk_suffix_ref(g), last_ref.reshape(1), chunk_segsum_ref(g, False), chunk_segsum_ref(g, True)]
-    for name, got, want in zip(("gc", "suffix", "last", "segsum", "segsum reverse"), out, refs):
-        same_inf = torch.equal(torch.isinf(got), torch.isinf(want))
-        finite = torch.isfinite(want)
-        assert same_inf, f"{name}: infinities differ"
-        assert torch.allclose(got[finite], want[finite].to(got.dtype), rtol=1e-6, atol=1e-6), f"{name} differs"
+    names = ("gc", "suffix", "last", "segsum", "segsum reverse")
+    if plant is not None and plant != plant:  # NaN: the causal sums of the rows before p, NaN from p on
+        assert bool(torch.isnan(out[0][p:]).all()), "gc: the NaN is lost"
+        refs, out, names = [refs[0][:p], refs[3][:p]], [out[0][:p], out[3][:p]], ("gc", "segsum")
+    for name, got, want in zip(names, out, refs):
+        want = want.to(got.device)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), f"{name}: infinities differ"
+        if exact:
+            finite = torch.isfinite(want)
+            assert torch.allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6), f"{name} differs"
+        if name != "gc":
+            assert_decay_weights_close(got, want, name)
 
 
 RESETS = {"-1e4": [-1e4], "-1e30": [-1e30], "finfo.min x2": [torch.finfo(torch.float32).min] * 2, "-inf": [float("-inf")]}
@@ -67,9 +81,18 @@ RESETS = {"-1e4": [-1e4], "-1e30": [-1e30], "finfo.min x2": [torch.finfo(torch.f
 @pytest.mark.parametrize("position", [64, 100], ids=["chunk-start", "inside"])
 @pytest.mark.parametrize("reset", list(RESETS), ids=list(RESETS))
 @pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla2", "hla3"])
-def test_triton_forms_exact_under_extreme_gates(op, reset, position):
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []), ids=dtype_id)
+def test_triton_forms_exact_under_extreme_gates(dtype, op, reset, position, request):
+    """fp32 (exact in-chunk sums) and, on the GPU, bf16 (the tensor-core branch, whose decays are
+    differences of the reset-limited cumsum; the interpreter runs every dtype on the fp32 path)."""
+    if op == "hla3" and dtype == torch.bfloat16:  # measured on the H200 with and without a reset alike
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "HLA3 in bf16: the third call's final state has 5.2e-3 relative error against bf16's 3.9e-3, "
+            "its inputs being the inner calls' outputs rounded to bf16 (ops/hla/README.md, 'Precision')")))
     T, H, K, V = (150, 2, 8, 12) if DEVICE == "cpu" else (1000, 16, 128, 96)  # with CUDA: real shapes
     x = seeded_inputs(1, T, H, K, V, decay=True, beta=True, seed=3, device=DEVICE)
+    for name in ("q", "k", "v", "beta"):
+        x[name] = x[name].to(dtype).double()  # the values a `dtype` call sees
     for i, value in enumerate(RESETS[reset]):
         x["g"][:, position + i] = value
     h0 = torch.randn(1, H, K, V, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(DEVICE)
@@ -84,7 +107,8 @@ def test_triton_forms_exact_under_extreme_gates(op, reset, position):
         kw["order"] = int(op[-1])
     naive, chunk, fast = forms
     want = naive(*args, initial_state=h0, **kw)
-    args, h0 = tuple(t.float() for t in args), None if h0 is None else h0.float()
+    h0 = None if h0 is None else h0.float()
+    args = (*(t.to(dtype) for t in args[:-1]), args[-1].float())  # g (last) in fp32
     base, got = chunk(*args, initial_state=h0, **kw), fast(*args, initial_state=h0, **kw)
 
     def fields(out):
@@ -92,7 +116,8 @@ def test_triton_forms_exact_under_extreme_gates(op, reset, position):
 
     for i, (a, b, w) in enumerate(zip(fields(got), fields(base), fields(want))):
         name = "o" if i == 0 else f"final state {i - 1}"
-        bound = max(1e-5, 2 * rel_err(b, w))  # fp32: 2x the PyTorch chunk form's error, or 1e-5
+        floor = LOW_PRECISION_CEILING[torch.float32] if dtype == torch.float32 else LOW_PRECISION_FLOOR[dtype]
+        bound = max(floor, 2 * rel_err(b, w))  # 2x the PyTorch chunk form's error in the same dtype, or 1e-5 / bf16's rounding
         assert bool(torch.isfinite(a).all()), f"{name}: non-finite"
         assert rel_err(a, w) <= bound, f"{name}: {rel_err(a, w):.2e} > {bound:.2e}"
 

@@ -1,10 +1,15 @@
 """Chunk-local decay stages: the log2-decay prefix and suffix sums of one chunk and its [C, C] segment sums.
 
 `chunk_decay`, `chunk_suffix` and `chunk_segsum` run inside every chunked kernel; the `*_ref`
-functions are their PyTorch twins. A chunk holding a huge log-decay or a reset (`g = -inf`) gets
-every decay as a direct sum of the log-decays it spans, so the rest stays exact; an ordinary chunk
-(total log2-decay above FAST_LIMIT) takes the cheaper differences of its in-chunk cumsum.
-The weight from key j to query i >= j is exp(g_{j+1} + ... + g_i).
+functions are their PyTorch twins. The weight from key j to query i >= j is exp(g_{j+1} + ... + g_i).
+
+Every log-decay below RESET_LIMIT is raised to it first: any weight that spans such a token is
+below exp(-110), which is 0 in fp32 either way, so the outputs do not change, and a reset
+(`g = -inf`) or a huge finite log-decay no longer reaches the sums as `inf - inf` or as a
+cancellation of 1e30-sized terms. Then bf16/fp16 calls take every decay as a difference of the
+chunk's cumsum (its rounding, ~|Gc| fp32 ulps with |Gc| at most C * 159 in log2, stays under the
+inputs' rounding); fp32 calls (EXACT) sum directly. No branch on the data: the same code for
+every chunk (ops/linear/README.md, "Triton kernels").
 """
 import torch
 import triton
@@ -12,20 +17,29 @@ import triton.language as tl
 
 from .precision import LOG2E
 
+RESET_LIMIT = tl.constexpr(-110.0)  # log-decays below it are raised to it: exp(-110) rounds to 0 in fp32
+
+
+@triton.jit
+def reset_limited(b_g):
+    """Log-decays raised to RESET_LIMIT: still a reset in fp32, and NaN stays NaN."""
+    return tl.where(b_g < RESET_LIMIT, RESET_LIMIT, b_g)
+
 
 @triton.jit
 def chunk_decay(g, t, m_t, H, i_h, USE_G: tl.constexpr):
-    """The chunk's `g` over rows `t` (0 past the end), its inclusive cumsum `Gc` prescaled by
-    log2(e) (after the sum: one rounding) and the last entry of `Gc`, the chunk's log2-decay."""
+    """The chunk's `g` over rows `t` (0 past the end, raised to RESET_LIMIT), its inclusive cumsum
+    `Gc` prescaled by log2(e) (after the sum: one rounding) and the last entry of `Gc`, the chunk's
+    log2-decay."""
     if USE_G:
         b_g = tl.load(g + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+        b_g = reset_limited(b_g)  # [C]
         b_gc = tl.cumsum(b_g, axis=0) * LOG2E  # [C]
         return b_g, b_gc, tl.sum(b_g, axis=0) * LOG2E
     b_zero = tl.zeros([t.shape[0]], dtype=tl.float32)
     return b_zero, b_zero, tl.sum(b_zero, axis=0)
 
 
-FAST_LIMIT = tl.constexpr(-64.0)  # log2: chunks decaying by less than 2^-64 take the difference path
 
 
 @triton.jit
@@ -49,25 +63,20 @@ def exact_segsum(b_g, REVERSE: tl.constexpr):
 
 @triton.jit
 def chunk_suffix(b_g, b_gc, b_last, EXACT: tl.constexpr):
-    """[C] log2-decay from each row to the chunk's end, `sum_{s > j} g_s`. A chunk whose total
-    log2-decay is above FAST_LIMIT takes `Gc_last - Gc_j` (its rounding, ~|Gc_last| ulp, is far
-    under bf16's); one that holds a huge log-decay or a reset (`g = -inf`, where the difference
-    is `inf - inf`) and every fp32 call (EXACT) sums directly."""
+    """[C] log2-decay from each row to the chunk's end, `sum_{s > j} g_s`: `Gc_last - Gc_j`, or with
+    EXACT (fp32 calls) the direct sum."""
     if EXACT:
         b_s = exact_suffix(b_g)
-    elif b_last > FAST_LIMIT:
-        b_s = b_last - b_gc
     else:
-        b_s = exact_suffix(b_g)
+        b_s = b_last - b_gc
     return b_s
 
 
 @triton.jit
 def chunk_segsum(b_g, b_gc, b_last, REVERSE: tl.constexpr, EXACT: tl.constexpr):
     """[C, C] log2-decay between rows: causal `sum_{j < s <= i} g_s` (j <= i), anticausal
-    `sum_{i < s <= j} g_s` (j >= i); -inf outside the triangle. The difference `Gc_i - Gc_j`
-    where the chunk's total is above FAST_LIMIT, else (and with EXACT) the masked cumsum of
-    `exact_segsum`: exact next to a huge log-decay, exactly -inf across a reset."""
+    `sum_{i < s <= j} g_s` (j >= i); -inf outside the triangle. The difference `Gc_i - Gc_j`, or
+    with EXACT (fp32 calls) the masked cumsum of `exact_segsum`."""
     o_t = tl.arange(0, b_g.shape[0])
     if REVERSE:
         m_tri = o_t[:, None] <= o_t[None, :]  # [C, C]: j >= i
@@ -75,13 +84,10 @@ def chunk_segsum(b_g, b_gc, b_last, REVERSE: tl.constexpr, EXACT: tl.constexpr):
         m_tri = o_t[:, None] >= o_t[None, :]  # [C, C]: j <= i
     if EXACT:
         b_d = exact_segsum(b_g, REVERSE)
-    elif b_last > FAST_LIMIT:
-        if REVERSE:
-            b_d = b_gc[None, :] - b_gc[:, None]  # [C, C]
-        else:
-            b_d = b_gc[:, None] - b_gc[None, :]  # [C, C]
+    elif REVERSE:
+        b_d = b_gc[None, :] - b_gc[:, None]  # [C, C]
     else:
-        b_d = exact_segsum(b_g, REVERSE)
+        b_d = b_gc[:, None] - b_gc[None, :]  # [C, C]
     return tl.where(m_tri, b_d, float("-inf"))
 
 
@@ -95,23 +101,28 @@ def chunk_side_decays(b_g, b_gc, b_last, REVERSE: tl.constexpr, EXACT: tl.conste
     return b_gc, chunk_suffix(b_g, b_gc, b_last, EXACT)
 
 
+def reset_limit_ref(g: torch.Tensor) -> torch.Tensor:
+    """`g` raised to RESET_LIMIT (NaN kept), as every kernel loads it."""
+    return g.clamp(min=RESET_LIMIT.value)
+
+
 def chunk_decay_ref(g: torch.Tensor) -> tuple:
     """Twin of `chunk_decay` for one chunk `g: [C]`: `(g, Gc * log2 e, Gc[-1] * log2 e)` in fp32."""
-    g = g.float()
+    g = reset_limit_ref(g.float())
     gc = torch.cumsum(g, 0) * LOG2E.value  # [C]
     return g, gc, g.sum() * LOG2E.value
 
 
 def chunk_suffix_ref(g: torch.Tensor) -> torch.Tensor:
     """Twin of `chunk_suffix` for one chunk `g: [C]`: `sum_{s > j} g_s * log2 e`, summed directly."""
-    g = g.double()
+    g = reset_limit_ref(g.double())
     return torch.stack([g[j + 1:].sum() for j in range(g.shape[0])]).float() * LOG2E.value  # [C]
 
 
 def chunk_segsum_ref(g: torch.Tensor, reverse: bool) -> torch.Tensor:
     """Twin of `chunk_segsum` for one chunk `g: [C]`: the [C, C] log2-decay of direct sums, -inf off the triangle."""
     C = g.shape[0]
-    g = g.double()
+    g = reset_limit_ref(g.double())
     d = torch.full((C, C), float("-inf"), dtype=torch.float64, device=g.device)
     for i in range(C):
         for j in range(C):
@@ -123,5 +134,6 @@ def chunk_segsum_ref(g: torch.Tensor, reverse: bool) -> torch.Tensor:
 
 
 __all__ = [
-    "chunk_decay", "chunk_decay_ref", "chunk_segsum", "chunk_segsum_ref", "chunk_side_decays", "chunk_suffix", "chunk_suffix_ref",
+    "RESET_LIMIT", "chunk_decay", "chunk_decay_ref", "chunk_segsum", "chunk_segsum_ref", "chunk_side_decays", "chunk_suffix",
+    "chunk_suffix_ref", "reset_limit_ref", "reset_limited",
 ]

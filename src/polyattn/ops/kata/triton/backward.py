@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.decay import chunk_decay, chunk_suffix
+from polyattn.ops.triton.decay import chunk_decay, chunk_suffix, reset_limited
 from polyattn.ops.triton.precision import mma, to_output
 
 from .forward import sequence_scores
@@ -43,7 +43,7 @@ def kata_dq_kernel(
     and the fp32 gradient `[G·BM, BE]` in registers; per key tile the products `q kᵀ` (groups),
     `do vᵀ` and `dU k` (groups). do: `[N_tok, H, V]`; r, c, qdq: `[N_tok, H]` fp32.
     """
-    i_h, t0, t1, bos, t, m_t, b_q, b_gq, b_hq, q_last = query_tile(q, g, tiles, starts, H, K, E, G, BM, BE, USE_G)
+    i_h, t0, t1, bos, t, m_t, b_q, b_gq, b_hq = query_tile(q, g, tiles, starts, H, K, E, G, BM, BE, USE_G)
     b_do = load_rows(do, t0, t1, H, i_h, V, BM, BV)  # [BM, BV]
     b_r = tl.load(r + t * H + i_h, mask=m_t, other=0.0)  # [BM]
     b_c = tl.load(c + t * H + i_h, mask=m_t, other=0.0)  # [BM]
@@ -51,7 +51,7 @@ def kata_dq_kernel(
     b_pre = tl.sum(tl.zeros([BN], dtype=tl.float32), axis=0)
     for s0 in range(t0, t1, BN):  # diagonal
         b_k, b_v, b_d, mask, k_last = key_tile(
-            k, v, g, s0, t1, t, b_gq, b_hq, q_last, b_pre, H, i_h, K, V, E, G, BN, BE, BV, USE_G, True, F32,
+            k, v, g, s0, t1, t, b_gq, b_hq, b_pre, H, i_h, K, V, E, G, BN, BE, BV, USE_G, True, F32,
         )
         if USE_G:
             b_pre += k_last
@@ -61,7 +61,7 @@ def kata_dq_kernel(
     b_between = tl.sum(tl.zeros([BN], dtype=tl.float32), axis=0)
     for j in range(0, (t0 - bos) // BN):  # earlier key tiles, nearest first
         b_k, b_v, b_d, _, k_last = key_tile(
-            k, v, g, t0 - (j + 1) * BN, t0, t, b_gq, b_hq, q_last, b_between, H, i_h, K, V, E, G, BN, BE, BV, USE_G, False, F32,
+            k, v, g, t0 - (j + 1) * BN, t0, t, b_gq, b_hq, b_between, H, i_h, K, V, E, G, BN, BE, BV, USE_G, False, F32,
         )
         if USE_G:
             b_between += k_last
@@ -98,7 +98,7 @@ def kata_dkdv_kernel(
     b_gk, b_hk, k_last = chunk_decay(g, s, m_s, H, i_h, USE_G)
     b_gn = tl.zeros([BM], dtype=tl.float32)
     if USE_G:
-        b_gn = tl.load(g + (s + 1) * H + i_h, mask=s + 1 < s1, other=0.0).to(tl.float32)  # g_{s+1} in the tile
+        b_gn = reset_limited(tl.load(g + (s + 1) * H + i_h, mask=s + 1 < s1, other=0.0).to(tl.float32))  # g_{s+1} in the tile
     b_dk = tl.zeros([G * BM, BE], dtype=tl.float32)
     b_dv = tl.zeros([BM, BV], dtype=tl.float32)
     b_pre = tl.sum(tl.zeros([BN], dtype=tl.float32), axis=0)
@@ -113,7 +113,7 @@ def kata_dkdv_kernel(
         b_d = tl.where(mask, 1.0, 0.0)
         if USE_G:
             _, b_ht, q_last = chunk_decay(g, t, t < s1, H, i_h, True)
-            b_d = tl.exp2(key_diagonal_decay(b_gn, b_hk, k_last, s, t, b_ht + b_pre, F32))
+            b_d = tl.exp2(key_diagonal_decay(b_gn, b_hk, s, t, b_ht + b_pre, F32))
             b_pre += q_last
         b_a = tl.where(mask, square_sum(b_u, G, SUM, BM, BN) * b_d, 0.0)  # Aᵀ / scale²: [BM, BN]
         b_dv += score_values(b_a * b_r[None, :], b_do, SPLIT, F32)  # [BM, BN] @ [BN, BV]

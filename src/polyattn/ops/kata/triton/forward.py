@@ -37,13 +37,13 @@ def kata_forward_kernel(
     decay tile, `[BM, BN] @ [BN, BV]`. q, k, v, o: `[N_tok, H, D]`; g, den: `[N_tok, H]`;
     prior: `[N_tok, H, V + 1]` fp32; tiles: `[NT, 4]` (start, end, sequence, flags); starts: `[N + 1]`.
     """
-    i_h, t0, t1, bos, t, m_t, b_q, b_gq, b_hq, q_last = query_tile(q, g, tiles, starts, H, K, E, G, BM, BE, USE_G)
+    i_h, t0, t1, bos, t, m_t, b_q, b_gq, b_hq = query_tile(q, g, tiles, starts, H, K, E, G, BM, BE, USE_G)
     b_num = tl.zeros([BM, BV], dtype=tl.float32)
     b_den = tl.zeros([BM], dtype=tl.float32)
     b_pre = tl.sum(tl.zeros([BN], dtype=tl.float32), axis=0)  # log2-decay: query tile start -> key tile start
     for s0 in range(t0, t1, BN):  # diagonal: key tiles inside the query tile
         b_k, b_v, b_d, mask, k_last = key_tile(
-            k, v, g, s0, t1, t, b_gq, b_hq, q_last, b_pre, H, i_h, K, V, E, G, BN, BE, BV, USE_G, True, F32,
+            k, v, g, s0, t1, t, b_gq, b_hq, b_pre, H, i_h, K, V, E, G, BN, BE, BV, USE_G, True, F32,
         )
         b_a = square_sum(pair_dots(b_q, b_k, G, SUM, F32), G, SUM, BM, BN)  # [BM, BN]
         b_a = tl.where(mask, b_a * b_d, 0.0)  # causal mask by select
@@ -54,7 +54,7 @@ def kata_forward_kernel(
     b_between = tl.sum(tl.zeros([BN], dtype=tl.float32), axis=0)  # log2-decay of the key tiles in between
     for j in range(0, (t0 - bos) // BN):  # earlier key tiles, nearest first
         b_k, b_v, b_d, _, k_last = key_tile(
-            k, v, g, t0 - (j + 1) * BN, t0, t, b_gq, b_hq, q_last, b_between, H, i_h, K, V, E, G, BN, BE, BV, USE_G, False, F32,
+            k, v, g, t0 - (j + 1) * BN, t0, t, b_gq, b_hq, b_between, H, i_h, K, V, E, G, BN, BE, BV, USE_G, False, F32,
         )
         b_a = square_sum(pair_dots(b_q, b_k, G, SUM, F32), G, SUM, BM, BN) * b_d  # [BM, BN]
         if USE_G:

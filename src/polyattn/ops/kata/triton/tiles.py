@@ -14,9 +14,9 @@ KATA-Mg the block diagonal, the pairs within a group (the other blocks are zeroe
 
 Decay tiles (log2, ops/triton/decay.py's conventions): the weight from key s to query t >= s is
 `exp2(Σ_{s<u<=t} g_u · log2 e)`. On the diagonal, where the column tile lies inside the row tile,
-it is a difference of the row tile's in-tile cumsums where the core's fast path allows it (the
-row tile's total above FAST_LIMIT) and else a masked cumsum of the g's in between, exact next to
-a huge log-decay and -inf across a reset (`query_diagonal_decay`, `key_diagonal_decay`). Off the
+it is a difference of the row tile's in-tile cumsums of the g's (raised to the core's RESET_LIMIT,
+so a reset or a huge log-decay stays a weight of 0 and cancels nothing), and with EXACT (fp32
+inputs) a masked cumsum of the g's in between (`query_diagonal_decay`, `key_diagonal_decay`). Off the
 diagonal the tiles are disjoint and the log-weight is a sum of parts that are each ≤ 0, never a
 difference: the query's in-tile cumsum + the tiles in between + the key's in-tile suffix sum.
 """
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.decay import FAST_LIMIT, chunk_decay, chunk_suffix
+from polyattn.ops.triton.decay import chunk_decay, chunk_suffix, reset_limit_ref
 from polyattn.ops.triton.plan import block
 from polyattn.ops.triton.precision import LOG2E, mma, mma_left_fp32, to_output
 
@@ -135,42 +135,38 @@ def grad_dot(du, b, G: tl.constexpr, SUM: tl.constexpr, SPLIT: tl.constexpr, F32
 
 
 @triton.jit
-def query_diagonal_decay(b_g, b_h, p_last, t, s, b_hs, EXACT: tl.constexpr):
+def query_diagonal_decay(b_g, b_h, t, s, b_hs, EXACT: tl.constexpr):
     """`[R, C]` log2-decay `Σ_{s<u<=t} g_u` from keys `s` (a column tile inside the row tile) to
     queries `t` (the row tile), -inf where s > t. `b_g`, `b_h`: the row tile's g and its
-    log2-prescaled inclusive cumsum from its first row; `p_last` its total; `b_hs` the same
-    cumsum at the key rows. Fast: `b_h[t] - b_hs[s]`; exact: masked cumsum over the query rows."""
+    log2-prescaled inclusive cumsum from its first row; `b_hs` the same
+    cumsum at the key rows. `b_h[t] - b_hs[s]`; EXACT: masked cumsum over the query rows."""
     m = t[:, None] >= s[None, :]
     if EXACT:
         b_d = tl.cumsum(tl.where(t[:, None] > s[None, :], b_g[:, None], 0.0), axis=0) * LOG2E
-    elif p_last > FAST_LIMIT:
-        b_d = b_h[:, None] - b_hs[None, :]
     else:
-        b_d = tl.cumsum(tl.where(t[:, None] > s[None, :], b_g[:, None], 0.0), axis=0) * LOG2E
+        b_d = b_h[:, None] - b_hs[None, :]
     return tl.where(m, b_d, float("-inf"))
 
 
 @triton.jit
-def key_diagonal_decay(b_gn, b_h, p_last, s, t, b_ht, EXACT: tl.constexpr):
+def key_diagonal_decay(b_gn, b_h, s, t, b_ht, EXACT: tl.constexpr):
     """`[R, C]` log2-decay `Σ_{s<u<=t} g_u` from keys `s` (the row tile) to queries `t` (a column
     tile inside it), -inf where t < s. `b_gn[s] = g_{s+1}` inside the row tile (0 at its last row),
-    `b_h` the row tile's log2 inclusive cumsum, `p_last` its total, `b_ht` the same cumsum at the
-    query rows. Fast: `b_ht[t] - b_h[s]`; exact: reverse masked cumsum of `g_{u+1}` over key rows."""
+    `b_h` the row tile's log2 inclusive cumsum, `b_ht` the same cumsum at the
+    query rows. `b_ht[t] - b_h[s]`; EXACT: reverse masked cumsum of `g_{u+1}` over key rows."""
     m = s[:, None] <= t[None, :]
     if EXACT:
         b_d = tl.cumsum(tl.where(s[:, None] < t[None, :], b_gn[:, None], 0.0), axis=0, reverse=True) * LOG2E
-    elif p_last > FAST_LIMIT:
-        b_d = b_ht[None, :] - b_h[:, None]
     else:
-        b_d = tl.cumsum(tl.where(s[:, None] < t[None, :], b_gn[:, None], 0.0), axis=0, reverse=True) * LOG2E
+        b_d = b_ht[None, :] - b_h[:, None]
     return tl.where(m, b_d, float("-inf"))
 
 
 @triton.jit
 def query_tile(q, g, tiles, starts, H, K, E, G: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, USE_G: tl.constexpr):
     """The query tile of this program of a query-major kernel (grid: (query tiles, H), the last tiles,
-    which have the most key tiles, first): `(i_h, t0, t1, bos, t, m_t, b_q [G·BM, BE], b_gq, b_hq,
-    q_last)`, with the tile's g, its log2 inclusive cumsum and its total (ops/triton/decay.chunk_decay)."""
+    which have the most key tiles, first): `(i_h, t0, t1, bos, t, m_t, b_q [G·BM, BE], b_gq, b_hq)`,
+    with the tile's g and its log2 inclusive cumsum (ops/triton/decay.chunk_decay)."""
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(tiles + i_m * 4)
@@ -179,13 +175,13 @@ def query_tile(q, g, tiles, starts, H, K, E, G: tl.constexpr, BM: tl.constexpr, 
     t = t0 + tl.arange(0, BM)
     m_t = t < t1
     b_q = load_groups(q, t0, t1, H, i_h, K, E, G, BM, BE)  # [G*BM, BE]
-    b_gq, b_hq, q_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [BM], [BM], scalar
-    return i_h, t0, t1, bos, t, m_t, b_q, b_gq, b_hq, q_last
+    b_gq, b_hq, _ = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [BM], [BM]
+    return i_h, t0, t1, bos, t, m_t, b_q, b_gq, b_hq
 
 
 @triton.jit
 def key_tile(
-    k, v, g, s0, end, t, b_gq, b_hq, q_last, b_log, H, i_h, K, V, E,
+    k, v, g, s0, end, t, b_gq, b_hq, b_log, H, i_h, K, V, E,
     G: tl.constexpr, BN: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, DIAGONAL: tl.constexpr, EXACT: tl.constexpr,
 ):
@@ -202,7 +198,7 @@ def key_tile(
     if USE_G:
         b_gk, b_hk, k_last = chunk_decay(g, s, s < end, H, i_h, True)
         if DIAGONAL:
-            b_d = tl.exp2(query_diagonal_decay(b_gq, b_hq, q_last, t, s, b_hk + b_log, EXACT))
+            b_d = tl.exp2(query_diagonal_decay(b_gq, b_hq, t, s, b_hk + b_log, EXACT))
         else:
             b_d = tl.exp2(b_hq[:, None] + (chunk_suffix(b_gk, b_hk, k_last, EXACT) + b_log)[None, :])
     else:
@@ -212,8 +208,9 @@ def key_tile(
 
 def diagonal_decay_ref(g: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, query_rows: bool) -> torch.Tensor:
     """Twin of `query_diagonal_decay` (`query_rows`) and `key_diagonal_decay` for one sequence's
-    `g: [T]` and tile positions `rows: [R]`, `cols: [C]`: the direct sums times log2 e, -inf off the triangle."""
-    g = g.double()
+    `g: [T]` and tile positions `rows: [R]`, `cols: [C]`: the direct sums of the reset-limited g times log2 e,
+    -inf off the triangle."""
+    g = reset_limit_ref(g.double())
     out = torch.full((rows.numel(), cols.numel()), float("-inf"), dtype=torch.float64, device=g.device)
     for a, r in enumerate(rows.tolist()):
         for b, c in enumerate(cols.tolist()):
