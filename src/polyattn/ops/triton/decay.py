@@ -40,8 +40,6 @@ def chunk_decay(g, t, m_t, H, i_h, USE_G: tl.constexpr):
     return b_zero, b_zero, tl.sum(b_zero, axis=0)
 
 
-
-
 @triton.jit
 def exact_suffix(b_g):
     """`sum_{s > j} g_s` (log2(e)-prescaled) as a direct sum: [C, C] select, row sums."""
