@@ -1,7 +1,7 @@
 """Per-kernel CUDA time of any row of the kernel benchmark (torch.profiler): where a call's time goes.
 
 python benchmarks/profile_kernels.py --ops loglinear_mamba2 kata_m1 [--impls polyattn-triton ...] [--T 2048 32768]
-    [--dims 128] [--modes fwd fwdbwd] [--out FILE]
+    [--dims 128] [--modes fwd fwdbwd] [--by-launch] [--out FILE]
 The cases, inputs and shapes are `python -m polyattn.bench kernels`'s (bf16, H = 16, B = 65536 // T); prints
 each call's total and its slowest kernels, and writes `{"op/impl/D/T/mode": {kernel: ms}}` as JSON.
 """
@@ -21,6 +21,8 @@ def main(argv=None):
     parser.add_argument("--T", type=int, nargs="+", default=[8192])
     parser.add_argument("--dims", type=int, nargs="+", default=[128])
     parser.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
+    parser.add_argument("--by-launch", action="store_true",
+                        help="one row per launch, in call order (tells the passes of one kernel apart)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -34,8 +36,8 @@ def main(argv=None):
             for mode in args.modes:
                 for case in chosen:
                     key = f"{case.op}/{case.impl}/D{D}/T{T}/{mode}"
-                    results[key] = kernel_times(step(case, B, T, D, mode))
-                    print_kernel_times(key, results[key])
+                    results[key] = kernel_times(step(case, B, T, D, mode), by_launch=args.by_launch)
+                    print_kernel_times(key, results[key], top=len(results[key]) if args.by_launch else 8)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

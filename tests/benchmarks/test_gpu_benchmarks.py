@@ -102,6 +102,20 @@ def test_kernel_benchmark_differentiates_each_rows_inputs():
     assert ids(kernels.leaves(by_op["loglinear_mamba2"], fn, q, k, v, g, beta)) == ids([q, k, v, g, lam])
 
 
+def test_launch_means_tells_passes_apart():
+    """Per-launch means over identical calls: one row per place in the call, a kernel launched twice per
+    call gets two rows; calls that launched different kernels are refused."""
+    from polyattn.bench.timing import launch_means
+
+    call = [("outputs", 10.0), ("states", 2.0), ("outputs", 30.0)]
+    second = [("outputs", 20.0), ("states", 4.0), ("outputs", 50.0)]
+    assert launch_means(call + second, 2) == {"00 outputs": 0.015, "01 states": 0.003, "02 outputs": 0.04}
+    with pytest.raises(ValueError, match="different kernels"):
+        launch_means(call + second[:2], 2)
+    with pytest.raises(ValueError, match="launch 1 differs"):
+        launch_means(call + [("outputs", 1.0), ("scan", 1.0), ("outputs", 1.0)], 2)
+
+
 def test_profile_kernels_refuses_without_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU build, wherever the test runs
     with pytest.raises(SystemExit):

@@ -14,9 +14,10 @@ def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def kernel_times(step, *, warmup: int = 3, reps: int = 5) -> dict[str, float]:
+def kernel_times(step, *, warmup: int = 3, reps: int = 5, by_launch: bool = False) -> dict[str, float]:
     """Mean CUDA milliseconds per call of `step()` of every kernel it launches (torch.profiler), after
-    `warmup` untimed calls (compilation, autotuning)."""
+    `warmup` untimed calls (compilation, autotuning); with `by_launch`, of every launch, keyed by its
+    place in the call (`launch_means`), so that passes of one kernel are told apart."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -24,7 +25,26 @@ def kernel_times(step, *, warmup: int = 3, reps: int = 5) -> dict[str, float]:
         for _ in range(reps):
             step()
         torch.cuda.synchronize()
+    if by_launch:
+        device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        device.sort(key=lambda e: e.time_range.start)
+        return launch_means([(e.name, e.time_range.elapsed_us()) for e in device], reps)
     return {e.key: e.device_time_total / reps / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def launch_means(launches: list[tuple[str, float]], reps: int) -> dict[str, float]:
+    """`[(kernel name, µs)]` of `reps` identical calls in launch order -> `{"NN name": mean ms}`, NN the
+    launch's index within one call. ValueError when the calls did not launch the same kernels."""
+    n, extra = divmod(len(launches), reps)
+    if extra:
+        raise ValueError(f"{len(launches)} launches in {reps} calls: the calls launched different kernels")
+    out = {}
+    for i in range(n):
+        names = {launches[r * n + i][0] for r in range(reps)}
+        if len(names) != 1:
+            raise ValueError(f"launch {i} differs between calls: {sorted(names)}")
+        out[f"{i:02d} {launches[i][0]}"] = sum(launches[r * n + i][1] for r in range(reps)) / reps / 1e3
+    return out
 
 
 def print_kernel_times(title: str, rows: dict[str, float], top: int = 8) -> None:
