@@ -107,6 +107,49 @@ def test_varlen_matches_naive(dtype, groups, combine):
     _check(None, dtype, groups, combine, True, True, True, lengths=lengths, seed=4)
 
 
+# (groups, combine, K): E a power of two or not, groups a power of two or not (the step takes any), Σg with E = 2
+STEP_MAPS = [(1, "concat", 8), (2, "concat", 12), (3, "concat", 12), (2, "sum", 8), (4, "sum", 8)]
+STEP_FLAGS = [(True, True, True), (False, False, False), (True, False, True), (False, True, False)]  # decay, normalize, state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("decay, normalize, with_state", STEP_FLAGS, ids=lambda f: "-".join(map(str, f)) if isinstance(f, tuple) else None)
+@pytest.mark.parametrize("groups, combine, Kx", STEP_MAPS, ids=[f"{c}-G{g}-K{k}" for g, c, k in STEP_MAPS])
+def test_decode_step_matches_naive(groups, combine, Kx, decay, normalize, with_state, dtype, monkeypatch):
+    """One token per sequence without gradients runs the fused step (any groups; V = 40 is two value
+    tiles, so the normaliser's z is read by both and written by one): o and the new state against the
+    float64 naive form on the same rounded inputs, the caller's state untouched, and the step's float64 twin."""
+    from polyattn.ops.kata.triton import step
+
+    calls, real_step = [], step.kata_step
+    monkeypatch.setattr(step, "kata_step", lambda *a, **kw: calls.append(1) or real_step(*a, **kw))
+    Vx = 40
+    x = seeded_inputs(2, 1, H, Kx, Vx, decay=decay, seed=7, device=DEVICE)
+    x = {n: x[n].to(dtype) if n in ("q", "k", "v") else x[n] for n in ("q", "k", "v", "g")}
+    if not decay:
+        x["g"] = None
+    P = make_feature_map("psd", Kx, groups, combine).dim()
+    gen = torch.Generator().manual_seed(8)
+    h0 = KataState(torch.randn(2, H, P, Vx, generator=gen).to(DEVICE), torch.rand(2, H, P, generator=gen).to(DEVICE)) if with_state else None
+    kw = dict(groups=groups, combine=combine, normalize=normalize, eps=1e-6, scale=Kx ** -0.5)
+    saved = None if h0 is None else KataState(*(t.clone() for t in h0))
+    with torch.no_grad():
+        o, state = kata_triton_parallel(x["q"], x["k"], x["v"], x["g"], initial_state=h0, output_final_state=True, **kw)
+    exact = {n: None if t is None else t.double() for n, t in x.items()}
+    o_ref, state_ref = kata_naive(*exact.values(), initial_state=None if h0 is None else KataState(*(t.double() for t in h0)),
+                                  output_final_state=True, **kw)
+    assert calls == [1], "the one-token call did not run the fused step"
+    assert o.dtype == dtype and state.S.dtype == torch.float32
+    assert_close_rel(o, o_ref, 1e-5 if dtype == torch.float32 else 2.0 ** -8, "o")
+    assert_close_rel(state.S, state_ref.S, 1e-5, "S")
+    assert_close_rel(state.z, state_ref.z, 1e-5, "z")
+    if h0 is not None:
+        assert all(torch.equal(a, b) for a, b in zip(h0, saved)), "the caller's state changed"
+    o_twin, state_twin = step.kata_step_ref(*(None if t is None else t[:, 0] for t in x.values()), h0, **kw)
+    assert_close_rel(o[:, 0], o_twin, 1e-5 if dtype == torch.float32 else 2.0 ** -8, "o twin")
+    assert_close_rel(state.S, state_twin.S, 1e-5, "S twin")
+
+
 def test_continuation_from_state():
     """A call split in two, the second continuing from the first's final state, equals one call."""
     x = {n: t.float() for n, t in _inputs(1, 50, True, seed=5).items()}

@@ -72,7 +72,8 @@ def kata(
         impl: KATA ``"naive" | "recurrent" | "chunk" | "scan" | "parallel" | "triton_parallel" | "triton" | "auto"``
             (``"triton_parallel"``: the flash-style quadratic kernel, PSD maps only; ``"triton"``: that kernel
             for PSD maps and linear attention's kernels for the first-order ones; chosen by name: ``"auto"``
-            does not pick them, the quadratic one's cost grows as T²);
+            does not pick them, the quadratic one's cost grows as T²; with a PSD map both run one-token
+            calls without gradients on the fused decoding step);
             DeltaKATA ``"naive" | "recurrent" | "chunk" | "triton" | "auto"`` (``"triton"``: the delta-rule kernels
             on lifted keys, for maps of at most 128 features, by name).
 
@@ -98,7 +99,7 @@ def kata(
             raise ValueError(f"initial_state: expected a KataState(S, z), got {type(initial_state).__name__}")
         check_state("initial_state.S", initial_state.S, (N, H, P, V), q)
         check_state("initial_state.z", initial_state.z, (N, H, P), q)
-    # auto keeps to the PyTorch forms: the quadratic Triton kernel is chosen by name (ops/kata/README.md, "Open on the GPU")
+    # auto keeps to the PyTorch forms: the quadratic Triton kernel (and its one-token step) is chosen by name (ops/kata/README.md, "Open on the GPU")
     forms = KATA_FORMS if impl != "auto" else {n: f for n, f in KATA_FORMS.items() if "triton" not in n}
     fn = resolve_impl("kata", impl, forms, q)
     # with states, packed sequences run one by one: a padded batch of P×V states is slower (measured, P = 512)

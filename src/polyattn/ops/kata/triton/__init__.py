@@ -3,7 +3,8 @@
 Files by stage (on the shared core ops/triton: precision helpers, tile tables, chunk decay):
 tiles.py (grouped loads, squared group scores and their gradient, diagonal decay tiles),
 forward.py (the flash-style quadratic forward), backward.py (dq pass over key tiles, dk/dv pass
-over query tiles), function.py (custom ops, autograd, the host's state read and write). Each
+over query tiles), function.py (custom ops, autograd, the host's state read and write), step.py
+(the fused one-token decoding step). Each
 kernel file holds its PyTorch twin (`*_ref`). The first-order maps need no kernel of their own:
 `kata_triton_first_order` runs them on linear attention's. Importing this package does not import
 triton: the entry points load the kernels on first call, so CPU-only installs never need it.
@@ -23,9 +24,22 @@ def kata_triton_parallel(
     initial_state=None, output_final_state=False, cu_seqlens=None,
 ):
     """Triton flash-style quadratic form of `kata` (PSD maps, `groups` a power of two; handles
-    `cu_seqlens` natively); see function.py."""
+    `cu_seqlens` natively; see function.py); one token per sequence without gradients (decoding)
+    runs the fused step of step.py instead, for any `groups`."""
     if feature != "psd":
         raise ValueError(f"impl='triton_parallel': the Triton kernels compute feature='psd', got feature={feature!r}")
+    from polyattn.ops.triton.plan import one_token_step
+    from polyattn.ops.triton.precision import check_kernel_inputs
+
+    if q.numel() and one_token_step(q, cu_seqlens, (q, k, v, g, *(initial_state or ()))):
+        from .step import kata_step
+
+        check_kernel_inputs(q)
+        o, state = kata_step(
+            q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0], initial_state,
+            groups=groups, combine=combine, normalize=normalize, eps=eps, scale=scale,
+        )
+        return o[:, None], (state if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
     if groups & (groups - 1):
         raise ValueError(f"impl='triton_parallel': expected groups a power of two, got groups = {groups}")
     from .function import kata_parallel_fused

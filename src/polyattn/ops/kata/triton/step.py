@@ -1,0 +1,136 @@
+"""Fused one-token decoding step of KATA with a PSD map: one read of the old state, one write of the new.
+
+`kata_step_kernel` implements one token of `kata_recurrent` (ops/kata/recurrent.py):
+
+    S' = exp(g) S + ψ(k) vᵀ        z' = exp(g) z + ψ(k)
+    o  = S'ᵀ ψ(scale·q) / max(z'ᵀ ψ(scale·q), eps)    (normalize)    or    S'ᵀ ψ(scale·q)
+
+ψ the PSD lift of `feature_maps.PSDFeatureMap.lift`: slot i of Mg (concat) holds the E×E outer
+product `x_i x_iᵀ` of group i, the one slot of Σg (sum) `Σ_i x_i x_iᵀ`, each flattened row-major, so
+feature `p = slot·E² + a·E + b` is `x[a] x[b]` of that slot. ψ is formed tile by tile in registers
+and never stored.
+
+grid: (cdiv(V, BV), B·H). A program walks its head's P = slots·E² state rows in tiles of BR·E rows
+(rows a0 .. a0 + BR of one slot's E×E block) for its BV value columns. The new state goes to new
+tensors, so every program reads the old z for its normaliser while the first value tile writes the
+new one: no program reads what another writes, and the step moves each state byte once each way
+(ops/kata/README.md, "Decoding step").
+"""
+import torch
+import triton
+import triton.language as tl
+
+from polyattn.ops.triton.plan import block
+from polyattn.ops.triton.precision import LOG2E, dot_f32, to_output
+
+
+@triton.jit
+def psd_lift_tile(x, o_r, o_e, m_r, m_e, scale, slot, E, G: tl.constexpr, SUM: tl.constexpr):
+    """`[BR, BE]` tile of ψ(scale·x) at rows `o_r` (a) and columns `o_e` (b) of `slot`'s E×E block;
+    `x` points at one token's K = G·E features. Mg: `x_slot[a] x_slot[b]`; Σg: `Σ_i x_i[a] x_i[b]`."""
+    if SUM:
+        acc = tl.zeros([o_r.shape[0], o_e.shape[0]], dtype=tl.float32)
+        for i in tl.static_range(G):
+            x_a = tl.load(x + i * E + o_r, mask=m_r, other=0.0).to(tl.float32) * scale  # [BR]
+            x_b = tl.load(x + i * E + o_e, mask=m_e, other=0.0).to(tl.float32) * scale  # [BE]
+            acc += x_a[:, None] * x_b[None, :]
+        return acc
+    x_a = tl.load(x + slot * E + o_r, mask=m_r, other=0.0).to(tl.float32) * scale  # [BR]
+    x_b = tl.load(x + slot * E + o_e, mask=m_e, other=0.0).to(tl.float32) * scale  # [BE]
+    return x_a[:, None] * x_b[None, :]  # [BR, BE]
+
+
+@triton.jit(do_not_specialize=["eps"])
+def kata_step_kernel(
+    q, k, v, g, S, z, S_new, z_new, o, scale, eps, E, V, SLOTS,
+    G: tl.constexpr, SUM: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, NORMALIZE: tl.constexpr, F32: tl.constexpr,
+):
+    """One token for one (batch·head, value tile). q, k: [B·H, G·E]; v, o: [B·H, V]; g: [B·H] or None;
+    S, S_new: [B·H, P, V] fp32; z, z_new: [B·H, P] fp32, P = SLOTS·E². No tensor-core product: F32
+    only picks `to_output`'s rounding (the interpreter's)."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_bh64 = i_bh.to(tl.int64)
+    P = SLOTS * E * E
+    o_e = tl.arange(0, BE)
+    m_e = o_e < E
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    decay = 1.0
+    if USE_G:
+        decay = tl.exp2(tl.load(g + i_bh).to(tl.float32) * LOG2E)
+    b_v = tl.load(v + i_bh64 * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+    b_num = tl.zeros([BV], dtype=tl.float32)
+    b_den = tl.zeros([BR, BE], dtype=tl.float32)
+    for slot in range(0, SLOTS):
+        for a0 in range(0, E, BR):
+            o_r = a0 + tl.arange(0, BR)
+            m_r = o_r < E
+            rows = slot * E * E + o_r[:, None] * E + o_e[None, :]  # [BR, BE]: feature index p
+            m_p = m_r[:, None] & m_e[None, :]
+            psi_k = psd_lift_tile(k + i_bh64 * (G * E), o_r, o_e, m_r, m_e, 1.0, slot, E, G, SUM)  # [BR, BE]
+            psi_q = psd_lift_tile(q + i_bh64 * (G * E), o_r, o_e, m_r, m_e, scale, slot, E, G, SUM)  # [BR, BE]
+            offs = (i_bh64 * P + rows)[:, :, None] * V + o_v[None, None, :]  # [BR, BE, BV]
+            m_s = m_p[:, :, None] & m_v[None, None, :]
+            b_s = tl.load(S + offs, mask=m_s, other=0.0) * decay + psi_k[:, :, None] * b_v[None, None, :]
+            tl.store(S_new + offs, b_s, mask=m_s)
+            b_num += tl.sum(tl.sum(psi_q[:, :, None] * b_s, axis=0), axis=0)  # [BR, BE, BV] -> [BV]
+            b_z = tl.load(z + i_bh64 * P + rows, mask=m_p, other=0.0) * decay + psi_k  # [BR, BE]
+            if i_v == 0:  # the first value tile writes the new z
+                tl.store(z_new + i_bh64 * P + rows, b_z, mask=m_p)
+            b_den += psi_q * b_z
+    if NORMALIZE:
+        b_num = b_num / tl.maximum(tl.sum(tl.sum(b_den, axis=1), axis=0), eps)
+    tl.store(o + i_bh64 * V + o_v, to_output(b_num, o.dtype.element_ty, F32), mask=m_v)  # downcast: output dtype
+
+
+def kata_step(q, k, v, g, state, *, groups, combine, normalize, eps, scale):
+    """One decoding step of `kata` with a PSD map for one token per sequence.
+
+    q, k: [B, H, K]; v: [B, H, V]; g: [B, H] log-decay or None; state: `KataState(S [B, H, P, V],
+    z [B, H, P])` or None (zeros). The caller's state is not modified. Returns `(o [B, H, V] in q's
+    dtype, KataState(S', z') fp32)`.
+    """
+    from polyattn.ops.kata.feature_maps import make_feature_map
+    from polyattn.ops.kata.state import KataState
+
+    B, H, K = q.shape
+    V = v.shape[-1]
+    fmap = make_feature_map("psd", K, groups, combine)
+    E, slots, P = fmap.E, fmap.slots, fmap.dim()
+    if state is None:
+        S = torch.zeros(B, H, P, V, dtype=torch.float32, device=q.device)
+        z = torch.zeros(B, H, P, dtype=torch.float32, device=q.device)
+    else:
+        S, z = (x.to(torch.float32).contiguous() for x in state)
+    S_new, z_new = torch.empty_like(S), torch.empty_like(z)
+    o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
+    BE = block(E)
+    BV = min(32, block(V))
+    BR = max(1, min(block(E), 8192 // (BE * BV)))  # a [BR, BE, BV] fp32 tile of at most 8,192 values (64 per thread)
+    kata_step_kernel[(triton.cdiv(V, BV), B * H)](
+        q.contiguous(), k.contiguous(), v.contiguous(), None if g is None else g.contiguous(),
+        S, z, S_new, z_new, o, float(scale), float(eps), E, V, slots,
+        G=groups, SUM=combine == "sum", BR=BR, BE=BE, BV=BV, USE_G=g is not None, NORMALIZE=normalize,
+        F32=dot_f32(q.dtype), num_warps=4,
+    )
+    return o, KataState(S_new, z_new)
+
+
+def kata_step_ref(q, k, v, g, state, *, groups, combine, normalize, eps, scale):
+    """Twin of `kata_step` in float64 by the lifted features: `(o [B, H, V], KataState)`."""
+    from polyattn.ops.kata.feature_maps import make_feature_map
+    from polyattn.ops.kata.state import KataState
+
+    fmap = make_feature_map("psd", q.shape[-1], groups, combine)
+    psi_q, psi_k = fmap.lift(scale * q.double()), fmap.lift(k.double())  # [B, H, K] -> [B, H, P]
+    decay = 1.0 if g is None else torch.exp(g.double())[..., None]  # [B, H, 1]
+    S0, z0 = (None, None) if state is None else (x.double() for x in state)
+    S = psi_k[..., None] * v.double()[..., None, :] + (0.0 if S0 is None else decay[..., None] * S0)  # [B, H, P, V]
+    z = psi_k + (0.0 if z0 is None else decay * z0)  # [B, H, P]
+    num = torch.einsum("bhp,bhpv->bhv", psi_q, S)
+    o = num / (psi_q * z).sum(-1, keepdim=True).clamp_min(eps) if normalize else num
+    return o, KataState(S, z)
+
+
+__all__ = ["kata_step", "kata_step_kernel", "kata_step_ref"]
