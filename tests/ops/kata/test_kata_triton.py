@@ -150,6 +150,43 @@ def test_decode_step_matches_naive(groups, combine, Kx, decay, normalize, with_s
     assert_close_rel(state.S, state_twin.S, 1e-5, "S twin")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("decay, with_state", [(True, True), (False, False)], ids=["g-h0", "nog-noh0"])
+@pytest.mark.parametrize("groups, combine, Kx", STEP_MAPS + [(1, "concat", 16)], ids=[f"{c}-G{g}-K{k}" for g, c, k in STEP_MAPS + [(1, "concat", 16)]])
+def test_deltakata_decode_step_matches_naive(groups, combine, Kx, decay, with_state, dtype, monkeypatch):
+    """DeltaKATA's one-token call runs the fused step for any PSD width (K = 16: P = 256, past the chunk
+    kernels' 128): o and the new state against the float64 naive form on the same rounded inputs, the
+    caller's state untouched, and the step's float64 twin."""
+    from polyattn.ops.kata.triton import step
+
+    calls, real_step = [], step.deltakata_step
+    monkeypatch.setattr(step, "deltakata_step", lambda *a, **kw: calls.append(1) or real_step(*a, **kw))
+    Vx = 40
+    x = seeded_inputs(2, 1, H, Kx, Vx, decay=decay, beta=True, seed=11, device=DEVICE)
+    x = {n: x[n].to(dtype) if n in ("q", "k", "v") else x[n] for n in ("q", "k", "v", "beta", "g")}
+    if not decay:
+        x["g"] = None
+    P = make_feature_map("psd", Kx, groups, combine).dim()
+    h0 = torch.randn(2, H, P, Vx, generator=torch.Generator().manual_seed(12)).to(DEVICE) if with_state else None
+    saved = None if h0 is None else h0.clone()
+    kw = dict(groups=groups, combine=combine, normalize=False, eps=1e-6, scale=Kx ** -0.5)
+    with torch.no_grad():
+        o, S = ops.kata(x["q"], x["k"], x["v"], x["g"], beta=x["beta"], initial_state=h0, output_final_state=True, impl="triton", **kw)
+    exact = {n: None if t is None else t.double() for n, t in x.items()}
+    o_ref, S_ref = ops.kata(exact["q"], exact["k"], exact["v"], exact["g"], beta=exact["beta"], output_final_state=True,
+                            initial_state=None if h0 is None else h0.double(), impl="naive", **kw)
+    assert calls == [1], "the one-token call did not run the fused step"
+    assert o.dtype == dtype and S.dtype == torch.float32
+    assert_close_rel(o, o_ref, 1e-5 if dtype == torch.float32 else 2.0 ** -8, "o")
+    assert_close_rel(S, S_ref, 1e-5, "S")
+    if h0 is not None:
+        assert torch.equal(h0, saved), "the caller's state changed"
+    kw.pop("normalize")
+    o_twin, S_twin = step.deltakata_step_ref(*(None if t is None else t[:, 0] for t in x.values()), h0, **kw)
+    assert_close_rel(o[:, 0], o_twin, 1e-5 if dtype == torch.float32 else 2.0 ** -8, "o twin")
+    assert_close_rel(S, S_twin, 1e-5, "S twin")
+
+
 def test_continuation_from_state():
     """A call split in two, the second continuing from the first's final state, equals one call."""
     x = {n: t.float() for n, t in _inputs(1, 50, True, seed=5).items()}

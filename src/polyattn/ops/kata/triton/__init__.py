@@ -95,14 +95,28 @@ def deltakata_triton(
     """DeltaKATA on the Triton kernels of `delta_rule`: the gated delta rule on the unit lifted keys
     ψ̂(k), read with ψ(scale·q), for maps of at most DELTA_MAX_FEATURES features (the first-order
     maps at K <= 128, PSD maps of small groups; wider PSD maps need the kernel-trick form, `impl="chunk"`).
-    In fp32 like `kata_triton_first_order`. Returns `(o [B, T, H, V] in q's dtype, S [N, H, P, V] fp32 or None)`."""
+    In fp32 like `kata_triton_first_order`. With a PSD map of any width, one token per sequence without
+    gradients (decoding) runs the fused step of step.py. Returns `(o [B, T, H, V] in q's dtype,
+    S [N, H, P, V] fp32 or None)`."""
     from polyattn.ops.delta.triton import delta_rule_triton
+    from polyattn.ops.triton.plan import one_token_step
+    from polyattn.ops.triton.precision import check_kernel_inputs
 
     fmap = make_feature_map(feature, q.shape[-1], groups, combine)
+    if feature == "psd" and q.numel() and one_token_step(q, cu_seqlens, (q, k, v, beta, g, initial_state)):
+        from .step import deltakata_step
+
+        check_kernel_inputs(q)
+        o, state = deltakata_step(
+            q[:, 0], k[:, 0], v[:, 0], beta[:, 0], None if g is None else g[:, 0], initial_state,
+            groups=groups, combine=combine, eps=eps, scale=scale,
+        )
+        return o[:, None], (state if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
     if fmap.dim() > DELTA_MAX_FEATURES:
         raise ValueError(
             f"impl='triton': DeltaKATA runs the delta-rule kernels on at most {DELTA_MAX_FEATURES} lifted features, "
-            f"got P = {fmap.dim()} (feature={feature!r}, K = {q.shape[-1]}, groups = {groups}); use impl='chunk'"
+            f"got P = {fmap.dim()} (feature={feature!r}, K = {q.shape[-1]}, groups = {groups}; one-token decoding "
+            f"without gradients takes any P); use impl='chunk'"
         )
     return lifted_delta_rule(
         delta_rule_triton, q, k, v, beta, g, fmap=fmap, eps=eps, scale=scale, dtype=torch.float32,

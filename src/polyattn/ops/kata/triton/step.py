@@ -10,11 +10,17 @@ product `x_i x_iᵀ` of group i, the one slot of Σg (sum) `Σ_i x_i x_iᵀ`, ea
 feature `p = slot·E² + a·E + b` is `x[a] x[b]` of that slot. ψ is formed tile by tile in registers
 and never stored.
 
+`deltakata_step_kernel` implements one token of `deltakata_recurrent`, the gated delta rule on the
+unit lifted key `ψ̂ = ψ(k) / max(‖ψ(k)‖, eps)` (ops/delta/recurrent.py's step):
+
+    u  = exp(g) Sᵀψ̂        S' = exp(g) S + ψ̂ (β (v − u))ᵀ        o = S'ᵀ ψ(scale·q)
+
 grid: (cdiv(V, BV), B·H). A program walks its head's P = slots·E² state rows in tiles of BR·E rows
 (rows a0 .. a0 + BR of one slot's E×E block) for its BV value columns. The new state goes to new
 tensors, so every program reads the old z for its normaliser while the first value tile writes the
 new one: no program reads what another writes, and the step moves each state byte once each way
-(ops/kata/README.md, "Decoding step").
+(ops/kata/README.md, "Decoding step"). The delta step walks the rows three times: ‖ψ(k)‖ (no
+memory), u (reads S), the update and the read (reads S again, writes S').
 """
 import torch
 import triton
@@ -84,6 +90,68 @@ def kata_step_kernel(
     tl.store(o + i_bh64 * V + o_v, to_output(b_num, o.dtype.element_ty, F32), mask=m_v)  # downcast: output dtype
 
 
+@triton.jit(do_not_specialize=["eps"])
+def deltakata_step_kernel(
+    q, k, v, beta, g, S, S_new, o, scale, eps, E, V, SLOTS,
+    G: tl.constexpr, SUM: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, F32: tl.constexpr,
+):
+    """One DeltaKATA token for one (batch·head, value tile). q, k: [B·H, G·E]; v, o: [B·H, V]; beta: [B·H];
+    g: [B·H] or None; S, S_new: [B·H, P, V] fp32, P = SLOTS·E²."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_bh64 = i_bh.to(tl.int64)
+    P = SLOTS * E * E
+    o_e = tl.arange(0, BE)
+    m_e = o_e < E
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    decay = 1.0
+    if USE_G:
+        decay = tl.exp2(tl.load(g + i_bh).to(tl.float32) * LOG2E)
+    b_beta = tl.load(beta + i_bh).to(tl.float32)
+    b_v = tl.load(v + i_bh64 * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+    p_k, p_q = k + i_bh64 * (G * E), q + i_bh64 * (G * E)
+    b_n2 = tl.zeros([BR, BE], dtype=tl.float32)
+    for slot in range(0, SLOTS):  # ‖ψ(k)‖²
+        for a0 in range(0, E, BR):
+            o_r = a0 + tl.arange(0, BR)
+            psi_k = psd_lift_tile(p_k, o_r, o_e, o_r < E, m_e, 1.0, slot, E, G, SUM)  # [BR, BE]
+            b_n2 += psi_k * psi_k
+    inv_norm = 1.0 / tl.maximum(tl.sqrt(tl.sum(tl.sum(b_n2, axis=1), axis=0)), eps)
+    b_u = tl.zeros([BV], dtype=tl.float32)
+    for slot in range(0, SLOTS):  # u = exp(g) Sᵀψ̂
+        for a0 in range(0, E, BR):
+            o_r = a0 + tl.arange(0, BR)
+            m_r = o_r < E
+            rows = slot * E * E + o_r[:, None] * E + o_e[None, :]  # [BR, BE]: feature index p
+            offs = (i_bh64 * P + rows)[:, :, None] * V + o_v[None, None, :]  # [BR, BE, BV]
+            m_s = (m_r[:, None] & m_e[None, :])[:, :, None] & m_v[None, None, :]
+            psi_k = psd_lift_tile(p_k, o_r, o_e, m_r, m_e, 1.0, slot, E, G, SUM) * inv_norm
+            b_u += tl.sum(tl.sum(psi_k[:, :, None] * tl.load(S + offs, mask=m_s, other=0.0), axis=0), axis=0)
+    b_w = b_beta * (b_v - decay * b_u)  # [BV]: the rank-one update's value side
+    b_o = tl.zeros([BV], dtype=tl.float32)
+    for slot in range(0, SLOTS):  # S' = exp(g) S + ψ̂ wᵀ, o = S'ᵀψ(scale·q)
+        for a0 in range(0, E, BR):
+            o_r = a0 + tl.arange(0, BR)
+            m_r = o_r < E
+            rows = slot * E * E + o_r[:, None] * E + o_e[None, :]
+            offs = (i_bh64 * P + rows)[:, :, None] * V + o_v[None, None, :]
+            m_s = (m_r[:, None] & m_e[None, :])[:, :, None] & m_v[None, None, :]
+            psi_k = psd_lift_tile(p_k, o_r, o_e, m_r, m_e, 1.0, slot, E, G, SUM) * inv_norm
+            psi_q = psd_lift_tile(p_q, o_r, o_e, m_r, m_e, scale, slot, E, G, SUM)
+            b_s = tl.load(S + offs, mask=m_s, other=0.0) * decay + psi_k[:, :, None] * b_w[None, None, :]
+            tl.store(S_new + offs, b_s, mask=m_s)
+            b_o += tl.sum(tl.sum(psi_q[:, :, None] * b_s, axis=0), axis=0)
+    tl.store(o + i_bh64 * V + o_v, to_output(b_o, o.dtype.element_ty, F32), mask=m_v)  # downcast: output dtype
+
+
+def _step_tiles(E: int, V: int) -> dict:
+    """The steps' tiles: the E×E block's padded width, a value tile of at most 32, and BR rows so that a
+    [BR, BE, BV] fp32 tile holds at most 8,192 values (64 per thread at 4 warps)."""
+    BE, BV = block(E), min(32, block(V))
+    return dict(BR=max(1, min(block(E), 8192 // (BE * BV))), BE=BE, BV=BV)
+
+
 def kata_step(q, k, v, g, state, *, groups, combine, normalize, eps, scale):
     """One decoding step of `kata` with a PSD map for one token per sequence.
 
@@ -105,16 +173,37 @@ def kata_step(q, k, v, g, state, *, groups, combine, normalize, eps, scale):
         S, z = (x.to(torch.float32).contiguous() for x in state)
     S_new, z_new = torch.empty_like(S), torch.empty_like(z)
     o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
-    BE = block(E)
-    BV = min(32, block(V))
-    BR = max(1, min(block(E), 8192 // (BE * BV)))  # a [BR, BE, BV] fp32 tile of at most 8,192 values (64 per thread)
-    kata_step_kernel[(triton.cdiv(V, BV), B * H)](
+    tiles = _step_tiles(E, V)
+    kata_step_kernel[(triton.cdiv(V, tiles["BV"]), B * H)](
         q.contiguous(), k.contiguous(), v.contiguous(), None if g is None else g.contiguous(),
         S, z, S_new, z_new, o, float(scale), float(eps), E, V, slots,
-        G=groups, SUM=combine == "sum", BR=BR, BE=BE, BV=BV, USE_G=g is not None, NORMALIZE=normalize,
-        F32=dot_f32(q.dtype), num_warps=4,
+        G=groups, SUM=combine == "sum", USE_G=g is not None, NORMALIZE=normalize, F32=dot_f32(q.dtype), num_warps=4, **tiles,
     )
     return o, KataState(S_new, z_new)
+
+
+def deltakata_step(q, k, v, beta, g, state, *, groups, combine, eps, scale):
+    """One decoding step of DeltaKATA with a PSD map for one token per sequence.
+
+    q, k: [B, H, K]; v: [B, H, V]; beta: [B, H]; g: [B, H] log-decay or None; state: `[B, H, P, V]` or
+    None (zeros). The caller's state is not modified. Returns `(o [B, H, V] in q's dtype, S' fp32)`.
+    """
+    from polyattn.ops.kata.feature_maps import make_feature_map
+
+    B, H, K = q.shape
+    V = v.shape[-1]
+    fmap = make_feature_map("psd", K, groups, combine)
+    E, slots, P = fmap.E, fmap.slots, fmap.dim()
+    S = torch.zeros(B, H, P, V, dtype=torch.float32, device=q.device) if state is None else state.to(torch.float32).contiguous()
+    S_new = torch.empty_like(S)
+    o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
+    tiles = _step_tiles(E, V)
+    deltakata_step_kernel[(triton.cdiv(V, tiles["BV"]), B * H)](
+        q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), None if g is None else g.contiguous(),
+        S, S_new, o, float(scale), float(eps), E, V, slots,
+        G=groups, SUM=combine == "sum", USE_G=g is not None, F32=dot_f32(q.dtype), num_warps=4, **tiles,
+    )
+    return o, S_new
 
 
 def kata_step_ref(q, k, v, g, state, *, groups, combine, normalize, eps, scale):
@@ -133,4 +222,18 @@ def kata_step_ref(q, k, v, g, state, *, groups, combine, normalize, eps, scale):
     return o, KataState(S, z)
 
 
-__all__ = ["kata_step", "kata_step_kernel", "kata_step_ref"]
+def deltakata_step_ref(q, k, v, beta, g, state, *, groups, combine, eps, scale):
+    """Twin of `deltakata_step` in float64 by the lifted features: `(o [B, H, V], S')`."""
+    from polyattn.ops.kata.feature_maps import make_feature_map
+
+    fmap = make_feature_map("psd", q.shape[-1], groups, combine)
+    psi_q, psi_k = fmap.lift(scale * q.double()), fmap.lift(k.double())  # [B, H, K] -> [B, H, P]
+    unit = psi_k / torch.linalg.vector_norm(psi_k, dim=-1, keepdim=True).clamp_min(eps)  # ψ̂
+    decay = 1.0 if g is None else torch.exp(g.double())[..., None, None]  # [B, H, 1, 1]
+    S = decay * (torch.zeros(*psi_k.shape, v.shape[-1], dtype=torch.float64, device=q.device) if state is None else state.double())
+    u = torch.einsum("bhp,bhpv->bhv", unit, S)
+    S = S + unit[..., None] * (beta.double()[..., None] * (v.double() - u))[..., None, :]  # [B, H, P, V]
+    return torch.einsum("bhp,bhpv->bhv", psi_q, S), S
+
+
+__all__ = ["deltakata_step", "deltakata_step_kernel", "deltakata_step_ref", "kata_step", "kata_step_kernel", "kata_step_ref"]
