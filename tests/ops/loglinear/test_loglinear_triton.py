@@ -171,22 +171,30 @@ def test_triton_rejects_what_it_lacks():
         ops.loglinear_attn(**{**x, "lam": x["lam"][..., :3]}, impl="triton")
 
 
-def test_decoding_step_matches_the_recurrent_form():
+@pytest.mark.parametrize("base", ["mamba2", "gdn"])
+def test_decoding_step_matches_the_recurrent_form(base):
     """The fused step, token for token, against `loglinear_attn_step` for a batch whose sequences sit at
-    their own positions (fresh, 2^k - 1, 2^k, 2^k + 1), through the op (one token, no gradients)."""
+    their own positions (fresh, 2^k - 1, 2^k, 2^k + 1), through the op (one token, no gradients), for
+    both bases (Gated DeltaNet: unit keys, the delta rule on every level)."""
     from polyattn.ops.loglinear import loglinear_attn_step
 
     positions = [0, 1, 7, 8, 15, 16]
     L = num_levels(16 + 5) + 1
     state = _state(positions, L, seed=12)
     x = {n: t.float() for n, t in _inputs(len(positions), 5, seed=13, L=L).items()}
+    beta = None
+    if base == "gdn":
+        x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
+        beta = torch.rand(len(positions), 5, H, generator=torch.Generator().manual_seed(14)).to(DEVICE)
     fused = LogLinearState(state.levels.float(), state.position)
     reference = state
     for t in range(5):
         token = {n: x[n][:, t : t + 1] for n in ("q", "k", "v", "lam", "g")}
+        b_t = None if beta is None else beta[:, t : t + 1]
         with torch.no_grad():
-            o, fused = loglinear_attn_triton(**token, scale=0.5, initial_state=fused, output_final_state=True)
-        o_ref, reference = loglinear_attn_step(*(token[n][:, 0].double() for n in ("q", "k", "v", "lam", "g")), None, reference, scale=0.5)
+            o, fused = loglinear_attn_triton(**token, beta=b_t, scale=0.5, initial_state=fused, output_final_state=True)
+        o_ref, reference = loglinear_attn_step(*(token[n][:, 0].double() for n in ("q", "k", "v", "lam", "g")),
+                                               None if b_t is None else b_t[:, 0].double(), reference, scale=0.5)
         assert torch.equal(fused.position, reference.position)
         assert rel_err(o[:, 0], o_ref) <= 1e-5, f"step {t}: o rel err {rel_err(o[:, 0], o_ref):.2e}"
         assert rel_err(fused.levels, reference.levels) <= 1e-5, f"step {t}: state rel err {rel_err(fused.levels, reference.levels):.2e}"

@@ -1,5 +1,5 @@
-"""Triton kernels of `loglinear_attn` for the Mamba-2 base (`beta=None`): the only package of
-ops/loglinear that imports triton.
+"""Triton kernels of `loglinear_attn` for the Mamba-2 base (`beta=None`), and the decoding step of
+both bases: the only package of ops/loglinear that imports triton.
 
 Files by stage (on the shared core ops/triton and linear attention's chunk product): level_pass.py
 (the intra-chunk level-masked block and every chunk-level in one walk per sequence, with its PyTorch
@@ -13,18 +13,14 @@ from __future__ import annotations
 def loglinear_attn_triton(q, k, v, lam, g=None, *, beta=None, scale, initial_state=None, output_final_state=False, cu_seqlens=None):
     """Triton form of `loglinear_attn` (handles `cu_seqlens` natively); see function.py.
 
-    Only the Mamba-2 base: with `beta` (log-linear Gated DeltaNet) it raises ValueError, since that
-    form needs a level-masked delta-rule kernel that does not exist yet (use `impl="chunk"`).
+    The Mamba-2 base in full. With `beta` (log-linear Gated DeltaNet) only the one-token decoding
+    step: other calls raise ValueError, since they need a level-masked delta-rule kernel that does
+    not exist yet (use `impl="chunk"`).
     """
-    if beta is not None:
-        raise ValueError(
-            "loglinear_attn: impl='triton' has the Mamba-2 base only (beta=None); the log-linear Gated DeltaNet "
-            "(beta given) has no Triton form yet, use impl='chunk'"
-        )
     from .function import loglinear_attn_fused
 
     return loglinear_attn_fused(
-        q, k, v, lam, g, scale=scale, initial_state=initial_state,
+        q, k, v, lam, g, beta=beta, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
     )
 

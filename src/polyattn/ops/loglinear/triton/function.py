@@ -1,4 +1,5 @@
-"""Custom ops and form function of the Triton `loglinear_attn` (Mamba-2 base, `beta=None`).
+"""Custom ops and form function of the Triton `loglinear_attn` (Mamba-2 base, `beta=None`; the one-token
+step of both bases).
 
 The kernels (level_pass.py) run on per-chunk-level states `R [N, H, NLC, K, V]`, the level pass's
 block-rule states; a `LogLinearState` holds Fenwick levels of the last query. `fenwick_to_blocks`
@@ -334,8 +335,9 @@ def blocks_to_fenwick(R: torch.Tensor, low_levels: torch.Tensor, position: torch
     return torch.cat([low_levels, high], dim=2)[:, :, :L]  # [N, H, c + 1 + NLC, K, V] -> [N, H, L, K, V]
 
 
-def loglinear_attn_fused(q, k, v, lam, g=None, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None):
-    """Triton form of `loglinear_attn` with `beta=None` (inputs already validated, scale resolved).
+def loglinear_attn_fused(q, k, v, lam, g=None, *, beta=None, scale, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """Triton form of `loglinear_attn` (inputs already validated, scale resolved): the Mamba-2 base, and
+    with `beta` (Gated DeltaNet) the one-token step only (ValueError for other calls).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; lam: [B, T, H, L]; g: [B, T, H] or None; initial_state:
     `LogLinearState` with levels [N, H, L, K, V] (only the levels a state can occupy at its position
@@ -358,10 +360,18 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, scale, initial_state=None, out
         levels = torch.where(occupied, initial_state.levels.float(), 0.0)  # levels that hold no keys at the position are not read
     else:
         position = torch.zeros(N, dtype=torch.int64, device=q.device)
-    if q.numel() != 0 and one_token_step(q, cu_seqlens, (q, k, v, lam, g, None if initial_state is None else initial_state.levels)):
+    if q.numel() != 0 and one_token_step(q, cu_seqlens, (q, k, v, lam, g, beta, None if initial_state is None else initial_state.levels)):
         state = initial_state.levels.to(torch.float32, copy=True).contiguous() if initial_state is not None else q.new_zeros(B, H, L, K, V, dtype=torch.float32)
-        o, state = loglinear_attn_step_inplace(q[:, 0], k[:, 0], v[:, 0], lam[:, 0], None if g is None else g[:, 0], state, position, scale=scale)
+        o, state = loglinear_attn_step_inplace(
+            q[:, 0], k[:, 0], v[:, 0], lam[:, 0], None if g is None else g[:, 0], state, position, scale=scale,
+            beta=None if beta is None else beta[:, 0],
+        )
         return o[:, None], (LogLinearState(state, position + 1) if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
+    if beta is not None:
+        raise ValueError(
+            "loglinear_attn: impl='triton' runs the log-linear Gated DeltaNet (beta given) only for one-token decoding "
+            "without gradients; other calls need a level-masked delta-rule kernel that does not exist yet, use impl='chunk'"
+        )
     if q.numel() == 0:
         o = v.new_zeros(B, T, H, V, dtype=q.dtype)
         if not output_final_state:

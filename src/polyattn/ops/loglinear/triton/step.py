@@ -1,14 +1,18 @@
-"""Fused one-token decoding step of log-linear Mamba-2: the levels are updated in place.
+"""Fused one-token decoding step of log-linear Mamba-2 and Gated DeltaNet: the levels are updated in place.
 
-`loglinear_step_kernel` implements `loglinear_attn_step` of ops/loglinear/recurrent.py (`beta=None`)
-for a batch whose sequences sit at their own positions `t`:
+`loglinear_step_kernel` implements `loglinear_attn_step` of ops/loglinear/recurrent.py for a batch
+whose sequences sit at their own positions `t`:
 
     j = ctz(t);  S[j+1] += S[0] + … + S[j];  S[0..j] = 0      (t > 0: the Fenwick carry)
-    S[l] <- exp(g) S[l];  S[0] = k vᵀ;  o = Σ_l lam[l] S[l]ᵀ (scale q)
+    S[l] <- exp(g) S[l]
+    Mamba-2 (no beta):   S[0] = k vᵀ
+    Gated DeltaNet:      S[l] <- S[l] − β k (kᵀ S[l]) for every l;  S[0] = β k vᵀ
+    o = Σ_l lam[l] S[l]ᵀ (scale q)
 
 on the shared step front (ops/triton/step.py): one program per (batch, head, value tile) walks the
-L levels, reading and writing each level's tile once; the carry is a running sum in registers. A
-state at position 0 is empty (its levels are ignored).
+L levels, reading and writing each level's tile once; the carry is a running sum in registers. The
+tile holds all K rows of its value columns, so the delta rule's read `kᵀ S[l]` is complete in the
+program. A state at position 0 is empty (its levels are ignored).
 """
 import torch
 import triton
@@ -20,12 +24,15 @@ from polyattn.ops.triton.step import step_tile
 
 @triton.jit
 def loglinear_step_kernel(
-    q, k, v, g, lam, pos, state, o, scale, H, K, V, L,
-    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+    q, k, v, g, beta, lam, pos, state, o, scale, H, K, V, L,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr,
 ):
     """One decoding step for one (batch, head, V tile); q, k: [B, H, K], v, o: [B, H, V],
-    lam: [B, H, L], pos: [B], state: [B, H, L, K, V] fp32."""
+    lam: [B, H, L], g, beta: [B, H] or None, pos: [B], state: [B, H, L, K, V] fp32."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    b_beta = 1.0
+    if USE_BETA:
+        b_beta = tl.load(beta + i_bh).to(tl.float32)
     t = tl.load(pos + i_bh // H)
     j = t * 0 - 1  # no carry at position 0
     if t > 0:
@@ -47,19 +54,21 @@ def loglinear_step_kernel(
             b_s = b_s * 0.0
         elif lv == j + 1:
             b_s += b_acc
+        if USE_BETA:  # (I − β k kᵀ) S[l]: the read kᵀ S[l] over all K rows of the tile
+            b_s -= (b_beta * b_k)[:, None] * tl.sum(b_k[:, None] * b_s, axis=0)[None, :]
         if lv == 0:
-            b_s = b_k[:, None] * b_v[None, :]  # [BK, 1] * [1, BV] -> [BK, BV]
+            b_s = (b_beta * b_k)[:, None] * b_v[None, :]  # [BK, 1] * [1, BV] -> [BK, BV]
         b_lam = tl.load(lam + i_bh * L + lv).to(tl.float32)
         b_o += b_lam * tl.sum(b_s * b_q[:, None], axis=0)
         tl.store(p_s, b_s, mask=m_s)
     tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty), mask=o_v < V)
 
 
-def loglinear_attn_step_inplace(q, k, v, lam, g, levels, position, *, scale):
-    """One decoding step of log-linear Mamba-2 with `levels` updated in place (the arguments of
-    `ops.loglinear.recurrent.loglinear_attn_step` with `beta=None`, which returns a new state).
+def loglinear_attn_step_inplace(q, k, v, lam, g, levels, position, *, scale, beta=None):
+    """One decoding step of log-linear Mamba-2 (`beta=None`) or Gated DeltaNet with `levels` updated
+    in place (the arguments of `ops.loglinear.recurrent.loglinear_attn_step`, which returns a new state).
 
-    q, k: [B, H, K]; v: [B, H, V]; lam: [B, H, L]; g: [B, H] or None; levels: [B, H, L, K, V] fp32
+    q, k: [B, H, K]; v: [B, H, V]; lam: [B, H, L]; g, beta: [B, H] or None; levels: [B, H, L, K, V] fp32
     contiguous; position: [B] int64, each sequence's own (the caller guarantees `L >=
     num_levels(position + 1)`). Returns `(o [B, H, V] in q's dtype, levels)`.
     """
@@ -70,8 +79,8 @@ def loglinear_attn_step_inplace(q, k, v, lam, g, levels, position, *, scale):
     o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
     BV = min(32, block(V))
     loglinear_step_kernel[(triton.cdiv(V, BV), B * H)](
-        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous() if g is not None else None, lam.contiguous(),
-        position.contiguous(), levels, o, scale, H, K, V, L,
-        BK=block(K), BV=BV, USE_G=g is not None, num_warps=4,
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous() if g is not None else None,
+        beta.contiguous() if beta is not None else None, lam.contiguous(), position.contiguous(), levels, o, scale, H, K, V, L,
+        BK=block(K), BV=BV, USE_G=g is not None, USE_BETA=beta is not None, num_warps=4,
     )
     return o, levels
