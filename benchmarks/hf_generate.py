@@ -10,8 +10,8 @@ PyTorch token loop elsewhere) beside ``decode_impl="recurrent"`` (the PyTorch to
 run the ``impl="auto"`` form in both.
 
 Check per (mixer, decode_impl), printed and in the JSON: one extra, untimed `generate()` counts the
-calls of the fused steps (every ``*_step_inplace`` function the Triton forms dispatch one-token calls
-to); where `polyattn.layers.mixer_form` says one-token calls run the Triton form, every layer must
+calls of the fused steps (every ``*_step_inplace`` / ``*_step`` function the Triton forms dispatch one-token
+calls to, `fused_steps`); where `polyattn.layers.mixer_form` says one-token calls run the Triton form, every layer must
 make at least one fused step per decoded token, and none otherwise (so ``recurrent`` is really the
 PyTorch loop). The JSON is rewritten after every mixer; the exit status is 1 when a check failed or a
 mixer raised.
@@ -42,15 +42,18 @@ SIZES = {  # hidden size, layers, heads
 
 
 def fused_steps():
-    """`(module, name)` of every fused decoding step: the ``*_step_inplace`` functions that the Triton
-    forms (``ops/<family>/triton/function.py``) hand one-token calls to, looked up at call time."""
+    """`(module, name)` of every fused decoding step, where the Triton forms look it up at call time: the
+    ``*_step_inplace`` functions of ``ops/<family>/triton/function.py`` (in place on a copy of the state)
+    and the ``*_step`` functions of ``ops/<family>/triton/step.py`` (KATA's: a new state)."""
     found = []
     for family in pkgutil.iter_modules(polyattn.ops.__path__):
-        try:
-            module = importlib.import_module(f"polyattn.ops.{family.name}.triton.function")
-        except ModuleNotFoundError:
-            continue
-        found += [(module, name) for name in vars(module) if name.endswith("_step_inplace")]
+        for stage, suffix in (("function", "_step_inplace"), ("step", "_step")):
+            try:
+                module = importlib.import_module(f"polyattn.ops.{family.name}.triton.{stage}")
+            except ModuleNotFoundError:
+                continue
+            found += [(module, name) for name, fn in vars(module).items()  # the family's own, not the shared front's
+                      if name.endswith(suffix) and getattr(fn, "__module__", "").startswith(f"polyattn.ops.{family.name}.triton")]
     return found
 
 

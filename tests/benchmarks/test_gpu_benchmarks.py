@@ -65,7 +65,7 @@ def test_hf_generate_counts_fused_steps(tmp_path):
     rows = {(row["mixer"], row["decode_impl"]): row for row in json.loads(out.read_text())["rows"]}
     assert rows["linear", "triton"]["fused_steps_B2"] == {"linear_attn_step_inplace": 2}  # 1 layer, 2 one-token calls
     assert rows["gdn", "triton"]["fused_steps_B2"] == {"delta_rule_step_inplace": 2}
-    assert rows["deltakata-m1", "triton"]["fused_steps_B2"] == {"delta_rule_step_inplace": 2}  # lifted keys, the delta step
+    assert rows["deltakata-m1", "triton"]["fused_steps_B2"] == {"deltakata_step": 2}  # DeltaKATA's own step (PSD map)
     for key in [("linear", "recurrent"), ("gdn", "recurrent"), ("deltakata-m1", "recurrent")]:
         assert rows[key]["decode_form"] == "recurrent" and rows[key]["fused_steps_B2"] == {} and rows[key]["failures"] == []
         assert rows[key]["B2"] > 0
