@@ -234,6 +234,26 @@ def test_mixer_form_names_the_form_a_call_runs():
         mixer_form("nope", "auto")
 
 
+def test_mixer_form_auto_offers_what_the_op_offers(monkeypatch):
+    """With "auto", mixer_form resolves among the forms the op's own "auto" picks from: KATA, DeltaKATA
+    and log-linear GDN keep their Triton forms to be chosen by name, log-linear Mamba-2 offers its kernels."""
+    import polyattn.layers as layers
+
+    offered = {}
+    real = layers.resolve_impl
+    monkeypatch.setattr(layers, "resolve_impl", lambda op, impl, forms, q: offered.setdefault(op, set(forms)) and real(op, impl, forms, q))
+    for name in ("kata-m2", "deltakata-m1", "loglinear-gdn"):
+        offered.clear()
+        assert mixer_form(name, "auto", 1) == "recurrent"
+        assert "triton" not in next(iter(offered.values())) and "recurrent" in next(iter(offered.values())), name
+    offered.clear()
+    mixer_form("loglinear-mamba2", "auto", 1)
+    assert "triton" in offered["loglinear_attn"]
+    offered.clear()
+    mixer_form("kata-m2", "triton", 1)
+    assert "triton" in offered["kata"]  # by name: every form
+
+
 FORWARD_ERRORS = {
     "x-2d": (lambda m, x: m(x[0]), r"x: expected a floating tensor \[B, T, d_model\] with d_model = 16"),
     "x-width": (lambda m, x: m(x[..., :15]), r"x: expected .* d_model = 16, got shape \(2, 9, 15\)"),

@@ -32,6 +32,11 @@ DELTAKATA_FORMS = {
     "triton": deltakata_triton,  # the delta-rule kernels on lifted keys, up to DELTA_MAX_FEATURES features
 }
 
+# the forms impl="auto" picks from: the Triton ones are chosen by name (the quadratic kernel's cost grows as
+# T², and they are not all at their bound on the GPU: ops/kata/README.md, "Open on the GPU")
+KATA_AUTO_FORMS = {n: f for n, f in KATA_FORMS.items() if "triton" not in n}
+DELTAKATA_AUTO_FORMS = {n: f for n, f in DELTAKATA_FORMS.items() if n != "triton"}
+
 
 def kata(
     q: torch.Tensor,
@@ -90,8 +95,7 @@ def kata(
             raise ValueError("beta: DeltaKATA's read is unnormalized; expected normalize=False with beta, got normalize=True")
         if initial_state is not None:
             check_state("initial_state", initial_state, (N, H, P, V), q)
-        # auto keeps to the PyTorch forms: the Triton form has not run on a GPU
-        forms = DELTAKATA_FORMS if impl != "auto" else {n: f for n, f in DELTAKATA_FORMS.items() if n != "triton"}
+        forms = DELTAKATA_FORMS if impl != "auto" else DELTAKATA_AUTO_FORMS
         fn = resolve_impl("DeltaKATA", impl, forms, q)
         return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, decay_index=4, **options)
     if initial_state is not None:
@@ -99,16 +103,17 @@ def kata(
             raise ValueError(f"initial_state: expected a KataState(S, z), got {type(initial_state).__name__}")
         check_state("initial_state.S", initial_state.S, (N, H, P, V), q)
         check_state("initial_state.z", initial_state.z, (N, H, P), q)
-    # auto keeps to the PyTorch forms: the quadratic Triton kernel (and its one-token step) is chosen by name (ops/kata/README.md, "Open on the GPU")
-    forms = KATA_FORMS if impl != "auto" else {n: f for n, f in KATA_FORMS.items() if "triton" not in n}
+    forms = KATA_FORMS if impl != "auto" else KATA_AUTO_FORMS
     fn = resolve_impl("kata", impl, forms, q)
     # with states, packed sequences run one by one: a padded batch of P×V states is slower (measured, P = 512)
     return run_varlen(fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state, decay_index=3, normalize=normalize, **options)
 
 
 __all__ = [
+    "DELTAKATA_AUTO_FORMS",
     "DELTAKATA_FORMS",
     "FEATURE_MAPS",
+    "KATA_AUTO_FORMS",
     "KATA_FORMS",
     "KataState",
     "deltakata_chunk",

@@ -19,6 +19,8 @@ LOGLINEAR_ATTN_FORMS = {
     "scan": loglinear_attn_scan,
     "triton": loglinear_attn_triton,
 }
+# impl="auto" with beta (the Gated DeltaNet base): the Triton form has only its decoding step, not yet run on a GPU
+LOGLINEAR_GDN_AUTO_FORMS = {n: f for n, f in LOGLINEAR_ATTN_FORMS.items() if n != "triton"}
 
 
 def _per_sequence(form):
@@ -73,8 +75,7 @@ def loglinear_attn(
     if initial_state is not None:
         check_loglinear_state(initial_state, N, H, L, K, V, q)
     check_lam_levels(L, initial_state, T if cu_seqlens is None else torch.diff(cu_seqlens))
-    # auto takes the Triton kernels on a GPU for the Mamba-2 base; the Gated DeltaNet base has none yet
-    forms = LOGLINEAR_ATTN_FORMS if impl != "auto" or beta is None else {n: f for n, f in LOGLINEAR_ATTN_FORMS.items() if n != "triton"}
+    forms = LOGLINEAR_ATTN_FORMS if impl != "auto" or beta is None else LOGLINEAR_GDN_AUTO_FORMS
     fn = resolve_impl("loglinear_attn", impl, forms, q)
     scale = resolve_scale(scale, K)
     return run_varlen(_per_sequence(fn), (q, k, v, lam, g, beta), cu_seqlens, initial_state, output_final_state, scale=scale)
@@ -82,6 +83,7 @@ def loglinear_attn(
 
 __all__ = [
     "LOGLINEAR_ATTN_FORMS",
+    "LOGLINEAR_GDN_AUTO_FORMS",
     "LogLinearState",
     "combine_levels",
     "loglinear_attn",
