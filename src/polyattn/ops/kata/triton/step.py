@@ -46,6 +46,33 @@ def psd_lift_tile(x, o_r, o_e, m_r, m_e, scale, slot, E, G: tl.constexpr, SUM: t
     return x_a[:, None] * x_b[None, :]  # [BR, BE]
 
 
+@triton.jit
+def step_front(g, v, V, E, BE: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr):
+    """`(i_v, i_bh64, o_e, m_e, o_v, m_v, decay, b_v)` of this program: the E×E block's column index, the
+    value tile, `exp(g)` (1 without g) and the token's values `[BV]` in fp32."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_bh64 = i_bh.to(tl.int64)
+    o_e = tl.arange(0, BE)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    decay = 1.0
+    if USE_G:
+        decay = tl.exp2(tl.load(g + i_bh).to(tl.float32) * LOG2E)
+    b_v = tl.load(v + i_bh64 * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+    return i_v, i_bh64, o_e, o_e < E, o_v, m_v, decay, b_v
+
+
+@triton.jit
+def block_rows(slot, a0, o_e, m_e, o_v, m_v, E, V, BR: tl.constexpr):
+    """Rows a0 .. a0 + BR of `slot`'s E×E block in one head: `(o_r, m_r, rows [BR, BE] the feature
+    index p, m_p, offs [BR, BE, BV] into the head's [P, V] state, m_s)`."""
+    o_r = a0 + tl.arange(0, BR)
+    m_r = o_r < E
+    rows = slot * E * E + o_r[:, None] * E + o_e[None, :]  # [BR, BE]
+    m_p = m_r[:, None] & m_e[None, :]
+    return o_r, m_r, rows, m_p, rows[:, :, None] * V + o_v[None, None, :], m_p[:, :, None] & m_v[None, None, :]
+
+
 @triton.jit(do_not_specialize=["eps"])
 def kata_step_kernel(
     q, k, v, g, S, z, S_new, z_new, o, scale, eps, E, V, SLOTS,
@@ -55,35 +82,23 @@ def kata_step_kernel(
     """One token for one (batch·head, value tile). q, k: [B·H, G·E]; v, o: [B·H, V]; g: [B·H] or None;
     S, S_new: [B·H, P, V] fp32; z, z_new: [B·H, P] fp32, P = SLOTS·E². No tensor-core product: F32
     only picks `to_output`'s rounding (the interpreter's)."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_bh64 = i_bh.to(tl.int64)
+    i_v, i_bh64, o_e, m_e, o_v, m_v, decay, b_v = step_front(g, v, V, E, BE, BV, USE_G)
     P = SLOTS * E * E
-    o_e = tl.arange(0, BE)
-    m_e = o_e < E
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    decay = 1.0
-    if USE_G:
-        decay = tl.exp2(tl.load(g + i_bh).to(tl.float32) * LOG2E)
-    b_v = tl.load(v + i_bh64 * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+    S, S_new, z, z_new = S + i_bh64 * P * V, S_new + i_bh64 * P * V, z + i_bh64 * P, z_new + i_bh64 * P  # this head
+    p_k, p_q = k + i_bh64 * (G * E), q + i_bh64 * (G * E)
     b_num = tl.zeros([BV], dtype=tl.float32)
     b_den = tl.zeros([BR, BE], dtype=tl.float32)
     for slot in range(0, SLOTS):
         for a0 in range(0, E, BR):
-            o_r = a0 + tl.arange(0, BR)
-            m_r = o_r < E
-            rows = slot * E * E + o_r[:, None] * E + o_e[None, :]  # [BR, BE]: feature index p
-            m_p = m_r[:, None] & m_e[None, :]
-            psi_k = psd_lift_tile(k + i_bh64 * (G * E), o_r, o_e, m_r, m_e, 1.0, slot, E, G, SUM)  # [BR, BE]
-            psi_q = psd_lift_tile(q + i_bh64 * (G * E), o_r, o_e, m_r, m_e, scale, slot, E, G, SUM)  # [BR, BE]
-            offs = (i_bh64 * P + rows)[:, :, None] * V + o_v[None, None, :]  # [BR, BE, BV]
-            m_s = m_p[:, :, None] & m_v[None, None, :]
+            o_r, m_r, rows, m_p, offs, m_s = block_rows(slot, a0, o_e, m_e, o_v, m_v, E, V, BR)
+            psi_k = psd_lift_tile(p_k, o_r, o_e, m_r, m_e, 1.0, slot, E, G, SUM)  # [BR, BE]
+            psi_q = psd_lift_tile(p_q, o_r, o_e, m_r, m_e, scale, slot, E, G, SUM)  # [BR, BE]
             b_s = tl.load(S + offs, mask=m_s, other=0.0) * decay + psi_k[:, :, None] * b_v[None, None, :]
             tl.store(S_new + offs, b_s, mask=m_s)
             b_num += tl.sum(tl.sum(psi_q[:, :, None] * b_s, axis=0), axis=0)  # [BR, BE, BV] -> [BV]
-            b_z = tl.load(z + i_bh64 * P + rows, mask=m_p, other=0.0) * decay + psi_k  # [BR, BE]
+            b_z = tl.load(z + rows, mask=m_p, other=0.0) * decay + psi_k  # [BR, BE]
             if i_v == 0:  # the first value tile writes the new z
-                tl.store(z_new + i_bh64 * P + rows, b_z, mask=m_p)
+                tl.store(z_new + rows, b_z, mask=m_p)
             b_den += psi_q * b_z
     if NORMALIZE:
         b_num = b_num / tl.maximum(tl.sum(tl.sum(b_den, axis=1), axis=0), eps)
@@ -98,19 +113,11 @@ def deltakata_step_kernel(
 ):
     """One DeltaKATA token for one (batch·head, value tile). q, k: [B·H, G·E]; v, o: [B·H, V]; beta: [B·H];
     g: [B·H] or None; S, S_new: [B·H, P, V] fp32, P = SLOTS·E²."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_bh64 = i_bh.to(tl.int64)
+    i_v, i_bh64, o_e, m_e, o_v, m_v, decay, b_v = step_front(g, v, V, E, BE, BV, USE_G)
     P = SLOTS * E * E
-    o_e = tl.arange(0, BE)
-    m_e = o_e < E
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    decay = 1.0
-    if USE_G:
-        decay = tl.exp2(tl.load(g + i_bh).to(tl.float32) * LOG2E)
-    b_beta = tl.load(beta + i_bh).to(tl.float32)
-    b_v = tl.load(v + i_bh64 * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+    S, S_new = S + i_bh64 * P * V, S_new + i_bh64 * P * V  # this head
     p_k, p_q = k + i_bh64 * (G * E), q + i_bh64 * (G * E)
+    b_beta = tl.load(beta + i_bh64).to(tl.float32)
     b_n2 = tl.zeros([BR, BE], dtype=tl.float32)
     for slot in range(0, SLOTS):  # ‖ψ(k)‖²
         for a0 in range(0, E, BR):
@@ -119,24 +126,16 @@ def deltakata_step_kernel(
             b_n2 += psi_k * psi_k
     inv_norm = 1.0 / tl.maximum(tl.sqrt(tl.sum(tl.sum(b_n2, axis=1), axis=0)), eps)
     b_u = tl.zeros([BV], dtype=tl.float32)
-    for slot in range(0, SLOTS):  # u = exp(g) Sᵀψ̂
+    for slot in range(0, SLOTS):  # u = Sᵀψ̂ (of the old state; exp(g) below)
         for a0 in range(0, E, BR):
-            o_r = a0 + tl.arange(0, BR)
-            m_r = o_r < E
-            rows = slot * E * E + o_r[:, None] * E + o_e[None, :]  # [BR, BE]: feature index p
-            offs = (i_bh64 * P + rows)[:, :, None] * V + o_v[None, None, :]  # [BR, BE, BV]
-            m_s = (m_r[:, None] & m_e[None, :])[:, :, None] & m_v[None, None, :]
+            o_r, m_r, rows, m_p, offs, m_s = block_rows(slot, a0, o_e, m_e, o_v, m_v, E, V, BR)
             psi_k = psd_lift_tile(p_k, o_r, o_e, m_r, m_e, 1.0, slot, E, G, SUM) * inv_norm
             b_u += tl.sum(tl.sum(psi_k[:, :, None] * tl.load(S + offs, mask=m_s, other=0.0), axis=0), axis=0)
     b_w = b_beta * (b_v - decay * b_u)  # [BV]: the rank-one update's value side
     b_o = tl.zeros([BV], dtype=tl.float32)
     for slot in range(0, SLOTS):  # S' = exp(g) S + ψ̂ wᵀ, o = S'ᵀψ(scale·q)
         for a0 in range(0, E, BR):
-            o_r = a0 + tl.arange(0, BR)
-            m_r = o_r < E
-            rows = slot * E * E + o_r[:, None] * E + o_e[None, :]
-            offs = (i_bh64 * P + rows)[:, :, None] * V + o_v[None, None, :]
-            m_s = (m_r[:, None] & m_e[None, :])[:, :, None] & m_v[None, None, :]
+            o_r, m_r, rows, m_p, offs, m_s = block_rows(slot, a0, o_e, m_e, o_v, m_v, E, V, BR)
             psi_k = psd_lift_tile(p_k, o_r, o_e, m_r, m_e, 1.0, slot, E, G, SUM) * inv_norm
             psi_q = psd_lift_tile(p_q, o_r, o_e, m_r, m_e, scale, slot, E, G, SUM)
             b_s = tl.load(S + offs, mask=m_s, other=0.0) * decay + psi_k[:, :, None] * b_w[None, None, :]
