@@ -20,7 +20,7 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > /tmp/compile.log 2>&1
 python3 -m polyattn.bench kernels --out /tmp/compile ${COMPILE_ARGS:---dims 128} --compile-only >> /tmp/compile.log 2>&1 &
 c1=$!
-tests=${TESTS:-tests/ops/delta/test_delta_triton.py tests/ops/triton tests/ops/linear/test_triton.py tests/ops/hla/test_hla_triton.py tests/ops/kata/test_kata_triton.py}
+tests=${TESTS:-tests/ops/delta/test_delta_triton.py tests/ops/triton tests/ops/linear/test_triton.py tests/ops/hla/test_hla_triton.py tests/ops/kata/test_kata_triton.py tests/ops/loglinear/test_loglinear_triton.py}
 timeout -s INT "${TEST_TIMEOUT:-300}" python3 -m pytest -n "${TEST_WORKERS:-6}" -q -p no:cacheprovider $tests -rA --durations=15 > "$out/test_triton_gpu.log" 2>&1
 grep -E "passed|failed" "$out/test_triton_gpu.log" | tail -n 2
 grep -E "^(FAILED|ERROR)" "$out/test_triton_gpu.log" | head -30
