@@ -60,13 +60,15 @@ def test_train_step_reports_a_graph_break(tmp_path, monkeypatch):
 def test_hf_generate_counts_fused_steps(tmp_path):
     hf_generate = load("hf_generate")
     out = tmp_path / "generate.json"
-    assert hf_generate.main([*TOY_GENERATE, "--mixers", "linear,gdn,deltakata-m1", "--decode-impls", "triton,recurrent",
+    assert hf_generate.main([*TOY_GENERATE, "--mixers", "linear,gdn,deltakata-m1,kata-m2,loglinear-gdn", "--decode-impls", "triton,recurrent",
                              "--out", str(out)]) == 0
     rows = {(row["mixer"], row["decode_impl"]): row for row in json.loads(out.read_text())["rows"]}
     assert rows["linear", "triton"]["fused_steps_B2"] == {"linear_attn_step_inplace": 2}  # 1 layer, 2 one-token calls
     assert rows["gdn", "triton"]["fused_steps_B2"] == {"delta_rule_step_inplace": 2}
     assert rows["deltakata-m1", "triton"]["fused_steps_B2"] == {"deltakata_step": 2}  # DeltaKATA's own step (PSD map)
-    for key in [("linear", "recurrent"), ("gdn", "recurrent"), ("deltakata-m1", "recurrent")]:
+    assert rows["kata-m2", "triton"]["fused_steps_B2"] == {"kata_step": 2}
+    assert rows["loglinear-gdn", "triton"]["fused_steps_B2"] == {"loglinear_attn_step_inplace": 2}  # the Gated DeltaNet base
+    for key in [(mixer, "recurrent") for mixer in ("linear", "gdn", "deltakata-m1", "kata-m2", "loglinear-gdn")]:
         assert rows[key]["decode_form"] == "recurrent" and rows[key]["fused_steps_B2"] == {} and rows[key]["failures"] == []
         assert rows[key]["B2"] > 0
 
