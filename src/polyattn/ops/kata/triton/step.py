@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from polyattn.ops.kata.feature_maps import make_feature_map
+from polyattn.ops.kata.state import KataState
 from polyattn.ops.triton.plan import block
 from polyattn.ops.triton.precision import LOG2E, dot_f32, to_output
 
@@ -158,9 +160,6 @@ def kata_step(q, k, v, g, state, *, groups, combine, normalize, eps, scale):
     z [B, H, P])` or None (zeros). The caller's state is not modified. Returns `(o [B, H, V] in q's
     dtype, KataState(S', z') fp32)`.
     """
-    from polyattn.ops.kata.feature_maps import make_feature_map
-    from polyattn.ops.kata.state import KataState
-
     B, H, K = q.shape
     V = v.shape[-1]
     fmap = make_feature_map("psd", K, groups, combine)
@@ -187,8 +186,6 @@ def deltakata_step(q, k, v, beta, g, state, *, groups, combine, eps, scale):
     q, k: [B, H, K]; v: [B, H, V]; beta: [B, H]; g: [B, H] log-decay or None; state: `[B, H, P, V]` or
     None (zeros). The caller's state is not modified. Returns `(o [B, H, V] in q's dtype, S' fp32)`.
     """
-    from polyattn.ops.kata.feature_maps import make_feature_map
-
     B, H, K = q.shape
     V = v.shape[-1]
     fmap = make_feature_map("psd", K, groups, combine)
@@ -207,9 +204,6 @@ def deltakata_step(q, k, v, beta, g, state, *, groups, combine, eps, scale):
 
 def kata_step_ref(q, k, v, g, state, *, groups, combine, normalize, eps, scale):
     """Twin of `kata_step` in float64 by the lifted features: `(o [B, H, V], KataState)`."""
-    from polyattn.ops.kata.feature_maps import make_feature_map
-    from polyattn.ops.kata.state import KataState
-
     fmap = make_feature_map("psd", q.shape[-1], groups, combine)
     psi_q, psi_k = fmap.lift(scale * q.double()), fmap.lift(k.double())  # [B, H, K] -> [B, H, P]
     decay = 1.0 if g is None else torch.exp(g.double())[..., None]  # [B, H, 1]
@@ -223,8 +217,6 @@ def kata_step_ref(q, k, v, g, state, *, groups, combine, normalize, eps, scale):
 
 def deltakata_step_ref(q, k, v, beta, g, state, *, groups, combine, eps, scale):
     """Twin of `deltakata_step` in float64 by the lifted features: `(o [B, H, V], S')`."""
-    from polyattn.ops.kata.feature_maps import make_feature_map
-
     fmap = make_feature_map("psd", q.shape[-1], groups, combine)
     psi_q, psi_k = fmap.lift(scale * q.double()), fmap.lift(k.double())  # [B, H, K] -> [B, H, P]
     unit = psi_k / torch.linalg.vector_norm(psi_k, dim=-1, keepdim=True).clamp_min(eps)  # ψ̂
