@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import platform
+import sys
 
 import torch
 
@@ -121,5 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_arguments, _) in COMMANDS.items():
         add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # as typed: `sweep --config` reads which flags override the config, and records the command
     return COMMANDS[args.command][2](args)

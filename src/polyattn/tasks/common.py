@@ -46,11 +46,14 @@ def sample_distinct(num_rows, num_choices, size, gen, log_weights=None):
     """`size` distinct indices in [0, num_choices) per row, optionally weighted (Gumbel top-k).
 
     With `log_weights` ([num_choices]) this is sampling without replacement proportional to
-    exp(log_weights), the same law as numpy's `choice(replace=False, p=...)`.
+    exp(log_weights), the same law as numpy's `choice(replace=False, p=...)`. Uniform draws take the
+    rejection sampler when few rows are redrawn: a row of `size` draws has no repeat with probability
+    about exp(-size² / 2·num_choices), so past size² = 8·num_choices (under 2 % accepted, e.g. 256 keys of
+    4095) they take the Gumbel path.
     """
     if size > num_choices:
         raise ValueError(f"expected at most {num_choices} distinct draws, got size={size}")
-    if log_weights is None and 8 * size <= num_choices:
+    if log_weights is None and 8 * size <= num_choices and size * size <= 8 * num_choices:
         return sample_distinct_sparse(num_rows, num_choices, size, gen)
     u = torch.rand(num_rows, num_choices, generator=gen, dtype=torch.float64)  # [N, C]
     scores = -torch.log(-torch.log(u.clamp_min(1e-300)))  # Gumbel noise, [N, C]

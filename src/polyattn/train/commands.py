@@ -1,10 +1,13 @@
 """Arguments and entry points of ``polyattn train``, ``polyattn sweep`` and ``polyattn demo``."""
 
+import argparse
 import functools
 import json
 import os
+import shlex
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from polyattn.layers import MIXERS
 from polyattn.tasks import TASKS
@@ -155,27 +158,149 @@ def run_train(args):
 def add_sweep_arguments(parser):
     add_train_arguments(parser)
     parser.add_argument("--mixers", default="softmax,gdn,kata-m2", help="comma-separated mixer names")
+    parser.add_argument("--mixer-configs", default="{}",
+                        help="JSON options per mixer over --mixer-config, e.g. '{\"gdn\": {\"output_gate\": false}}'")
     parser.add_argument("--widths", default="64,128", help="comma-separated d_model values")
     parser.add_argument("--lrs", default="1e-3,3.2e-3,1e-2,3.2e-2", help="comma-separated learning rates")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="an evidence config (JSON, benchmarks/evidence/): its sweep arguments, which flags given here "
+                             "override, and its claims, checked into OUT/claims.json and claims.md (needs --out)")
+    parser.add_argument("--toy", action="store_true", help="with --config: its toy sizes (a few steps; what CPU CI runs)")
+
+
+# An evidence config: {"description", "sweep": {argument: value}, "toy": {argument: value}, "claims": [...]}.
+# Arguments are the sweep's flags without dashes (train, test, mixers, mixer_configs, widths, lrs, steps, ...);
+# segments and lists may be JSON lists, options JSON objects. The output folder and --config/--toy stay on the command line.
+CONFIG_KEYS = {"description", "sweep", "toy", "claims"}
+COMMAND_LINE_ONLY = {"config", "toy", "out"}
+
+
+def read_json(path, flag):
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ValueError(f"{flag}: cannot read {str(path)!r} ({err.strerror or err})") from err
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"{flag}: {str(path)!r} is not valid JSON ({err})") from err
+
+
+def flag_text(where, value, default):
+    """A config value in the form its flag parses: lists joined (segments ``[64, 20000, 4]`` as ``64:20000:4``),
+    objects as JSON, for the flags that parse text; other values as they are (checked by `TrainConfig`)."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if not isinstance(default, str) or isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return ",".join(":".join(map(str, v)) if isinstance(v, list) else str(v) for v in value)
+    raise ValueError(f"{where}: expected a string, a list or an object, got {value!r}")
+
+
+def apply_config(args):
+    """``polyattn sweep --config FILE [--toy]``: the arguments are the defaults, then the config's ``sweep``
+    block, then (``--toy``) its ``toy`` block, then the flags given on the command line. Returns the merged
+    arguments and the config."""
+    where = f"--config {args.config}"
+    spec = read_json(args.config, "--config")
+    if not isinstance(spec, dict) or not isinstance(spec.get("sweep"), dict) or not set(spec) <= CONFIG_KEYS:
+        got = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
+        raise ValueError(f"{where}: expected an object with a 'sweep' object and some of {sorted(CONFIG_KEYS - {'sweep'})}, got {got}")
+    if args.toy and not isinstance(spec.get("toy"), dict):
+        raise ValueError(f"{where}: --toy needs a 'toy' object of sweep arguments in the config")
+    parser = argparse.ArgumentParser(prog="polyattn sweep")
+    add_sweep_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    allowed = sorted(set(defaults) - COMMAND_LINE_ONLY)
+    values = {}
+    for block in ("sweep", "toy") if args.toy else ("sweep",):
+        for key, value in spec[block].items():
+            if key not in allowed:
+                raise ValueError(f"{where}: {block}.{key}: unknown sweep argument, expected some of {allowed}")
+            values[key] = flag_text(f"{where}: {block}.{key}", value, defaults[key])
+    if "claims" in spec and not args.out:
+        raise ValueError(f"{where}: expected --out (the folder for sweep.json, the plots, claims.json and claims.md)")
+    # argparse sets a default only where the namespace has no value yet: the config's values stay unless a flag is given
+    return parser.parse_args(args.argv[1:], namespace=argparse.Namespace(**values)), spec
+
+
+def parse_mixer_configs(text, mixers):
+    configs = parse_json_object(text, "--mixer-configs")
+    for name, options in configs.items():
+        if name not in mixers:
+            raise ValueError(f"--mixer-configs: {name!r} is not one of the sweep's mixers {mixers}")
+        if not isinstance(options, dict):
+            raise ValueError(f"--mixer-configs: expected a JSON object of options for {name!r}, got {options!r}")
+    return configs
+
+
+@dataclass
+class SweepPlan:
+    """What `polyattn sweep` runs, every part checked: the cells' shared config and axes, the evidence config
+    (``spec``, None without ``--config``) and the command line that reproduces the run."""
+
+    base: TrainConfig
+    mixers: list
+    widths: list
+    lrs: list
+    mixer_configs: dict
+    out: str | None
+    spec: dict | None
+    command: str
+
+
+def plan_sweep(args):
+    """The `SweepPlan` of parsed ``polyattn sweep`` arguments, everything checked before any work: every
+    cell runnable, and the claims of ``--config`` reading mixers, widths and test slices of this sweep."""
+    from polyattn.train.claims import check_claims
+    from polyattn.train.loop import check_runnable
+    from polyattn.train.sweep import sweep_cells
+
+    command = "polyattn " + shlex.join(args.argv)
+    spec = None
+    if args.config:
+        args, spec = apply_config(args)
+    elif args.toy:
+        raise ValueError("--toy: expected --config FILE (the toy sizes of an evidence config)")
+    mixers = parse_list(args.mixers, str, "--mixers")
+    check_mixers(mixers)
+    widths, lrs = parse_list(args.widths, int, "--widths"), parse_list(args.lrs, float, "--lrs")
+    mixer_configs = parse_mixer_configs(args.mixer_configs, mixers)
+    base = replace(config_from_args(args), checkpoint=False, out_dir=None)
+    for config in sweep_cells(base, mixers, widths, lrs, mixer_configs):  # every cell, before any work
+        check_runnable(config)
+    if spec and "claims" in spec:
+        check_claims(spec["claims"], mixers, widths, [(s.seq_len, s.num_pairs) for s in base.test_segments])
+    return SweepPlan(base, mixers, widths, lrs, mixer_configs, args.out, spec, command)
 
 
 @reports_errors
 def run_sweep(args):
-    from polyattn.train.loop import check_runnable, prepare_out_dir
+    from polyattn.train.claims import claim_rows, claims_markdown, format_value
+    from polyattn.train.loop import prepare_out_dir
     from polyattn.train.sweep import format_table, sweep
 
-    mixers = parse_list(args.mixers, str, "--mixers")
-    check_mixers(mixers)
-    widths, lrs = parse_list(args.widths, int, "--widths"), parse_list(args.lrs, float, "--lrs")
-    base = replace(config_from_args(args), checkpoint=False, out_dir=None)
-    for mixer in mixers:  # every cell, before any work
-        for width in widths:
-            for lr in lrs:
-                check_runnable(replace(base, mixer=mixer, d_model=width, lr=lr))
-    if args.out:
-        prepare_out_dir(args.out)
-    summary, best = sweep(base, mixers, widths, lrs, args.out)
-    print(format_table(best, extra_columns=[("best lr", lambda r: f"{r['config']['lr']:g}")]))
+    plan = plan_sweep(args)
+    if plan.out:
+        prepare_out_dir(plan.out)
+    summary, best = sweep(plan.base, plan.mixers, plan.widths, plan.lrs, plan.out, mixer_configs=plan.mixer_configs)
+    table = format_table(best, extra_columns=[("best lr", lambda r: f"{r['config']['lr']:g}")])
+    print(table)
+    if plan.spec and "claims" in plan.spec:
+        rows = claim_rows(plan.spec["claims"], best, plan.command)
+        out = Path(plan.out)
+        (out / "claims.json").write_text(json.dumps(rows, indent=2) + "\n")
+        (out / "claims.md").write_text(claims_markdown(rows, plan.spec.get("description", plan.command), table))
+        verdict = {True: "holds", False: "does not hold", None: "reported"}
+        for row in rows:
+            print(f"{verdict[row['holds']]}: {row['claim']} (ours {format_value(row['ours'])}; "
+                  f"source {format_value(row['source_value'])})")
+        print(f"wrote {out / 'claims.json'} and {out / 'claims.md'}")
     return 0
 
 

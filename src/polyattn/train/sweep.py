@@ -13,18 +13,25 @@ def score(result):
     return sum(e["accuracy"] for e in result["eval"]) / len(result["eval"])
 
 
-def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False):
-    """Train every (mixer, width, lr); returns ``{"runs": [...], "best": [...]}`` and writes
+def sweep_cells(base, mixers, widths, lrs, mixer_configs=None):
+    """The run configs of a sweep, mixer by mixer, then width, then lr; a mixer's options are
+    ``base.mixer_config`` updated by ``mixer_configs[mixer]`` (options for that mixer alone)."""
+    mixer_configs = mixer_configs or {}
+    return [replace(base, mixer=mixer, mixer_config={**base.mixer_config, **mixer_configs.get(mixer, {})}, d_model=width, lr=lr,
+                    out_dir=None)
+            for mixer in mixers for width in widths for lr in lrs]
+
+
+def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False, mixer_configs=None):
+    """Train every (mixer, width, lr) (`sweep_cells`); returns ``{"runs": [...], "best": [...]}`` and writes
     ``sweep.json`` + ``accuracy_vs_state.png`` + ``accuracy_vs_length.png`` under `out_dir`."""
     runs = []
-    for mixer in mixers:
-        for width in widths:
-            for lr in lrs:
-                config = replace(base, mixer=mixer, d_model=width, lr=lr, out_dir=None)
-                result, _ = train(config, quiet=quiet, label=f"{mixer} d={width} lr={lr:g}")
-                result["label"] = f"{mixer} d={width}"
-                result["train"]["history"] = result["train"]["history"][::10]
-                runs.append(result)
+    for config in sweep_cells(base, mixers, widths, lrs, mixer_configs):
+        label = f"{config.mixer} d={config.d_model}"
+        result, _ = train(config, quiet=quiet, label=f"{label} lr={config.lr:g}")
+        result["label"] = label
+        result["train"]["history"] = result["train"]["history"][::10]
+        runs.append(result)
     best = []
     for mixer in mixers:
         for width in widths:
