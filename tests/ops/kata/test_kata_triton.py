@@ -275,9 +275,10 @@ def test_stages_match_twins(groups, combine):
     prior = torch.rand(1, sum(lengths), H, V + 1, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     opts = dict(groups=groups, combine=combine, scale=scale)
     with use_config(CONFIG):
-        o, den = kata_parallel_forward(q, k, v, g, prior, scale, eps, lengths, groups, combine, True)
+        o, den, o32 = kata_parallel_forward(q, k, v, g, prior, scale, eps, lengths, groups, combine, True, True)
         o_ref, den_ref = kata_forward_ref(*(_flat(t) for t in (q, k, v, g, prior)), lengths, eps=eps, normalize=True, **opts)
         assert rel_err(_flat(o), o_ref) <= 1e-5 and rel_err(_flat(den), den_ref) <= 1e-5
+        assert rel_err(_flat(o32), o_ref) <= 1e-5 and o32.dtype == torch.float32
         do = torch.randn_like(v)
         dq, dk, dv, dg, dprior = kata_parallel_backward(do, q, k, v, g, o, den, scale, eps, lengths, groups, combine, True, True, True)
     r = 1 / den.clamp_min(eps)
@@ -300,10 +301,10 @@ def test_custom_ops_pass_opcheck():
     q, k, v, g = x.values()
     prior = torch.rand(1, 40, H, V + 1, device=DEVICE)
     with use_config(CONFIG):
-        for args in [(q, k, v, g, prior, 0.3, 1e-6, [40], 2, "sum", True), (q, k, v, None, None, 0.3, 1e-6, [40], 1, "concat", False)]:
+        for args in [(q, k, v, g, prior, 0.3, 1e-6, [40], 2, "sum", True, True), (q, k, v, None, None, 0.3, 1e-6, [40], 1, "concat", False, False)]:
             torch.library.opcheck(torch.ops.polyattn.kata_parallel_forward.default, args,
                                   test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
-        o, den = torch.ops.polyattn.kata_parallel_forward(q, k, v, g, prior, 0.3, 1e-6, [40], 2, "concat", True)
+        o, den, _ = torch.ops.polyattn.kata_parallel_forward(q, k, v, g, prior, 0.3, 1e-6, [40], 2, "concat", True, False)
         args = (torch.randn_like(o), q, k, v, g, o, den, 0.3, 1e-6, [40], 2, "concat", True, True, True)
         torch.library.opcheck(torch.ops.polyattn.kata_parallel_backward.default, args, test_utils=("test_schema", "test_faketensor"))
 

@@ -24,10 +24,11 @@ from .tiles import key_tile, pair_dots, query_tile, score_values, square_sum
 
 @triton.jit
 def kata_forward_kernel(
-    q, k, v, g, prior, o, den, tiles, starts,
+    q, k, v, g, prior, o, o32, den, tiles, starts,
     scale2, eps, H, K, V, E,
     G: tl.constexpr, SUM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_PRIOR: tl.constexpr, NORMALIZE: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
+    STORE_O32: tl.constexpr,
 ):
     """One query tile of one head.
 
@@ -36,6 +37,7 @@ def kata_forward_kernel(
     (normaliser) in registers. Per key tile: the group products (scores), the square-sum, the
     decay tile, `[BM, BN] @ [BN, BV]`. q, k, v, o: `[N_tok, H, D]`; g, den: `[N_tok, H]`;
     prior: `[N_tok, H, V + 1]` fp32; tiles: `[NT, 4]` (start, end, sequence, flags); starts: `[N + 1]`.
+    STORE_O32: also `o32 [N_tok, H, V]`, o before its downcast (the normalized backward's `do·o`).
     """
     i_h, t0, t1, bos, t, m_t, b_q, b_gq, b_hq = query_tile(q, g, tiles, starts, H, K, E, G, BM, BE, USE_G)
     b_num = tl.zeros([BM, BV], dtype=tl.float32)
@@ -71,8 +73,10 @@ def kata_forward_kernel(
         b_den += tl.load(prior + row + V, mask=m_t, other=0.0)
     if NORMALIZE:
         b_num = b_num / tl.maximum(b_den, eps)[:, None]
-    p_o = o + (t.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :]
-    tl.store(p_o, to_output(b_num, o.dtype.element_ty, F32), mask=m_t[:, None] & m_v[None, :])  # downcast: output dtype
+    offs = (t.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :]
+    tl.store(o + offs, to_output(b_num, o.dtype.element_ty, F32), mask=m_t[:, None] & m_v[None, :])  # downcast: output dtype
+    if STORE_O32:
+        tl.store(o32 + offs, b_num, mask=m_t[:, None] & m_v[None, :])
     tl.store(den + t * H + i_h, b_den, mask=m_t)
 
 
