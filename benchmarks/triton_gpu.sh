@@ -7,7 +7,8 @@
 # `--dims 128`). TESTS (pytest paths), TEST_TIMEOUT,
 # BENCH_TIMEOUT, DECODE_TIMEOUT, TUNE_TIMEOUT (default 0: off), PROFILE_TIMEOUT and
 # PRECISION_TIMEOUT (s; 0 skips the step) bound the steps. PROFILE_OPS (bench op names) adds the
-# per-kernel profile of those rows at PROFILE_T (default 8192) tokens per sequence.
+# per-kernel profile of those rows at PROFILE_T (default 8192) tokens per sequence, with PROFILE_ARGS
+# passed on (e.g. `--by-launch`: one row per launch).
 set -uo pipefail
 out=${1:?usage: triton_gpu.sh OUTDIR [bench args...]}
 shift
@@ -43,5 +44,5 @@ if [ "${PROFILE_TIMEOUT:-60}" != 0 ]; then
   [ "${PRECISION_TIMEOUT:-60}" != 0 ] && timeout "${PRECISION_TIMEOUT:-60}" python3 benchmarks/delta_precision.py --out "$out/precision.json" 2>&1 | tail -n 4
 fi
 if [ -n "${PROFILE_OPS:-}" ]; then
-  timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/profile_kernels.py --ops $PROFILE_OPS --T ${PROFILE_T:-8192} --out "$out/profile_kernels.json" 2>&1 | grep -v -i warn | tail -n 40
+  timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/profile_kernels.py --ops $PROFILE_OPS --T ${PROFILE_T:-8192} ${PROFILE_ARGS:-} --out "$out/profile_kernels.json" 2>&1 | grep -v -i warn | tail -n 40
 fi
