@@ -3,8 +3,8 @@
 Our fused steps (linear attention and the delta rule; state [B, H, K, V] fp32 updated in place:
 reads and writes 2 * 4 * B*H*K*V bytes whatever the context) against SDPA over a bf16 KV cache of
 the given context, and fla's `fused_recurrent_simple_gla` one-token call when importable.
-B = 8, H = 16, K = V = 128; KATA-M2's step (state [S | z] of P = 2,048 features, K = V = 64, into new
-tensors) beside its PyTorch step. `gbps`: the state bytes a step must move over its time. Then tokens/s of `CausalLM.generate` for a small model whose
+B = 8, H = 16, K = V = 128; KATA-M2's and DeltaKATA-M1's steps (P = 2,048 and 4,096 features, K = V = 64,
+into new tensors) beside their PyTorch steps. `gbps`: the state bytes a step must move over its time. Then tokens/s of `CausalLM.generate` for a small model whose
 one-token calls go through the fused steps (`decode_impl="auto"`) or the PyTorch token loop
 (`decode_impl="recurrent"`).
 """
@@ -60,10 +60,11 @@ def run(out: Path, contexts=CONTEXTS) -> list[dict]:
     if fused_gla is not None:
         q1, k1, v1, g1 = (x[:, None] for x in (q, k, v, g))  # [B, H, *] -> [B, 1, H, *]
         ms_fla = try_bench(lambda: fused_gla(q1, k1, v1, g1, initial_state=state, output_final_state=True), rep_ms=200)
-    ms_kata, ms_kata_ref, kata_bytes = kata_m2_steps(gen)
+    kata = kata_steps(gen)
     for T in contexts:
-        record("decode-kata-m2", "polyattn-triton-kata-step", T, ms_kata, KATA_D, kata_bytes)
-        record("decode-kata-m2", "polyattn-pytorch-kata-step", T, ms_kata_ref, KATA_D, kata_bytes)
+        for op, fused, reference, moved in kata:
+            record(op, "polyattn-triton-kata-step", T, fused, KATA_D, moved)
+            record(op, "polyattn-pytorch-kata-step", T, reference, KATA_D, moved)
         record("decode-linear", "polyattn-triton-step", T, ms_step)
         record("decode-linear", "polyattn-pytorch-step", T, ms_ref)
         record("decode-delta", "polyattn-triton-delta-step", T, ms_delta)
@@ -85,26 +86,37 @@ def run(out: Path, contexts=CONTEXTS) -> list[dict]:
     return rows
 
 
-KATA_D = 64  # KATA-M2's decode row at the KATA paper's head dim: P = 2 * 32^2 features per head
+KATA_D = 64  # the KATA rows at the KATA paper's head dim: P = 2 * 32^2 (M2), 64^2 (M1) features per head
 
 
-def kata_m2_steps(gen) -> tuple:
-    """`(ms of the fused step, ms of the PyTorch step, state bytes it reads and writes)` of one KATA-M2
-    token (B, H, K = V = KATA_D, decay, normalized read; state S [B, H, P, V], z [B, H, P] fp32)."""
+def kata_steps(gen) -> list[tuple]:
+    """`[(op, ms of the fused step, ms of the PyTorch step, state bytes the step must move)]` of one token of
+    KATA-M2 (decay, normalized read; S [B, H, P, V], z [B, H, P] fp32: read once, written once) and of
+    DeltaKATA-M1 (decay; S read twice, written once), K = V = KATA_D."""
     from polyattn import ops
     from polyattn.ops.kata import KataState, make_feature_map
-    from polyattn.ops.kata.triton.step import kata_step
+    from polyattn.ops.kata.triton.step import deltakata_step, kata_step
 
-    P = make_feature_map("psd", KATA_D, 2, "concat").dim()
     q, k, v = (torch.randn(B, H, KATA_D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     g = -torch.rand(B, H, device="cuda", generator=gen) * 0.1
+    beta = torch.rand(B, H, device="cuda", generator=gen)
+    q1, k1, v1, g1, beta1 = (x[:, None] for x in (q, k, v, g, beta))  # [B, H, *] -> [B, 1, H, *]
+    out = []
+    P = make_feature_map("psd", KATA_D, 2, "concat").dim()
     state = KataState(torch.randn(B, H, P, KATA_D, device="cuda", generator=gen), torch.rand(B, H, P, device="cuda", generator=gen))
-    opts = dict(groups=2, combine="concat", normalize=True, eps=1e-6, scale=KATA_D ** -0.5)
-    fused = try_bench(lambda: kata_step(q, k, v, g, state, **opts), rep_ms=200)
-    q1, k1, v1, g1 = (x[:, None] for x in (q, k, v, g))  # [B, H, *] -> [B, 1, H, *]
+    opts = dict(groups=2, combine="concat", eps=1e-6, scale=KATA_D ** -0.5)
+    fused = try_bench(lambda: kata_step(q, k, v, g, state, normalize=True, **opts), rep_ms=200)
     reference = try_bench(lambda: ops.kata(q1, k1, v1, g1, initial_state=state, output_final_state=True, impl="recurrent", **opts),
                           rep_ms=200)
-    return fused, reference, 2 * 4 * B * H * P * (KATA_D + 1)
+    out.append(("decode-kata-m2", fused, reference, 2 * 4 * B * H * P * (KATA_D + 1)))
+    P = make_feature_map("psd", KATA_D).dim()
+    S = torch.randn(B, H, P, KATA_D, device="cuda", generator=gen)
+    opts = dict(groups=1, combine="concat", eps=1e-6, scale=KATA_D ** -0.5)
+    fused = try_bench(lambda: deltakata_step(q, k, v, beta, g, S, **opts), rep_ms=200)
+    reference = try_bench(lambda: ops.kata(q1, k1, v1, g1, beta=beta1, normalize=False, initial_state=S, output_final_state=True,
+                                           impl="recurrent", **opts), rep_ms=200)
+    out.append(("decode-deltakata-m1", fused, reference, 3 * 4 * B * H * P * KATA_D))
+    return out
 
 
 def generate_throughput(mixers=("gdn", "mamba2"), batch=8, prompt=512, new_tokens=128) -> list[dict]:
@@ -150,7 +162,7 @@ def table(rows: list[dict]) -> str:
             if r is None or not isinstance(r["ms"], float):
                 cells.append("error" if r else "-")
                 continue
-            versus_linear = impl != "polyattn-triton-step" and r["op"] != "decode-kata-m2"  # KATA's state is another size
+            versus_linear = impl != "polyattn-triton-step" and "kata" not in r["op"]  # KATA's states are other sizes
             speed = f" ({r['ms'] / ours[t]:.1f}x ours)" if isinstance(ours.get(t), float) and versus_linear else ""
             cells.append(f"{r['ms'] * 1e3:.1f} us{speed}")
         lines.append(f"| {impl} | " + " | ".join(cells) + " |")
