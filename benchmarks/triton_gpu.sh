@@ -5,7 +5,7 @@
 # fla wheels in .whl/ (if any) are installed to /tmp/site first. Kernel compilation (CPU-bound)
 # runs in parallel with the tests before anything is timed (COMPILE_ARGS: its bench arguments, default
 # `--dims 128`). TESTS (pytest paths), TEST_TIMEOUT,
-# BENCH_TIMEOUT, DECODE_TIMEOUT, TUNE_TIMEOUT (default 0: off), PROFILE_TIMEOUT and
+# BENCH_TIMEOUT, DECODE_TIMEOUT, TUNE_TIMEOUT (default 0: off; TUNE_OPS, TUNE_ARGS for tune_kernels.py), PROFILE_TIMEOUT and
 # PRECISION_TIMEOUT (s; 0 skips the step) bound the steps. PROFILE_OPS (bench op names) adds the
 # per-kernel profile of those rows at PROFILE_T (default 8192) tokens per sequence, with PROFILE_ARGS
 # passed on (e.g. `--by-launch`: one row per launch).
@@ -36,8 +36,8 @@ if [ "${DECODE_TIMEOUT:-120}" != 0 ]; then
   tail -n 16 /tmp/decode.log
 fi
 if [ "${TUNE_TIMEOUT:-0}" != 0 ]; then
-  timeout "${TUNE_TIMEOUT}" python3 benchmarks/tune_linear_triton.py --seqlens 8192 --configs 0 1 --out "$out/tune_linear.json" > "$out/tune_linear.log" 2>&1
-  tail -n 3 "$out/tune_linear.log"
+  timeout "${TUNE_TIMEOUT}" python3 benchmarks/tune_kernels.py --ops ${TUNE_OPS:-linear_attn linear_attn_decay} --seqlens 8192 ${TUNE_ARGS:-} --out "$out/tune.json" > "$out/tune.log" 2>&1
+  tail -n 30 "$out/tune.log"
 fi
 if [ "${PROFILE_TIMEOUT:-60}" != 0 ]; then
   timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/profile_delta.py --T 8192 --warps 4 --block-v 32 --fp32-dot ${PROFILE_DOTS:-split} --out "$out/profile.json" 2>&1 | grep -v -i warn | tail -n 20

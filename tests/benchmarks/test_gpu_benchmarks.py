@@ -118,6 +118,33 @@ def test_launch_means_tells_passes_apart():
         launch_means(call + [("outputs", 1.0), ("scan", 1.0), ("outputs", 1.0)], 2)
 
 
+def test_tune_kernels_sweeps_the_family_presets_and_checks_configs_first(capsys, monkeypatch):
+    """Presets by the ops' kernel family, --set configs checked as KernelConfig fields, one family per sweep,
+    and no GPU: a clear refusal after the checks."""
+    tune = load("tune_kernels")
+    assert tune.family("linear_attn_decay") == tune.family("loglinear_mamba2") == "linear"
+    assert tune.family("kata_s2") == "kata" and tune.family("delta_rule") == "delta"
+    assert tune.configs_for(["kata_m1"], [0, 1], ['{"kata_num_warps": 4}']) == [{}, {"kata_score_dot": "rounded"}, {"kata_num_warps": 4}]
+    with pytest.raises(TypeError, match="bogus"):
+        tune.configs_for(["linear_attn"], [0], ['{"bogus": 1}'])
+    with pytest.raises(SystemExit, match="one kernel family"):
+        tune.configs_for(["linear_attn", "kata_m1"], None, [])
+    with pytest.raises(SystemExit, match="indices below"):
+        tune.configs_for(["delta_rule"], [99], [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        tune.main(["--ops", "linear_attn"])
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    from polyattn.bench import kernels
+
+    ours = [c for c in kernels.cases() if c.op == "linear_attn" and c.impl == "polyattn-triton"]
+    rows = [dict(op="linear_attn", impl="fla-chunk_linear_attn", D=128, T=2048, mode="fwd", config=None, ms=2.0),
+            dict(op="linear_attn", impl="polyattn-triton", D=128, T=2048, mode="fwd", config=0, ms=1.0),
+            dict(op="linear_attn", impl="polyattn-triton", D=128, T=2048, mode="fwd", config=1, ms="error: X")]
+    text = tune.table(rows, [{}, {"num_warps": 8}], ours, [(128, 2048, "fwd")])
+    assert "| linear_attn | 128 | 2048 | fwd | fla-chunk_linear_attn 2.000 | 1.000 (0.50) | error |" in text
+
+
 def test_profile_kernels_refuses_without_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU build, wherever the test runs
     with pytest.raises(SystemExit):
