@@ -19,6 +19,22 @@ from polyattn.ops.kata.recurrent import lifted_delta_rule, lifted_linear_attn
 DELTA_MAX_FEATURES = 128  # the widest key the delta-rule kernels run (and are tested at) on the H200
 
 
+def fused_step(step, tokens: tuple, state, cu_seqlens, output_final_state: bool, **options):
+    """A one-token call without gradients (decoding) on `step` (step.py): `step(*tokens at their token,
+    state, **options)` as `(o [B, 1, H, V], new state or None)`; None for any other call. tokens: the
+    per-token tensors `(q, k, v, ..., g)`, g may be None; state: a KataState, a tensor or None."""
+    from polyattn.ops.triton.plan import one_token_step
+    from polyattn.ops.triton.precision import check_kernel_inputs
+
+    q = tokens[0]
+    states = tuple(state) if isinstance(state, tuple) else (state,)
+    if not q.numel() or not one_token_step(q, cu_seqlens, (*tokens, *states)):
+        return None
+    check_kernel_inputs(q)
+    o, new = step(*(None if x is None else x[:, 0] for x in tokens), state, **options)
+    return o[:, None], (new if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
+
+
 def kata_triton_parallel(
     q, k, v, g=None, *, feature="psd", groups=1, combine="concat", normalize=True, eps=1e-6, scale,
     initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -28,18 +44,12 @@ def kata_triton_parallel(
     runs the fused step of step.py instead, for any `groups`."""
     if feature != "psd":
         raise ValueError(f"impl='triton_parallel': the Triton kernels compute feature='psd', got feature={feature!r}")
-    from polyattn.ops.triton.plan import one_token_step
-    from polyattn.ops.triton.precision import check_kernel_inputs
+    from . import step
 
-    if q.numel() and one_token_step(q, cu_seqlens, (q, k, v, g, *(initial_state or ()))):
-        from .step import kata_step
-
-        check_kernel_inputs(q)
-        o, state = kata_step(
-            q[:, 0], k[:, 0], v[:, 0], None if g is None else g[:, 0], initial_state,
-            groups=groups, combine=combine, normalize=normalize, eps=eps, scale=scale,
-        )
-        return o[:, None], (state if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
+    decoded = fused_step(step.kata_step, (q, k, v, g), initial_state, cu_seqlens, output_final_state,
+                         groups=groups, combine=combine, normalize=normalize, eps=eps, scale=scale)
+    if decoded is not None:
+        return decoded
     if groups & (groups - 1):
         raise ValueError(f"impl='triton_parallel': expected groups a power of two, got groups = {groups}")
     from .function import kata_parallel_fused
@@ -99,19 +109,15 @@ def deltakata_triton(
     gradients (decoding) runs the fused step of step.py. Returns `(o [B, T, H, V] in q's dtype,
     S [N, H, P, V] fp32 or None)`."""
     from polyattn.ops.delta.triton import delta_rule_triton
-    from polyattn.ops.triton.plan import one_token_step
-    from polyattn.ops.triton.precision import check_kernel_inputs
+
+    from . import step
 
     fmap = make_feature_map(feature, q.shape[-1], groups, combine)
-    if feature == "psd" and q.numel() and one_token_step(q, cu_seqlens, (q, k, v, beta, g, initial_state)):
-        from .step import deltakata_step
-
-        check_kernel_inputs(q)
-        o, state = deltakata_step(
-            q[:, 0], k[:, 0], v[:, 0], beta[:, 0], None if g is None else g[:, 0], initial_state,
-            groups=groups, combine=combine, eps=eps, scale=scale,
-        )
-        return o[:, None], (state if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
+    if feature == "psd":
+        decoded = fused_step(step.deltakata_step, (q, k, v, beta, g), initial_state, cu_seqlens, output_final_state,
+                             groups=groups, combine=combine, eps=eps, scale=scale)
+        if decoded is not None:
+            return decoded
     if fmap.dim() > DELTA_MAX_FEATURES:
         raise ValueError(
             f"impl='triton': DeltaKATA runs the delta-rule kernels on at most {DELTA_MAX_FEATURES} lifted features, "

@@ -146,11 +146,17 @@ def deltakata_step_kernel(
     tl.store(o + i_bh64 * V + o_v, to_output(b_o, o.dtype.element_ty, F32), mask=m_v)  # downcast: output dtype
 
 
-def _step_tiles(E: int, V: int) -> dict:
-    """The steps' tiles: the E×E block's padded width, a value tile of at most 32, and BR rows so that a
-    [BR, BE, BV] fp32 tile holds at most 8,192 values (64 per thread at 4 warps)."""
-    BE, BV = block(E), min(32, block(V))
-    return dict(BR=max(1, min(block(E), 8192 // (BE * BV))), BE=BE, BV=BV)
+def _step_plan(q, v, groups, combine):
+    """`(fmap, grid, launch)` of a step: the PSD map, the (value tiles, B·H) grid and the launch arguments
+    after the state pointers: E, V, slots and the tiles — the E×E block's padded width, a value tile of
+    at most 32, and BR rows so that a [BR, BE, BV] fp32 tile holds at most 8,192 values (64 per thread)."""
+    B, H, K = q.shape
+    V = v.shape[-1]
+    fmap = make_feature_map("psd", K, groups, combine)
+    BE, BV = block(fmap.E), min(32, block(V))
+    tiles = dict(BR=max(1, min(block(fmap.E), 8192 // (BE * BV))), BE=BE, BV=BV, G=groups, SUM=combine == "sum",
+                 F32=dot_f32(q.dtype), num_warps=4)
+    return fmap, (triton.cdiv(V, BV), B * H), ((fmap.E, V, fmap.slots), tiles)
 
 
 def kata_step(q, k, v, g, state, *, groups, combine, normalize, eps, scale):
@@ -160,24 +166,20 @@ def kata_step(q, k, v, g, state, *, groups, combine, normalize, eps, scale):
     z [B, H, P])` or None (zeros). The caller's state is not modified. Returns `(o [B, H, V] in q's
     dtype, KataState(S', z') fp32)`.
     """
-    B, H, K = q.shape
-    V = v.shape[-1]
-    fmap = make_feature_map("psd", K, groups, combine)
-    E, slots, P = fmap.E, fmap.slots, fmap.dim()
+    fmap, grid, (sizes, tiles) = _step_plan(q, v, groups, combine)
     if state is None:
-        S = torch.zeros(B, H, P, V, dtype=torch.float32, device=q.device)
-        z = torch.zeros(B, H, P, dtype=torch.float32, device=q.device)
+        S = v.new_zeros(*v.shape[:2], fmap.dim(), v.shape[-1], dtype=torch.float32)  # [B, H, P, V]
+        z = v.new_zeros(*v.shape[:2], fmap.dim(), dtype=torch.float32)  # [B, H, P]
     else:
         S, z = (x.to(torch.float32).contiguous() for x in state)
     S_new, z_new = torch.empty_like(S), torch.empty_like(z)
-    o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
-    tiles = _step_tiles(E, V)
-    kata_step_kernel[(triton.cdiv(V, tiles["BV"]), B * H)](
+    o = torch.empty(v.shape, dtype=q.dtype, device=q.device)  # [B, H, V]
+    kata_step_kernel[grid](
         q.contiguous(), k.contiguous(), v.contiguous(), None if g is None else g.contiguous(),
-        S, z, S_new, z_new, o, float(scale), float(eps), E, V, slots,
-        G=groups, SUM=combine == "sum", USE_G=g is not None, NORMALIZE=normalize, F32=dot_f32(q.dtype), num_warps=4, **tiles,
+        S, z, S_new, z_new, o, float(scale), float(eps), *sizes, USE_G=g is not None, NORMALIZE=normalize, **tiles,
     )
     return o, KataState(S_new, z_new)
+
 
 
 def deltakata_step(q, k, v, beta, g, state, *, groups, combine, eps, scale):
@@ -186,18 +188,13 @@ def deltakata_step(q, k, v, beta, g, state, *, groups, combine, eps, scale):
     q, k: [B, H, K]; v: [B, H, V]; beta: [B, H]; g: [B, H] log-decay or None; state: `[B, H, P, V]` or
     None (zeros). The caller's state is not modified. Returns `(o [B, H, V] in q's dtype, S' fp32)`.
     """
-    B, H, K = q.shape
-    V = v.shape[-1]
-    fmap = make_feature_map("psd", K, groups, combine)
-    E, slots, P = fmap.E, fmap.slots, fmap.dim()
-    S = torch.zeros(B, H, P, V, dtype=torch.float32, device=q.device) if state is None else state.to(torch.float32).contiguous()
+    fmap, grid, (sizes, tiles) = _step_plan(q, v, groups, combine)
+    S = v.new_zeros(*v.shape[:2], fmap.dim(), v.shape[-1], dtype=torch.float32) if state is None else state.to(torch.float32).contiguous()
     S_new = torch.empty_like(S)
-    o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
-    tiles = _step_tiles(E, V)
-    deltakata_step_kernel[(triton.cdiv(V, tiles["BV"]), B * H)](
+    o = torch.empty(v.shape, dtype=q.dtype, device=q.device)  # [B, H, V]
+    deltakata_step_kernel[grid](
         q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), None if g is None else g.contiguous(),
-        S, S_new, o, float(scale), float(eps), E, V, slots,
-        G=groups, SUM=combine == "sum", USE_G=g is not None, F32=dot_f32(q.dtype), num_warps=4, **tiles,
+        S, S_new, o, float(scale), float(eps), *sizes, USE_G=g is not None, **tiles,
     )
     return o, S_new
 
