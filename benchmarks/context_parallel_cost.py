@@ -86,6 +86,10 @@ def main(argv=None):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     measure = bench_ms if device.type == "cuda" else cpu_ms
     shard, H = args.shard, args.heads
+    tag = "h200" if "H200" in environment(device)["device"] else device.type
+    out = Path(args.out or f"benchmarks/results/{datetime.date.today()}-{tag}")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "context_parallel_cost.json"
     rows = []
     for R in (int(r) for r in args.ranks.split(",")):
         L = num_levels(shard * R)
@@ -113,11 +117,8 @@ def main(argv=None):
                 f"x{row['fwd_overhead']:.2f} / x{row['fwdbwd_overhead']:.2f}   summary {row['summary_bytes_per_rank'] / 2**20:.2f} MiB",
                 flush=True,
             )
-    tag = "h200" if "H200" in environment(device)["device"] else device.type
-    out = Path(args.out or f"benchmarks/results/{datetime.date.today()}-{tag}")
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(dict(environment=environment(device), rows=rows), out / "context_parallel_cost.json")
-    print(f"wrote {out / 'context_parallel_cost.json'}")
+            write_json(dict(environment=environment(device), rows=rows), path)  # after every row: a timeout keeps them
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

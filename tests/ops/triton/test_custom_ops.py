@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from polyattn import ops
 from polyattn.layers import build_mixer
@@ -89,3 +91,45 @@ def test_custom_ops_pass_opcheck():
                  (q, k, v, lam, None, None, None, torch.zeros_like(position), 0.3, seq_lens, 16, False)]:
         torch.library.opcheck(torch.ops.polyattn.loglinear_attn_forward.default, args,
                               test_utils=("test_schema", "test_faketensor"))
+
+
+class _RecordCustomOps(TorchDispatchMode):
+    """Records every `polyattn::` custom-op call that reaches the dispatcher (below autograd, so the
+    backward ops too), with its tensors detached."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "polyattn":
+            detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
+            self.calls.append((func, tree_map(detach, args), tree_map(detach, kwargs)))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla", "loglinear_attn", "kata"])
+def test_custom_ops_fake_outputs_match_real_strides(op):
+    """Every forward and backward custom op of a gated call, at the arguments a real backward passes it:
+    the fake function's outputs have the real outputs' sizes and strides (inductor asserts both on
+    CUDA; the log-decay gradient once came back transposed)."""
+    leaves = _inputs(op)
+    with _RecordCustomOps() as record:
+        if op == "hla":
+            o, ht = ops.hla(*leaves, impl="triton")
+        elif op == "kata":
+            o, ht = ops.kata(*leaves, impl="triton_parallel")
+        elif op == "loglinear_attn":
+            q, k, v, g, lam = leaves
+            o, ht = ops.loglinear_attn(q, k, v, lam, g, impl="triton", initial_state=_loglinear_state(), output_final_state=True)
+            ht = ht.levels
+        else:
+            o, ht = getattr(ops, op)(*leaves, impl="triton", initial_state=torch.randn(1, 2, 8, 12, device=DEVICE),
+                                     output_final_state=True)
+        loss = o.square().sum() + (ht.sum() if ht is not None else 0)
+        torch.autograd.grad(loss, leaves)
+    names = [func.name() for func, _, _ in record.calls]
+    assert any(n.endswith("_forward") for n in names) and any(n.endswith("_backward") for n in names), names
+    for func, args, kwargs in record.calls:
+        torch.library.opcheck(func, args, kwargs, test_utils=("test_faketensor",))

@@ -179,13 +179,14 @@ def plan_segments(seq_lens: tuple, H: int, DC: int, config: KernelConfig, device
 def reverse_cumsum(x: torch.Tensor, seq_lens: tuple) -> torch.Tensor:
     """Per-sequence reverse cumsum over tokens; x: [N_tok, H] fp32, summed in fp64 along the
     last (contiguous) dimension, where torch's scan is parallel. The log-decay gradient of every
-    family is this sum of a per-token term."""
+    family is this sum of a per-token term. Returns `[N_tok, H]` fp32, contiguous (the custom ops'
+    fake functions promise contiguous gradients)."""
     x64 = x.t().double()  # [N_tok, H] -> [H, N_tok]
     total = x64.cumsum(-1)  # [H, N_tok]
     lengths = torch.tensor(seq_lens, device=x.device)
     ends = lengths.cumsum(0) - 1  # [N] last token of each sequence
     end_of = total[:, torch.repeat_interleave(ends, lengths, output_size=x.shape[0])]  # [H, N_tok]; size given: no host read
-    return (end_of - total + x64).t().float()  # [H, N_tok] -> [N_tok, H]
+    return (end_of - total + x64).float().t().contiguous()  # [H, N_tok] -> [N_tok, H]
 
 
 def one_token_step(q: torch.Tensor, cu_seqlens, tensors) -> bool:

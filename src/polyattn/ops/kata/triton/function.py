@@ -114,7 +114,7 @@ def kata_parallel_backward(
     )
     dg = no_output(q)
     if want_dg:
-        dg = reverse_cumsum(0.5 * (qdq - kdk), tuple(seq_lens)).view(B, T, H).to(g.dtype).contiguous()  # [B*T, H] -> [B, T, H]
+        dg = reverse_cumsum(0.5 * (qdq - kdk), tuple(seq_lens)).view(B, T, H).to(g.dtype)  # [B*T, H] -> [B, T, H]
     dprior = no_output(q)
     if want_dprior:
         dprior = torch.cat([r[..., None] * do.float(), -c[..., None]], dim=-1)  # [B, T, H, V + 1]
