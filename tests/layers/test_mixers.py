@@ -234,24 +234,35 @@ def test_mixer_form_names_the_form_a_call_runs():
         mixer_form("nope", "auto")
 
 
-def test_mixer_form_auto_offers_what_the_op_offers(monkeypatch):
-    """With "auto", mixer_form resolves among the forms the op's own "auto" picks from: KATA, DeltaKATA
-    and log-linear GDN keep their Triton forms to be chosen by name, log-linear Mamba-2 offers its kernels."""
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("name", ["kata-m2", "deltakata-m1", "loglinear-gdn", "loglinear-mamba2"])
+def test_mixer_form_auto_offers_what_the_op_offers(name, T, monkeypatch):
+    """With "auto", mixer_form resolves among exactly the forms that the op's own "auto" offers on the
+    mixer's real call (recorded from a forward without gradients; one token is a decoding call): the
+    Triton forms always for decoding (the fused steps), for longer calls only for KATA (the quadratic
+    kernel) and log-linear Mamba-2, not for DeltaKATA or the log-linear Gated DeltaNet base."""
+    import importlib
+
     import polyattn.layers as layers
 
     offered = {}
-    real = layers.resolve_impl
-    monkeypatch.setattr(layers, "resolve_impl", lambda op, impl, forms, q: offered.setdefault(op, set(forms)) and real(op, impl, forms, q))
-    for name in ("kata-m2", "deltakata-m1", "loglinear-gdn"):
-        offered.clear()
-        assert mixer_form(name, "auto", 1) == "recurrent"
-        assert "triton" not in next(iter(offered.values())) and "recurrent" in next(iter(offered.values())), name
+
+    def recording(module, who):
+        real = module.resolve_impl
+        return lambda op, impl, forms, q: offered.setdefault(who, set(forms)) and real(op, impl, forms, q)
+
+    monkeypatch.setattr(layers, "resolve_impl", recording(layers, "mixer_form"))
+    for module in map(importlib.import_module, ("polyattn.ops.kata", "polyattn.ops.loglinear")):  # the modules, not the ops
+        monkeypatch.setattr(module, "resolve_impl", recording(module, "op"))
+    mixer = build_mixer(name, 16, num_heads=2)
+    with torch.no_grad():
+        mixer(torch.randn(1, T, 16))
+    mixer_form(name, "auto", T)
+    assert offered["mixer_form"] == offered["op"], name
+    assert ("triton" in offered["op"]) == (T == 1 or name in ("kata-m2", "loglinear-mamba2")), (name, T)
     offered.clear()
-    mixer_form("loglinear-mamba2", "auto", 1)
-    assert "triton" in offered["loglinear_attn"]
-    offered.clear()
-    mixer_form("kata-m2", "triton", 1)
-    assert "triton" in offered["kata"]  # by name: every form
+    mixer_form("kata-m2", "triton", T)
+    assert "triton" in offered["mixer_form"]  # by name: every form
 
 
 FORWARD_ERRORS = {

@@ -28,9 +28,9 @@ from polyattn.layers.softmax import KVCache, SoftmaxAttention, SoftmaxConfig
 from polyattn.ops.common import resolve_impl
 from polyattn.ops.delta import DELTA_RULE_FORMS
 from polyattn.ops.hla import HLA_FORMS
-from polyattn.ops.kata import DELTAKATA_AUTO_FORMS, DELTAKATA_FORMS, KATA_AUTO_FORMS, KATA_FORMS
+from polyattn.ops.kata import DELTAKATA_FORMS, KATA_FORMS, kata_auto_forms
 from polyattn.ops.linear import LINEAR_ATTN_FORMS
-from polyattn.ops.loglinear import LOGLINEAR_ATTN_FORMS, LOGLINEAR_GDN_AUTO_FORMS
+from polyattn.ops.loglinear import LOGLINEAR_ATTN_FORMS, loglinear_auto_forms
 
 MIXERS = {
     cls.registry_name: cls
@@ -83,10 +83,11 @@ def mixer_form(name, impl, T=2, device="cpu", dtype=torch.float32):
     op, forms = MIXER_OPS[name], OP_FORMS[MIXER_OPS[name]]
     if issubclass(MIXERS[name], DeltaKataM1):
         op, forms = "DeltaKATA", DELTAKATA_FORMS
-    if impl == "auto":  # the forms the op's own "auto" picks from
-        forms = {"kata": KATA_AUTO_FORMS, "DeltaKATA": DELTAKATA_AUTO_FORMS}.get(op, forms)
-        if issubclass(MIXERS[name], LogLinearGatedDeltaNet):
-            forms = LOGLINEAR_GDN_AUTO_FORMS
+    if impl == "auto":  # the forms the op's own "auto" picks from (the mixers' KATA maps are PSD; decoding: no gradient)
+        if op in ("kata", "DeltaKATA"):
+            forms = kata_auto_forms("psd", T == 1, delta=op == "DeltaKATA")
+        elif issubclass(MIXERS[name], LogLinearGatedDeltaNet):
+            forms = loglinear_auto_forms(True, T == 1)
     chosen = resolve_impl(op, impl, forms, torch.empty(1, T, 1, 1, device=device, dtype=dtype))  # [B, T, H, K]
     return impl if forms.get(impl) is chosen else next(form for form, fn in forms.items() if fn is chosen)
 

@@ -32,3 +32,12 @@ def resolve_impl(mechanism: str, impl: str, available: Mapping[str, Callable], q
     if impl not in available:
         raise NotImplementedError(f"{mechanism} has no impl={impl!r}; it has {sorted(available)} and 'auto'")
     return available[impl]
+
+
+def one_token_step(q: torch.Tensor, cu_seqlens, tensors) -> bool:
+    """A call that the fused decoding step serves: one token per sequence (`T == 1`, no
+    `cu_seqlens`) and no gradient wanted. The step kernel then replaces the chunk kernels: one
+    read and one write of the state instead of a chunk's worth of work on a padded chunk."""
+    if q.shape[1] != 1 or cu_seqlens is not None:
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))

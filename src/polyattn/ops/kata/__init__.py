@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import check_flag, check_inputs, check_positive, check_state, resolve_impl, resolve_scale, run_varlen
+from polyattn.ops.common import check_flag, check_inputs, check_positive, check_state, one_token_step, resolve_impl, resolve_scale, run_varlen
 from polyattn.ops.kata.chunk import deltakata_chunk, kata_chunk
 from polyattn.ops.kata.feature_maps import FEATURE_MAPS, kata_state_size, make_feature_map
 from polyattn.ops.kata.gate import kata_convex_gate
@@ -32,10 +32,20 @@ DELTAKATA_FORMS = {
     "triton": deltakata_triton,  # the delta-rule kernels on lifted keys, up to DELTA_MAX_FEATURES features
 }
 
-# the forms impl="auto" picks from: the Triton ones are chosen by name (the quadratic kernel's cost grows as
-# T², and they are not all at their bound on the GPU: ops/kata/README.md, "Open on the GPU")
-KATA_AUTO_FORMS = {n: f for n, f in KATA_FORMS.items() if "triton" not in n}
-DELTAKATA_AUTO_FORMS = {n: f for n, f in DELTAKATA_FORMS.items() if n != "triton"}
+
+
+def kata_auto_forms(feature: str, decoding: bool, delta: bool = False, groups: int = 1) -> dict:
+    """The forms ``impl="auto"`` picks from (on CUDA it takes ``"triton"`` where that is among them).
+
+    PSD maps: every form for a decoding call (one token, no gradient: the fused steps, any groups) and
+    for KATA with ``groups`` a power of two (the quadratic kernel: T² work, yet 60x faster than the
+    PyTorch forms at 2K tokens on the H200 and the one that fits at 8K). Otherwise the PyTorch forms: DeltaKATA's
+    Triton form and the first-order maps' run the delta and linear kernels on fp32 lifted features (IEEE
+    fp32 products, not yet at speed); ops/kata/README.md, "On the GPU"."""
+    forms = DELTAKATA_FORMS if delta else KATA_FORMS
+    if feature == "psd" and (decoding or not delta and groups & (groups - 1) == 0):
+        return forms
+    return {n: f for n, f in forms.items() if "triton" not in n}
 
 
 def kata(
@@ -76,11 +86,12 @@ def kata(
         cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1).
         impl: KATA ``"naive" | "recurrent" | "chunk" | "scan" | "parallel" | "triton_parallel" | "triton" | "auto"``
             (``"triton_parallel"``: the flash-style quadratic kernel, PSD maps only; ``"triton"``: that kernel
-            for PSD maps and linear attention's kernels for the first-order ones; chosen by name: ``"auto"``
-            does not pick them, the quadratic one's cost grows as T²; with a PSD map both run one-token
-            calls without gradients on the fused decoding step);
+            for PSD maps and linear attention's kernels for the first-order ones; with a PSD map both run
+            one-token calls without gradients on the fused decoding step);
             DeltaKATA ``"naive" | "recurrent" | "chunk" | "triton" | "auto"`` (``"triton"``: the delta-rule kernels
-            on lifted keys, for maps of at most 128 features, by name).
+            on lifted keys, for maps of at most 128 features; the fused step for PSD decoding calls).
+            ``"auto"`` on CUDA: ``"triton"`` for PSD KATA and for PSD DeltaKATA decoding calls, the PyTorch
+            forms otherwise (:func:`kata_auto_forms`).
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state or None)``.
@@ -90,12 +101,14 @@ def kata(
     check_flag("normalize", normalize)
     P = fmap.dim()
     options = dict(feature=feature, groups=groups, combine=combine, eps=check_positive("eps", eps), scale=resolve_scale(scale, K))
+    states = tuple(initial_state) if isinstance(initial_state, tuple) else (initial_state,)
+    decoding = one_token_step(q, cu_seqlens, (q, k, v, g, beta, *states))
     if beta is not None:
         if normalize:
             raise ValueError("beta: DeltaKATA's read is unnormalized; expected normalize=False with beta, got normalize=True")
         if initial_state is not None:
             check_state("initial_state", initial_state, (N, H, P, V), q)
-        forms = DELTAKATA_FORMS if impl != "auto" else DELTAKATA_AUTO_FORMS
+        forms = DELTAKATA_FORMS if impl != "auto" else kata_auto_forms(feature, decoding, delta=True)
         fn = resolve_impl("DeltaKATA", impl, forms, q)
         return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, decay_index=4, **options)
     if initial_state is not None:
@@ -103,17 +116,16 @@ def kata(
             raise ValueError(f"initial_state: expected a KataState(S, z), got {type(initial_state).__name__}")
         check_state("initial_state.S", initial_state.S, (N, H, P, V), q)
         check_state("initial_state.z", initial_state.z, (N, H, P), q)
-    forms = KATA_FORMS if impl != "auto" else KATA_AUTO_FORMS
+    forms = KATA_FORMS if impl != "auto" else kata_auto_forms(feature, decoding, groups=groups)
     fn = resolve_impl("kata", impl, forms, q)
     # with states, packed sequences run one by one: a padded batch of P×V states is slower (measured, P = 512)
     return run_varlen(fn, (q, k, v, g), cu_seqlens, initial_state, output_final_state, decay_index=3, normalize=normalize, **options)
 
 
 __all__ = [
-    "DELTAKATA_AUTO_FORMS",
     "DELTAKATA_FORMS",
     "FEATURE_MAPS",
-    "KATA_AUTO_FORMS",
+    "kata_auto_forms",
     "KATA_FORMS",
     "KataState",
     "deltakata_chunk",

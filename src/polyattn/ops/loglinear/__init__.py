@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import check_inputs, check_per_token, resolve_impl, resolve_scale, run_varlen
+from polyattn.ops.common import check_inputs, check_per_token, one_token_step, resolve_impl, resolve_scale, run_varlen
 from polyattn.ops.loglinear.chunk import loglinear_attn_chunk
 from polyattn.ops.loglinear.naive import loglinear_attn_naive
 from polyattn.ops.loglinear.recurrent import loglinear_attn_recurrent, loglinear_attn_step
@@ -19,8 +19,15 @@ LOGLINEAR_ATTN_FORMS = {
     "scan": loglinear_attn_scan,
     "triton": loglinear_attn_triton,
 }
-# impl="auto" with beta (the Gated DeltaNet base): the Triton form has only its decoding step, not yet run on a GPU
-LOGLINEAR_GDN_AUTO_FORMS = {n: f for n, f in LOGLINEAR_ATTN_FORMS.items() if n != "triton"}
+
+
+def loglinear_auto_forms(gated_delta: bool, decoding: bool) -> dict:
+    """The forms ``impl="auto"`` picks from (on CUDA it takes ``"triton"`` where that is among them): all of
+    them, but without ``"triton"`` for a Gated DeltaNet base call that is not decoding (its Triton form is
+    the fused decoding step alone)."""
+    if gated_delta and not decoding:
+        return {n: f for n, f in LOGLINEAR_ATTN_FORMS.items() if n != "triton"}
+    return LOGLINEAR_ATTN_FORMS
 
 
 def _per_sequence(form):
@@ -75,7 +82,9 @@ def loglinear_attn(
     if initial_state is not None:
         check_loglinear_state(initial_state, N, H, L, K, V, q)
     check_lam_levels(L, initial_state, T if cu_seqlens is None else torch.diff(cu_seqlens))
-    forms = LOGLINEAR_ATTN_FORMS if impl != "auto" or beta is None else LOGLINEAR_GDN_AUTO_FORMS
+    states = () if initial_state is None else (initial_state.levels,)
+    decoding = one_token_step(q, cu_seqlens, (q, k, v, lam, g, beta, *states))
+    forms = LOGLINEAR_ATTN_FORMS if impl != "auto" else loglinear_auto_forms(beta is not None, decoding)
     fn = resolve_impl("loglinear_attn", impl, forms, q)
     scale = resolve_scale(scale, K)
     return run_varlen(_per_sequence(fn), (q, k, v, lam, g, beta), cu_seqlens, initial_state, output_final_state, scale=scale)
@@ -83,7 +92,7 @@ def loglinear_attn(
 
 __all__ = [
     "LOGLINEAR_ATTN_FORMS",
-    "LOGLINEAR_GDN_AUTO_FORMS",
+    "loglinear_auto_forms",
     "LogLinearState",
     "combine_levels",
     "loglinear_attn",

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from polyattn.ops.common import one_token_step
+
 from .precision import check_kernel_inputs
 
 # Segment flags stored in column 3 of the segment table.
@@ -187,15 +189,6 @@ def reverse_cumsum(x: torch.Tensor, seq_lens: tuple) -> torch.Tensor:
     ends = lengths.cumsum(0) - 1  # [N] last token of each sequence
     end_of = total[:, torch.repeat_interleave(ends, lengths, output_size=x.shape[0])]  # [H, N_tok]; size given: no host read
     return (end_of - total + x64).float().t().contiguous()  # [H, N_tok] -> [N_tok, H]
-
-
-def one_token_step(q: torch.Tensor, cu_seqlens, tensors) -> bool:
-    """A call that the fused decoding step serves: one token per sequence (`T == 1`, no
-    `cu_seqlens`) and no gradient wanted. The step kernel then replaces the chunk kernels: one
-    read and one write of the state instead of a chunk's worth of work on a padded chunk."""
-    if q.shape[1] != 1 or cu_seqlens is not None:
-        return False
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
 def step_state(initial_state, q: torch.Tensor, V: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ def fused_step(step, tokens: tuple, state, cu_seqlens, output_final_state: bool,
     """A one-token call without gradients (decoding) on `step` (step.py): `step(*tokens at their token,
     state, **options)` as `(o [B, 1, H, V], new state or None)`; None for any other call. tokens: the
     per-token tensors `(q, k, v, ..., g)`, g may be None; state: a KataState, a tensor or None."""
-    from polyattn.ops.triton.plan import one_token_step
+    from polyattn.ops.common import one_token_step
     from polyattn.ops.triton.precision import check_kernel_inputs
 
     q = tokens[0]

@@ -26,8 +26,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from polyattn.ops.common import one_token_step
 from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, fenwick_carry, occupied_levels
-from polyattn.ops.triton.plan import get_config, no_output, one_token_step, reverse_cumsum, sequence_lengths
+from polyattn.ops.triton.plan import get_config, no_output, reverse_cumsum, sequence_lengths
 from polyattn.ops.triton.precision import check_kernel_inputs
 
 from .level_pass import level_pass
