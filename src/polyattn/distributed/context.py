@@ -317,7 +317,10 @@ class ContextParallel:
         """The incoming state's contribution to the first piece, ``exp(g_1 + … + g_t) read(q_t, state)``."""
         t1 = me.offsets[1]
         dt = state.dtype
-        G = torch.zeros(qs.shape[0], t1, qs.shape[2], dtype=dt, device=qs.device) if g is None else torch.cumsum(g[:, :t1].to(dt), 1)
+        if g is None:
+            G = torch.zeros(qs.shape[0], t1, qs.shape[2], dtype=dt, device=qs.device)  # [B, t1, H]
+        else:  # the scan along the last dimension: torch's scan of a middle one over 16 heads took 2.9 ms at 8K tokens (H200)
+            G = torch.cumsum(g[:, :t1].to(dt).transpose(1, 2), -1).transpose(1, 2)  # [B, t1, H]
         return self._add_first_piece(o, torch.exp(G)[..., None] * read(qs[:, :t1].to(dt), state))  # [B, t1, H, W]
 
     # -- the families --------------------------------------------------------------------------------
