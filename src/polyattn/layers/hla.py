@@ -41,7 +41,9 @@ from polyattn.layers.common import (
     QKVMixer,
     check_option,
 )
-from polyattn.ops.hla.variants import finish_output, prepare
+from polyattn.ops.common import resolve_impl
+from polyattn.ops.hla.variants import finish_output, prepare, prepare_for_kernels
+from polyattn.ops.linear import LINEAR_ATTN_FORMS
 
 
 @dataclass
@@ -93,16 +95,23 @@ class HigherOrderLinearAttention(QKVMixer):
 
     def inner_decay_hla(self, q, k, v, g, core, use_cache, cu_seqlens=None, **options):
         """The variant's composed `linear_attn` calls (`polyattn.ops.hla.variants`), all but the last with
-        log-decay ``g`` and the last undecayed; same state (the calls' states, in order) as ``ops.hla``."""
-        scale = q.shape[-1] ** -0.5
-        variant, q, k, v, g, state, dtype = prepare(q, k, v, g, scale=scale, initial_state=core, **options)
+        log-decay ``g`` and the last undecayed; same state (the calls' states, in order) as ``ops.hla``.
+        Where the calls run the Triton kernels they take the inputs' dtype, like ``ops.hla``'s Triton form
+        (bf16 intermediates, ops/hla/README.md "Precision"; in fp32 they took 18x the linear mixer's
+        training step on the H200); the PyTorch forms compute in fp32."""
+        impl, dtype, scale = self.impl_for(q.shape[1]), q.dtype, q.shape[-1] ** -0.5
+        if resolve_impl("linear_attn", impl, LINEAR_ATTN_FORMS, q) is LINEAR_ATTN_FORMS["triton"]:
+            variant, v, g, state = prepare_for_kernels(v, g, initial_state=core, **options)
+        else:
+            variant, q, k, v, g, state, _ = prepare(q, k, v, g, scale=scale, initial_state=core, **options)
+            scale = 1.0  # q is scaled
         env, finals = {"k": k, "v": v}, []
         with self.ordered_exchanges():  # context parallel: one exchange per call, in one order on every rank
             for call, initial in zip(variant.calls, state):  # no state given: None (not prepare's zeros) for cu_seqlens
                 env[call.out], final = self.ops.linear_attn(
-                    q, env[call.key], env[call.value], None if call.out == "o" else g, scale=1.0,
+                    q, env[call.key], env[call.value], None if call.out == "o" else g, scale=scale,
                     initial_state=None if core is None else initial, output_final_state=use_cache, cu_seqlens=cu_seqlens,
-                    impl=self.impl_for(q.shape[1]),
+                    impl=impl,
                 )  # [B, T, H, width of the call's values]
                 finals.append(final)
         o = finish_output(env["o"], options["normalize"], self.config.eps, dtype)

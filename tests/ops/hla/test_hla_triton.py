@@ -68,3 +68,27 @@ def test_hla_triton_varlen():
     assert rel_err(o, o_ref) <= 5e-6
     for f, f_ref in zip(state, state_ref):
         assert rel_err(f, f_ref) <= 5e-6
+
+
+@pytest.mark.parametrize("name", ["hla2", "ahla", "hla3"])
+def test_inner_decay_mixer_runs_the_kernels_in_the_input_dtype(name, monkeypatch):
+    """The HLA mixers' inner-decay calls (their default gate placement) on the Triton form take the bf16
+    q, k, v that bf16 autocast gives them, as ops.hla's Triton form does, not fp32 copies (fp32 inputs
+    run the kernels' IEEE fp32 products, 18x the linear mixer's training step on the H200); the output
+    stays within bf16's rounding of the PyTorch chunk form's."""
+    from polyattn.layers import build_mixer
+
+    torch.manual_seed(0)
+    mixer = build_mixer(name, 32, num_heads=2, impl="triton").to(DEVICE)
+    reference = build_mixer(name, 32, num_heads=2, impl="chunk").to(DEVICE)
+    reference.load_state_dict(mixer.state_dict())
+    x = torch.randn(2, 70, 32, device=DEVICE)
+    seen, real = [], ops.linear_attn
+    monkeypatch.setattr(ops, "linear_attn", lambda q, k, v, *a, **kw: seen.append({q.dtype, k.dtype, v.dtype}) or real(q, k, v, *a, **kw))
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y, _ = mixer(x)
+        seen_triton, seen[:] = list(seen), []
+        y_ref, _ = reference(x)
+    assert len(seen_triton) == (3 if name == "hla3" else 2) and all(s == {torch.bfloat16} for s in seen_triton), seen_triton
+    assert all(s == {torch.float32} for s in seen), seen  # the chunk form computes in fp32
+    assert rel_err(y, y_ref) < 2.0**-7, rel_err(y, y_ref)

@@ -112,6 +112,18 @@ def prepare(q, k, v, g, *, order, asymmetric, normalize, scale, initial_state):
     return variant, q, k, v, (None if g is None else g.to(dt)), state, out_dtype
 
 
+def prepare_for_kernels(v, g, *, order, asymmetric, normalize, initial_state):
+    """The Triton forms' first step: q and k stay as they are (input dtype, q unscaled: the kernels apply
+    the scale in fp32, so q is never rounded after scaling). Returns ``(variant, v, g, states)``: v with
+    the ones column when normalized (``[B, T, H, V] -> [B, T, H, V + 1]``), g in fp32, the calls'
+    initial states in fp32 (None each for a fresh start)."""
+    variant = resolve_variant(order, asymmetric)
+    if normalize:
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, T, H, V] -> [B, T, H, V + 1]
+    states = (None,) * len(variant.calls) if initial_state is None else tuple(f.float() for f in initial_state)
+    return variant, v, (None if g is None else g.float()), states
+
+
 def finish_output(o: torch.Tensor, normalize: bool, eps: float, dtype: torch.dtype) -> torch.Tensor:
     """``o = num / (den + eps)`` when normalized (den = the ones column); cast to the output dtype."""
     if normalize:

@@ -9,10 +9,8 @@ Triton autograd Function. This module does not import triton itself.
 """
 from __future__ import annotations
 
-import torch
-
 from polyattn.ops.hla.chunk import compose_linear_attn
-from polyattn.ops.hla.variants import finish_output, resolve_variant
+from polyattn.ops.hla.variants import finish_output, prepare_for_kernels
 from polyattn.ops.linear.triton import linear_attn_triton
 
 
@@ -25,11 +23,9 @@ def hla_triton(
     Returns `(o [B, T, H, V] in q's dtype, final_state or None)`; each call gets the unscaled
     q and `scale`, so q is never rounded after scaling.
     """
-    variant = resolve_variant(order, asymmetric)
-    if normalize:
-        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # [B, T, H, V] -> [B, T, H, V + 1]
-    g = None if g is None else g.float()
-    states = (None,) * len(variant.calls) if initial_state is None else tuple(f.float() for f in initial_state)
+    variant, v, g, states = prepare_for_kernels(
+        v, g, order=order, asymmetric=asymmetric, normalize=normalize, initial_state=initial_state
+    )  # v: [B, T, H, V'] (V' = V + 1 when normalized)
     query_scale = scale
 
     def call(a, b, c, decay, *, scale: float, initial_state, output_final_state):
