@@ -33,7 +33,6 @@ DELTAKATA_FORMS = {
 }
 
 
-
 def kata_auto_forms(feature: str, decoding: bool, delta: bool = False, groups: int = 1) -> dict:
     """The forms ``impl="auto"`` picks from (on CUDA it takes ``"triton"`` where that is among them).
 
@@ -41,7 +40,7 @@ def kata_auto_forms(feature: str, decoding: bool, delta: bool = False, groups: i
     for KATA with ``groups`` a power of two (the quadratic kernel: T² work, yet 60x faster than the
     PyTorch forms at 2K tokens on the H200 and the one that fits at 8K). Otherwise the PyTorch forms: DeltaKATA's
     Triton form and the first-order maps' run the delta and linear kernels on fp32 lifted features (IEEE
-    fp32 products, not yet at speed); ops/kata/README.md, "On the GPU"."""
+    fp32 products, not yet at speed); ops/kata/README.md, "Triton kernel"."""
     forms = DELTAKATA_FORMS if delta else KATA_FORMS
     if feature == "psd" and (decoding or not delta and groups & (groups - 1) == 0):
         return forms
@@ -90,8 +89,8 @@ def kata(
             one-token calls without gradients on the fused decoding step);
             DeltaKATA ``"naive" | "recurrent" | "chunk" | "triton" | "auto"`` (``"triton"``: the delta-rule kernels
             on lifted keys, for maps of at most 128 features; the fused step for PSD decoding calls).
-            ``"auto"`` on CUDA: ``"triton"`` for PSD KATA and for PSD DeltaKATA decoding calls, the PyTorch
-            forms otherwise (:func:`kata_auto_forms`).
+            ``"auto"`` on CUDA: ``"triton"`` for PSD KATA (``groups`` a power of two) and for PSD decoding
+            calls, KATA and DeltaKATA; the PyTorch forms otherwise (:func:`kata_auto_forms`).
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state or None)``.
