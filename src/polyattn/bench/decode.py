@@ -1,7 +1,8 @@
 """`python -m polyattn.bench decode`: one-token decoding latency, and `generate()` throughput.
 
 Our fused steps (linear attention and the delta rule; state [B, H, K, V] fp32 updated in place:
-reads and writes 2 * 4 * B*H*K*V bytes whatever the context) against SDPA over a bf16 KV cache of
+reads and writes 2 * 4 * B*H*K*V bytes whatever the context; log-linear Mamba-2 and Gated DeltaNet:
+num_levels(T + 1) such states, each read and written once) against SDPA over a bf16 KV cache of
 the given context, and fla's `fused_recurrent_simple_gla` one-token call when importable.
 B = 8, H = 16, K = V = 128; KATA-M2's and DeltaKATA-M1's steps (P = 2,048 and 4,096 features, K = V = 64,
 into new tensors) beside their PyTorch steps. `gbps`: the state bytes a step must move over its time. Then tokens/s of `CausalLM.generate` for a small model whose
@@ -65,6 +66,9 @@ def run(out: Path, contexts=CONTEXTS) -> list[dict]:
         for op, fused, reference, moved in kata:
             record(op, "polyattn-triton-kata-step", T, fused, KATA_D, moved)
             record(op, "polyattn-pytorch-kata-step", T, reference, KATA_D, moved)
+        for op, fused, reference, moved in loglinear_steps(gen, T):
+            record(op, "polyattn-triton-loglinear-step", T, fused, moved=moved)
+            record(op, "polyattn-pytorch-loglinear-step", T, reference, moved=moved)
         record("decode-linear", "polyattn-triton-step", T, ms_step)
         record("decode-linear", "polyattn-pytorch-step", T, ms_ref)
         record("decode-delta", "polyattn-triton-delta-step", T, ms_delta)
@@ -116,6 +120,34 @@ def kata_steps(gen) -> list[tuple]:
     reference = try_bench(lambda: ops.kata(q1, k1, v1, g1, beta=beta1, normalize=False, initial_state=S, output_final_state=True,
                                            impl="recurrent", **opts), rep_ms=200)
     out.append(("decode-deltakata-m1", fused, reference, 3 * 4 * B * H * P * KATA_D))
+    return out
+
+
+def loglinear_steps(gen, T: int) -> list[tuple]:
+    """`[(op, ms of the fused step, ms of the PyTorch step, state bytes the step must move)]` of the token at
+    context T for log-linear Mamba-2 and Gated DeltaNet: `L = num_levels(T + 1)` fp32 levels [B, H, L, D, D],
+    every one decayed, so each is read once and written once (the Fenwick carry and the write to level 0
+    in the same walk)."""
+    from polyattn.ops.common import num_levels
+    from polyattn.ops.loglinear import LogLinearState, loglinear_attn_step
+    from polyattn.ops.loglinear.triton.step import loglinear_attn_step_inplace
+
+    L = num_levels(T + 1)
+    q, k, v = (torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    k = F.normalize(k.float(), dim=-1).to(k.dtype)  # unit keys: the delta rule's contractive regime
+    g = -torch.rand(B, H, device="cuda", generator=gen) * 0.1
+    beta = torch.rand(B, H, device="cuda", generator=gen)
+    lam = torch.rand(B, H, L, device="cuda", generator=gen)
+    levels = torch.randn(B, H, L, D, D, device="cuda", generator=gen)
+    position = torch.full((B,), T, dtype=torch.int64, device="cuda")
+    state = LogLinearState(levels.clone(), position)
+    out = []
+    for op, b in (("decode-loglinear-mamba2", None), ("decode-loglinear-gdn", beta)):
+        fused = try_bench(lambda b=b: loglinear_attn_step_inplace(q, k, v, lam, g, levels, position, scale=D ** -0.5, beta=b),
+                          rep_ms=200)
+        reference = try_bench(lambda b=b: loglinear_attn_step(q.float(), k.float(), v.float(), lam, g, b, state, scale=D ** -0.5),
+                              rep_ms=200)
+        out.append((op, fused, reference, 2 * 4 * B * H * L * D * D))
     return out
 
 
