@@ -9,7 +9,9 @@ which the forward kernel adds to its numerator and normaliser before the normali
 `o = (num + prior[:V]) / max(den + prior[V], eps)` is one division of the combined parts. The final
 state is one write of all keys on the host, `exp(G_T) [S_0 | z_0] + Σ_s exp(G_T − G_s) ψ(k_s) [v_s | 1]ᵀ`
 (fmap.write, ψ never built). Both host parts are PyTorch, so autograd differentiates them; the
-backward op returns the prior's gradient `[r·do | −c]` (backward.py's r and c) for them.
+backward op returns the prior's gradient `[r·do | −c]` (backward.py's r and c) for them. A bf16/fp16
+call that differentiates through a state hands the ops and the host parts one fp32 copy of q, k, v, so
+that the gradients of both add in fp32 and are rounded once (the ops take the kernels' `dtype`).
 """
 import torch
 
@@ -60,9 +62,13 @@ def _flat(x):
 def kata_parallel_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, prior: torch.Tensor | None,
     scale: float, eps: float, seq_lens: list[int], groups: int, combine: str, normalize: bool, keep_o32: bool,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward kernel as a custom op: `(o [B, T, H, V] in v's dtype, den [B, T, H] fp32, o32)`, o32 the
-    fp32 o before its downcast with `keep_o32` (else an empty [0] tensor); prior: `[B, T, H, V + 1]` fp32 or None."""
+    """The forward kernel as a custom op: `(o [B, T, H, V] in dtype, den [B, T, H] fp32, o32)`, o32 the
+    fp32 o before its downcast with `keep_o32` (else an empty [0] tensor); prior: `[B, T, H, V + 1]` fp32 or None.
+    dtype: the kernels' input dtype; q, k, v may come in fp32 (copies of dtype values, see
+    `kata_parallel_fused`), and are cast to it first."""
+    q, k, v = (x.to(dtype) for x in (q, k, v))
     B, T, H, K = q.shape
     V = v.shape[-1]
     plan = _launch(q, v, seq_lens, groups, combine, get_config().kata_num_warps)
@@ -79,22 +85,25 @@ def kata_parallel_forward(
 
 
 @kata_parallel_forward.register_fake
-def _(q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize, keep_o32):
+def _(q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize, keep_o32, dtype):
     B, T, H, _ = q.shape
     o32 = v.new_empty(B, T, H, v.shape[-1], dtype=torch.float32) if keep_o32 else no_output(q)
-    return v.new_empty(B, T, H, v.shape[-1]), q.new_empty(B, T, H, dtype=torch.float32), o32
+    return v.new_empty(B, T, H, v.shape[-1], dtype=dtype), q.new_empty(B, T, H, dtype=torch.float32), o32
 
 
 @torch.library.custom_op("polyattn::kata_parallel_backward", mutates_args=())
 def kata_parallel_backward(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
     o: torch.Tensor, den: torch.Tensor, scale: float, eps: float, seq_lens: list[int], groups: int, combine: str,
-    normalize: bool, want_dg: bool, want_dprior: bool,
+    normalize: bool, want_dg: bool, want_dprior: bool, dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The two gradient kernels and dg as a custom op: `(dq, dk, dv, dg, dprior)`, dg and dprior
-    empty [0] tensors when not wanted."""
+    empty [0] tensors when not wanted; dq, dk, dv in q's, k's, v's dtype (fp32 for fp32 copies: the kernels
+    then write them unrounded), the kernels run on the inputs cast to dtype."""
     B, T, H, K = q.shape
     V = v.shape[-1]
+    grads = tuple(torch.empty(x.shape[0] * x.shape[1], *x.shape[2:], dtype=x.dtype, device=x.device) for x in (q, k, v))  # [B*T, H, D]
+    q, k, v = (x.to(dtype) for x in (q, k, v))
     plan = _launch(q, v, seq_lens, groups, combine, get_config().kata_bwd_warps)
     if normalize:
         r = 1.0 / den.clamp_min(eps)  # [B, T, H]
@@ -102,7 +111,7 @@ def kata_parallel_backward(
     else:
         r, c = torch.ones_like(den), torch.zeros_like(den)
     qf, kf, vf, gf, dof, rf, cf = (_flat(x) for x in (q, k, v, g, do.to(v.dtype), r, c))
-    dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
+    dq, dk, dv = grads
     qdq, kdk = torch.empty_like(rf), torch.empty_like(rf)
     kata_dq_kernel[plan["grid"]](
         qf, kf, vf, gf, dof, rf, cf, dq, qdq, plan["tiles"], plan["starts"], scale * scale, *plan["sizes"],
@@ -122,7 +131,7 @@ def kata_parallel_backward(
 
 
 @kata_parallel_backward.register_fake
-def _(do, q, k, v, g, o, den, scale, eps, seq_lens, groups, combine, normalize, want_dg, want_dprior):
+def _(do, q, k, v, g, o, den, scale, eps, seq_lens, groups, combine, normalize, want_dg, want_dprior, dtype):
     B, T, H, _ = q.shape
     dg = g.new_empty(g.shape) if want_dg else no_output(q)
     dprior = q.new_empty(B, T, H, v.shape[-1] + 1, dtype=torch.float32) if want_dprior else no_output(q)
@@ -130,19 +139,19 @@ def _(do, q, k, v, g, o, den, scale, eps, seq_lens, groups, combine, normalize, 
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize, _ = inputs
+    q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize, _, dtype = inputs
     o, den, o32 = output
     ctx.save_for_backward(q, k, v, g, o32 if o32.numel() else o, den)  # the backward's do·o: o before its downcast where kept
     ctx.options = (scale, eps, seq_lens, groups, combine, normalize)
-    ctx.has_prior = prior is not None
+    ctx.has_prior, ctx.dtype = prior is not None, dtype
 
 
 def _backward(ctx, do, _, __):
     q, k, v, g, o, den = ctx.saved_tensors
     want_dg = g is not None and ctx.needs_input_grad[3]
     want_dprior = ctx.has_prior and ctx.needs_input_grad[4]
-    dq, dk, dv, dg, dprior = kata_parallel_backward(do, q, k, v, g, o, den, *ctx.options, want_dg, want_dprior)
-    return dq, dk, dv, dg if want_dg else None, dprior if want_dprior else None, None, None, None, None, None, None, None
+    dq, dk, dv, dg, dprior = kata_parallel_backward(do, q, k, v, g, o, den, *ctx.options, want_dg, want_dprior, ctx.dtype)
+    return dq, dk, dv, dg if want_dg else None, dprior if want_dprior else None, None, None, None, None, None, None, None, None
 
 
 kata_parallel_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -213,12 +222,19 @@ def kata_parallel_fused(
         if state is None:
             state = torch.zeros(len(seq_lens), H, fmap.dim(), V + 1, dtype=torch.float32, device=q.device)
         return o, (split_state(state.clone()) if output_final_state else None)
+    dtype = q.dtype
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, state))
+    if grads and dtype != torch.float32 and (state is not None or output_final_state):
+        # q, k, v also feed the state's read and write: one fp32 copy of each feeds all three, so that
+        # their gradients add in fp32 and are rounded once (ops/kata/README.md, "Backward")
+        q, k, v = q.float(), k.float(), v.float()
     prior = None if state is None else state_read(fmap, q, g, state, seq_lens, packed, scale)
     # normalized low-precision calls that will differentiate keep o in fp32 too: do·o from the rounded o
     # put dq at 1.4x the tests' bound (ops/kata/README.md, "Backward")
-    keep_o32 = normalize and q.dtype != torch.float32 and torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, prior))
-    o, _, _ = kata_parallel_forward(q, k, v, g, prior, float(scale), float(eps), list(seq_lens), groups, combine, normalize, keep_o32)
+    keep_o32 = normalize and dtype != torch.float32 and grads
+    o, _, _ = kata_parallel_forward(
+        q, k, v, g, prior, float(scale), float(eps), list(seq_lens), groups, combine, normalize, keep_o32, dtype,
+    )
     if not output_final_state:
         return o, None
     final = state_write(fmap, k, v, g, state, seq_lens, packed)
