@@ -36,8 +36,10 @@ def resolve_impl(mechanism: str, impl: str, available: Mapping[str, Callable], q
 
 def one_token_step(q: torch.Tensor, cu_seqlens, tensors) -> bool:
     """A call that the fused decoding step serves: one token per sequence (`T == 1`, no
-    `cu_seqlens`) and no gradient wanted. The step kernel then replaces the chunk kernels: one
-    read and one write of the state instead of a chunk's worth of work on a padded chunk."""
+    `cu_seqlens`) and no gradient wanted from any of `tensors` (the call's tensors and states, a
+    state a tensor or a NamedTuple of them; None skipped). The step kernel then replaces the chunk
+    kernels: one read and one write of the state instead of a chunk's worth of work on a padded chunk."""
     if q.shape[1] != 1 or cu_seqlens is not None:
         return False
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    flat = (x for t in tensors if t is not None for x in (t if isinstance(t, tuple) else (t,)))
+    return not (torch.is_grad_enabled() and any(x.requires_grad for x in flat))

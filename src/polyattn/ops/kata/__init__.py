@@ -100,13 +100,12 @@ def kata(
     check_flag("normalize", normalize)
     P = fmap.dim()
     options = dict(feature=feature, groups=groups, combine=combine, eps=check_positive("eps", eps), scale=resolve_scale(scale, K))
-    states = tuple(initial_state) if isinstance(initial_state, tuple) else (initial_state,)
-    decoding = one_token_step(q, cu_seqlens, (q, k, v, g, beta, *states))
     if beta is not None:
         if normalize:
             raise ValueError("beta: DeltaKATA's read is unnormalized; expected normalize=False with beta, got normalize=True")
         if initial_state is not None:
             check_state("initial_state", initial_state, (N, H, P, V), q)
+        decoding = one_token_step(q, cu_seqlens, (q, k, v, g, beta, initial_state))
         forms = DELTAKATA_FORMS if impl != "auto" else kata_auto_forms(feature, decoding, delta=True)
         fn = resolve_impl("DeltaKATA", impl, forms, q)
         return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, decay_index=4, **options)
@@ -115,6 +114,7 @@ def kata(
             raise ValueError(f"initial_state: expected a KataState(S, z), got {type(initial_state).__name__}")
         check_state("initial_state.S", initial_state.S, (N, H, P, V), q)
         check_state("initial_state.z", initial_state.z, (N, H, P), q)
+    decoding = one_token_step(q, cu_seqlens, (q, k, v, g, initial_state))
     forms = KATA_FORMS if impl != "auto" else kata_auto_forms(feature, decoding, groups=groups)
     fn = resolve_impl("kata", impl, forms, q)
     # with states, packed sequences run one by one: a padded batch of P×V states is slower (measured, P = 512)

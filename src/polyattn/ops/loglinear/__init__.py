@@ -82,8 +82,7 @@ def loglinear_attn(
     if initial_state is not None:
         check_loglinear_state(initial_state, N, H, L, K, V, q)
     check_lam_levels(L, initial_state, T if cu_seqlens is None else torch.diff(cu_seqlens))
-    states = () if initial_state is None else (initial_state.levels,)
-    decoding = one_token_step(q, cu_seqlens, (q, k, v, lam, g, beta, *states))
+    decoding = one_token_step(q, cu_seqlens, (q, k, v, lam, g, beta, initial_state))
     forms = LOGLINEAR_ATTN_FORMS if impl != "auto" else loglinear_auto_forms(beta is not None, decoding)
     fn = resolve_impl("loglinear_attn", impl, forms, q)
     scale = resolve_scale(scale, K)

@@ -27,8 +27,7 @@ def fused_step(step, tokens: tuple, state, cu_seqlens, output_final_state: bool,
     from polyattn.ops.triton.precision import check_kernel_inputs
 
     q = tokens[0]
-    states = tuple(state) if isinstance(state, tuple) else (state,)
-    if not q.numel() or not one_token_step(q, cu_seqlens, (*tokens, *states)):
+    if not q.numel() or not one_token_step(q, cu_seqlens, (*tokens, state)):
         return None
     check_kernel_inputs(q)
     o, new = step(*(None if x is None else x[:, 0] for x in tokens), state, **options)

@@ -361,7 +361,7 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
         levels = torch.where(occupied, initial_state.levels.float(), 0.0)  # levels that hold no keys at the position are not read
     else:
         position = torch.zeros(N, dtype=torch.int64, device=q.device)
-    if q.numel() != 0 and one_token_step(q, cu_seqlens, (q, k, v, lam, g, beta, None if initial_state is None else initial_state.levels)):
+    if q.numel() != 0 and one_token_step(q, cu_seqlens, (q, k, v, lam, g, beta, initial_state)):
         state = initial_state.levels.to(torch.float32, copy=True).contiguous() if initial_state is not None else q.new_zeros(B, H, L, K, V, dtype=torch.float32)
         o, state = loglinear_attn_step_inplace(
             q[:, 0], k[:, 0], v[:, 0], lam[:, 0], None if g is None else g[:, 0], state, position, scale=scale,
