@@ -23,6 +23,7 @@ from polyattn.ops.triton.decay import (
     chunk_decay, chunk_decay_ref, chunk_segsum, chunk_segsum_ref, chunk_suffix, chunk_suffix_ref,
 )
 from polyattn.ops.triton.plan import KernelConfig, get_config, use_config
+from polyattn.ops.triton.precision import first_nonfinite_row, first_nonfinite_row_ref
 from polyattn.testing import (
     LOW_PRECISION_CEILING, LOW_PRECISION_FLOOR, assert_decay_weights_close, dtype_id, rel_err, seeded_inputs,
 )
@@ -156,19 +157,80 @@ def _triton_call(op, x):
     return calls[op]()[0]
 
 
-# ops whose Triton form keeps a NaN gate out of every earlier output; the others (the delta rule's
-# solve and HLA's composed calls multiply masked zeros by the NaN rows of a chunk) out of every output
-# before the NaN's chunk, as for a NaN in k or v (ops/README.md, "Guarantees of the Triton forms")
-NAN_GATE_CAUSAL = ("linear_attn", "loglinear_mamba2", "kata_m2", "kata_lorentz")
+
+
+@triton.jit
+def first_nonfinite_row_kernel(x, y, out, C: tl.constexpr, D: tl.constexpr):
+    o = tl.arange(0, C)[:, None] * D + tl.arange(0, D)[None, :]
+    tl.store(out, first_nonfinite_row(tl.load(x + o), tl.load(y + o)))
+
+
+@pytest.mark.parametrize("plant", [None, ("x", 3, "nan"), ("y", 9, "inf"), ("x", 0, "-inf"), ("y", C - 1, "nan")],
+                         ids=["none", "x-nan", "y-inf", "x-neg-inf-first", "y-nan-last"])
+def test_first_nonfinite_row_matches_twin(plant):
+    x, y = (torch.randn(C, 8, generator=torch.Generator().manual_seed(s)).to(DEVICE) for s in (1, 2))
+    if plant is not None:
+        name, row, value = plant
+        (x if name == "x" else y)[row, 5] = float(value)
+    out = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    first_nonfinite_row_kernel[(1,)](x, y, out, C=C, D=8)
+    assert int(out) == first_nonfinite_row_ref(x, y) == (C if plant is None else plant[1])
+
+
+# every Triton form: a NaN or Inf in q, k, v (or beta) changes no earlier output (ops/README.md,
+# "Guarantees of the Triton forms")
+NONFINITE_INPUT_CAUSAL = (
+    "linear_attn", "delta_rule", "hla2", "ahla", "hla3", "loglinear_mamba2", "kata_m1", "kata_m2", "kata_s2", "kata_lorentz",
+    "deltakata_lorentz",
+)
+
+
+@pytest.mark.parametrize("position", [64, 100], ids=["chunk-start", "inside"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("op, field", [(op, field) for op in NONFINITE_INPUT_CAUSAL
+                                       for field in ("q", "k", "v") + (("beta",) if op.startswith("delta") else ())])
+def test_triton_forms_under_nonfinite_inputs(op, field, value, position):
+    """A NaN or Inf in q, k or v at one token (head 0) leaves every earlier output bit-identical to a
+    clean call, and a non-finite k or v reaches the outputs from that token on (KATA on the CPU: query
+    tiles of two key tiles, so that the diagonal has more than one)."""
+    from polyattn import ops
+    from polyattn.ops.common import num_levels
+
+    T, H, K, V = (150, 2, 8, 12) if DEVICE == "cpu" else (1000, 16, 128, 96)
+    x = {n: t.float() for n, t in seeded_inputs(1, T, H, K, V, decay=True, beta=True, seed=7, device=DEVICE).items()}
+    x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)  # the delta rule's contractive regime
+    x["lam"] = torch.rand(1, T, H, num_levels(T), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    hla = {"hla2": {}, "ahla": {"asymmetric": True}, "hla3": {"order": 3}}
+    kata = {"kata_m1": {}, "kata_m2": {"groups": 2}, "kata_s2": {"groups": 2, "combine": "sum"}, "kata_lorentz": {"feature": "lorentz"}}
+
+    def call(x):
+        if op in hla:
+            return ops.hla(x["q"], x["k"], x["v"], x["g"], **hla[op], impl="triton")[0]
+        if op in kata:
+            return ops.kata(x["q"], x["k"], x["v"], x["g"], **kata[op], impl="triton")[0]
+        if op == "loglinear_mamba2":
+            return ops.loglinear_attn(x["q"], x["k"], x["v"], x["lam"], x["g"], impl="triton")[0]
+        if op == "delta_rule":
+            return ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], x["g"], impl="triton")[0]
+        if op == "deltakata_lorentz":
+            return ops.kata(x["q"], x["k"], x["v"], x["g"], feature="lorentz", beta=x["beta"], normalize=False, impl="triton")[0]
+        return ops.linear_attn(x["q"], x["k"], x["v"], x["g"], impl="triton")[0]
+
+    with use_config(KernelConfig(kata_block_m=64, kata_block_n=16) if DEVICE == "cpu" else get_config()):
+        clean = call(x)
+        x[field][:, position, 0] = float(value)
+        o = call(x)
+    assert bool(torch.isfinite(clean).all())
+    assert torch.equal(o[:, :position], clean[:, :position]), f"{field}={value} at {position} changed an earlier output"
+    if field in ("k", "v"):
+        assert not bool(torch.isfinite(o[:, position:, 0]).all()), f"{field}={value} at {position} never reached an output"
 
 
 @pytest.mark.parametrize("position", [64, 100], ids=["chunk-start", "inside"])
 @pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla2", "loglinear_mamba2", "kata_m2", "kata_lorentz", "deltakata_lorentz"])
 def test_triton_forms_under_a_nan_gate(op, position):
     """A NaN log-decay at one token (a NaN activation under a learned gate) is non-finite input: it
-    reaches the outputs from that token on, and leaves every earlier output bit-identical (the ops of
-    NAN_GATE_CAUSAL: their decays are direct sums across the token, and the chunk that holds it takes
-    the exact path) or every output before its chunk (the others)."""
+    reaches the outputs from that token on, and leaves every earlier output bit-identical."""
     from polyattn.ops.common import num_levels
 
     T, H, K, V = (150, 2, 8, 12) if DEVICE == "cpu" else (1000, 16, 128, 96)
@@ -178,8 +240,6 @@ def test_triton_forms_under_a_nan_gate(op, position):
         clean = _triton_call(op, x)
         x["g"][:, position, 0] = float("nan")  # head 0
         o = _triton_call(op, x)
-    chunk = get_config().chunk_size
-    kept = position if op in NAN_GATE_CAUSAL else position - position % chunk
     assert bool(torch.isfinite(clean).all())
-    assert torch.equal(o[:, :kept], clean[:, :kept]), f"a NaN gate at {position} changed an output before {kept}"
+    assert torch.equal(o[:, :position], clean[:, :position]), f"a NaN gate at {position} changed an earlier output"
     assert not bool(torch.isfinite(o[:, position:, 0]).all()), "the NaN gate never reached an output"

@@ -85,6 +85,21 @@ def mma_fp32(x, y, dtype: tl.constexpr, F32: tl.constexpr, MODE: tl.constexpr):
 
 
 @triton.jit
+def first_nonfinite_row(x, y):
+    """The first row index of `x [C, *]` or `y [C, *]` that holds a NaN or an Inf (`x - x` is 0 exactly
+    for finite values), C when there is none: the chunk's rows from it on are non-finite input."""
+    bad = (tl.sum(tl.where(x - x == 0, 0, 1), axis=1) + tl.sum(tl.where(y - y == 0, 0, 1), axis=1)) > 0  # [C]
+    o_t = tl.arange(0, x.shape[0])
+    return tl.min(tl.where(bad, o_t, x.shape[0]), axis=0)
+
+
+def first_nonfinite_row_ref(x: torch.Tensor, y: torch.Tensor) -> int:
+    """Twin of `first_nonfinite_row` for one chunk `x [C, *]`, `y [C, *]`."""
+    bad = ~(torch.isfinite(x).all(-1) & torch.isfinite(y).all(-1))  # [C]
+    return int(bad.nonzero()[0, 0]) if bool(bad.any()) else x.shape[0]
+
+
+@triton.jit
 def to_output(x, dtype: tl.constexpr, F32: tl.constexpr):
     """Downcast fp32 `x` to the output dtype, rounding to nearest even. The interpreter
     truncates fp32 -> bf16 (F32 and bf16 only meet there), so there the rounding is done on

@@ -53,8 +53,8 @@ def delta_grad_factors_kernel(
     b_att = chunk_scores(b_q, b_k, b_g, b_gc, b_last, scale, F32)  # [C, C]
     b_gs = chunk_suffix(b_g, b_gc, b_last, F32)  # [C]
     b_m = mma_fp32(tl.trans(b_tinv), tl.trans(b_att), b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, C]: Tinv^T A_qk^T
-    factor_tiles(do, b_m, xs, t, m_t, H, i_h, V, C, BD, F32)
-    factor_tiles(k, tl.trans(b_tinv) * tl.exp2(b_gs)[None, :], ys, t, m_t, H, i_h, K, C, BD, F32)
+    factor_tiles(do, b_m, xs, t, m_t, H, i_h, V, C, C, BD, F32, False, False)
+    factor_tiles(k, tl.trans(b_tinv) * tl.exp2(b_gs)[None, :], ys, t, m_t, H, i_h, K, C, C, BD, F32, False, False)
 
 
 @triton.jit

@@ -42,9 +42,10 @@ def sequence_tile(seqs, cu_chunks, K, V, BK: tl.constexpr, BV: tl.constexpr):
 
 @triton.jit
 def chunk_scores(b_q, b_k, b_g, b_gc, b_last, scale, F32: tl.constexpr):
-    """The chunk's score tile `A_qk = scale Q K^T ⊙ exp2(D)` [C, C] (0 above the diagonal) from
-    q, k [C, BK] and the chunk's log2-decays (ops/triton/decay.py)."""
-    return mma(b_q, tl.trans(b_k), F32) * (tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32)) * scale)  # [C, BK] @ [BK, C]
+    """The chunk's score tile `A_qk = scale Q K^T ⊙ exp2(D)` [C, C] (0 above the diagonal, by select:
+    a non-finite key reaches no earlier row) from q, k [C, BK] and the chunk's log2-decays (ops/triton/decay.py)."""
+    b_d = chunk_segsum(b_g, b_gc, b_last, False, F32)  # [C, C], -inf above the diagonal
+    return tl.where(b_d > float("-inf"), mma(b_q, tl.trans(b_k), F32) * (tl.exp2(b_d) * scale), 0.0)  # [C, BK] @ [BK, C]
 
 
 @triton.jit
@@ -61,13 +62,14 @@ def chunk_program(chunks, C: tl.constexpr):
 
 @triton.jit
 def delta_states_kernel(
-    k, g, w, u_bar, seqs, cu_chunks, h0, ht, hs, us, H, K, V,
+    k, g, w, u_bar, firsts, seqs, cu_chunks, h0, ht, hs, us, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). The fp32 state tile [BK, BV] stays in registers for the whole
     sequence; per chunk two products on the dependent path, `W h` and `K^T U`, and the state
-    entering the chunk (`hs`) and U (`us`) stored for the output stage and the backward."""
+    entering the chunk (`hs`) and U (`us`) stored for the output stage and the backward. A chunk
+    with a non-finite token (`firsts` < C, wy.py) leaves a NaN state: every later output is NaN."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     o_t = tl.arange(0, C)
     if USE_H0:
@@ -89,18 +91,20 @@ def delta_states_kernel(
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
         b_w = tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: exp(gc_last - gc)
         b_h = b_h * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_k), b_u * b_w[:, None], F32)  # [BK, C] @ [C, BV]
+        b_h += tl.where(tl.load(firsts + (c0 + i) * H + i_h) < C, float("nan"), 0.0)  # non-finite input: NaN from here on
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h) * K * V + state_tile, b_h, mask=m_s)
 
 
 @triton.jit
 def delta_outputs_kernel(
-    q, k, g, us, hs, out, chunks, scale, H, K, V,
+    q, k, g, us, hs, firsts, out, chunks, scale, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
     """grid: (num_chunks, H, cdiv(V, BV)). `O = A_qk U + diag(exp(gc)) (scale Q) h` for one chunk,
-    head and value tile, from the stored U and entering state h: every chunk in parallel."""
+    head and value tile, from the stored U and entering state h: every chunk in parallel; the rows
+    from the chunk's first non-finite token (`firsts`) on are NaN."""
     i_ch, i_h, _, _, _, t, m_t = chunk_program(chunks, C)
     i_v = tl.program_id(2)
     o_k = tl.arange(0, BK)
@@ -119,6 +123,7 @@ def delta_outputs_kernel(
     b_h = tl.load(hs + (i_ch * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_o = mma_fp32(b_att, b_u, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
     b_o += mma_right_fp32(b_q, b_h, F32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BK] @ [BK, BV] -> [C, BV]
+    b_o = tl.where(tl.arange(0, C)[:, None] < tl.load(firsts + i_ch * H + i_h), b_o, float("nan"))  # [C, BV]
     tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
 
 

@@ -56,22 +56,22 @@ def delta_rule_forward(
     store_ht and hs, us without save are empty [0] tensors."""
     config, (B, T, H, K, V, C, N), (qf, kf, vf, bf, gf), seq_lens, chunks, seqs = _flatten(q, k, v, beta, g, seq_lens)
     h0 = h0.float().contiguous() if h0 is not None else None
-    t_inv = wy_solve(kf, bf, gf, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
-    w, u_bar = wy_factors(kf, vf, bf, gf, t_inv, chunks=chunks, num_warps=config.num_warps)
+    t_inv, firsts = wy_solve(kf, bf, gf, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
+    w, u_bar = wy_factors(kf, vf, bf, gf, t_inv, firsts, chunks=chunks, num_warps=config.num_warps)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if store_ht else no_output(q)
     hs = torch.empty(chunks[2], H, K, V, dtype=torch.float32, device=q.device)
     us = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device)
     BK, BV = block(K), min(block(V), config.delta_block_v)
     F32, FP32_DOT, USE_G = dot_f32(q.dtype), fp32_dot(config), gf is not None
     delta_states_kernel[(triton.cdiv(V, BV), N, H)](
-        kf, gf, w, u_bar, seqs, chunks[1], h0, ht, hs, us, H, K, V,
+        kf, gf, w, u_bar, firsts, seqs, chunks[1], h0, ht, hs, us, H, K, V,
         C=C, BK=BK, BV=BV, USE_G=USE_G, USE_H0=h0 is not None, STORE_HT=store_ht, F32=F32, FP32_DOT=FP32_DOT,
         num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
     o = torch.empty_like(vf)
     BVO = min(block(V), config.delta_out_block_v)
     delta_outputs_kernel[(chunks[2], H, triton.cdiv(V, BVO))](
-        qf, kf, gf, us, hs, o, chunks[0], scale, H, K, V,
+        qf, kf, gf, us, hs, firsts, o, chunks[0], scale, H, K, V,
         C=C, BK=BK, BV=BVO, USE_G=USE_G, F32=F32, FP32_DOT=FP32_DOT,
         num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
     )

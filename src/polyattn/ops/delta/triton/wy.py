@@ -20,7 +20,7 @@ import triton.language as tl
 
 from polyattn.ops.triton.decay import chunk_decay, exact_segsum, exact_suffix
 from polyattn.ops.triton.plan import block
-from polyattn.ops.triton.precision import LOG2E, dot_f32, mma, mma_left_fp32
+from polyattn.ops.triton.precision import LOG2E, dot_f32, first_nonfinite_row, mma, mma_left_fp32
 
 from .forward import chunk_program
 
@@ -91,14 +91,32 @@ def store_block(t_inv, bos, eos, i_b, j_b, b_x, H, i_h, C: tl.constexpr, BT: tl.
 
 
 @triton.jit
+def first_bad_row(b_k, b_beta, b_g, i_b, BT: tl.constexpr):
+    """The chunk row of block `i_b`'s first token whose key or beta is not finite or whose log-decay is NaN
+    (the chunk's 4·BT rows when none; `g = -inf` is a reset, not bad input)."""
+    bad = tl.sum(tl.where(b_k - b_k == 0, 0, 1), axis=1) + tl.where((b_beta - b_beta == 0) & (b_g == b_g), 0, 1)  # [BT]
+    return tl.min(tl.where(bad > 0, i_b * BT + tl.arange(0, BT), 4 * BT), axis=0)
+
+
+@triton.jit
+def clean_rows(b_k, b_beta, b_g, i_b, first, BT: tl.constexpr):
+    """Block `i_b`'s rows with those from chunk row `first` on set to zero (key, beta, log-decay)."""
+    keep = i_b * BT + tl.arange(0, BT) < first  # [BT]
+    return tl.where(keep[:, None], b_k, 0.0).to(b_k.dtype), tl.where(keep, b_beta, 0.0), tl.where(keep, b_g, 0.0)
+
+
+@triton.jit
 def wy_kernel(
-    k, beta, g, t_inv, chunks, H, K,
+    k, beta, g, t_inv, firsts, chunks, H, K,
     C: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
 ):
     """grid: (num_chunks, H); one program per chunk and head, C = 64 as four row blocks of
     BT = 16. Blocks of A come from `[BT, BK] @ [BK, BT]` products; the diagonal blocks of
     `I + A` are inverted by `invert_unit_lower` and the blocks below by
-    `Tinv_ij = -Tinv_ii sum_{m=j}^{i-1} A_im Tinv_mj` (fp32 products); blocks above are 0."""
+    `Tinv_ij = -Tinv_ii sum_{m=j}^{i-1} A_im Tinv_mj` (fp32 products); blocks above are 0.
+    A token whose key or beta is not finite, or whose log-decay is NaN, changes no earlier row: the chunk's rows
+    from the first such token on enter as zeros, and its row is stored in `firsts [num_chunks, H]`
+    (C when none) for the later stages, which make the outputs from it on NaN."""
     BT: tl.constexpr = 16
     i_ch, i_h = tl.program_id(0), tl.program_id(1)
     bos = tl.load(chunks + i_ch * 4).to(tl.int64)
@@ -107,6 +125,13 @@ def wy_kernel(
     k1, b1, g1 = block_rows(k, beta, g, bos, eos, 1, H, i_h, K, BT, BK, USE_G)
     k2, b2, g2 = block_rows(k, beta, g, bos, eos, 2, H, i_h, K, BT, BK, USE_G)
     k3, b3, g3 = block_rows(k, beta, g, bos, eos, 3, H, i_h, K, BT, BK, USE_G)
+    first = tl.minimum(tl.minimum(first_bad_row(k0, b0, g0, 0, BT), first_bad_row(k1, b1, g1, 1, BT)),
+                       tl.minimum(first_bad_row(k2, b2, g2, 2, BT), first_bad_row(k3, b3, g3, 3, BT)))
+    tl.store(firsts + i_ch * H + i_h, first)
+    k0, b0, g0 = clean_rows(k0, b0, g0, 0, first, BT)
+    k1, b1, g1 = clean_rows(k1, b1, g1, 1, first, BT)
+    k2, b2, g2 = clean_rows(k2, b2, g2, 2, first, BT)
+    k3, b3, g3 = clean_rows(k3, b3, g3, 3, first, BT)
     s1 = tl.sum(g1, axis=0) * LOG2E  # whole-block log2-decays between non-adjacent blocks
     s2 = tl.sum(g2, axis=0) * LOG2E
     t00 = invert_unit_lower(gram_block(k0, b0, k0, diagonal_decay(g0), F32))  # [BT, BT] each
@@ -146,55 +171,73 @@ def wy_kernel(
 
 def wy_solve(k, beta, g, *, chunk_size: int, chunks, num_warps: int = 4):
     """Launch `wy_kernel`. k: [N_tok, H, K]; beta, g: [N_tok, H] (g may be None); chunks: the
-    chunk table (ops/triton/plan.py). Returns `t_inv: [N_tok, H, C]` fp32."""
+    chunk table (ops/triton/plan.py). Returns `(t_inv [N_tok, H, C] fp32, firsts [num_chunks, H]
+    int32)`: each chunk's first row with a non-finite key, beta or log-decay (C when none)."""
     N_tok, H, K = k.shape
     table, _, NC = chunks
     if chunk_size != 64:
         raise ValueError(f"expected chunk_size 64 for the delta rule kernels (four blocks of 16), got {chunk_size}")
     t_inv = torch.empty(N_tok, H, chunk_size, dtype=torch.float32, device=k.device)
+    firsts = torch.empty(NC, H, dtype=torch.int32, device=k.device)
     wy_kernel[(NC, H)](
-        k, beta, g, t_inv, table, H, K,
+        k, beta, g, t_inv, firsts, table, H, K,
         C=chunk_size, BK=block(K), USE_G=g is not None, F32=dot_f32(k.dtype), num_warps=num_warps,
     )
-    return t_inv
+    return t_inv, firsts
 
 
 @triton.jit
-def factor_tiles(x, b_left, out, t, m_t, H, i_h, D, C: tl.constexpr, BD: tl.constexpr, F32: tl.constexpr):
+def factor_tiles(
+    x, b_left, out, t, m_t, H, i_h, D, first, C: tl.constexpr, BD: tl.constexpr, F32: tl.constexpr,
+    CUT: tl.constexpr, CHECK: tl.constexpr,
+):
     """`out = b_left @ x` over the rows `t` of one chunk, in [C, BD] column tiles of the D columns
-    (`b_left` fp32 [C, C], `x` in the input dtype, `out` fp32)."""
+    (`b_left` fp32 [C, C], `x` in the input dtype, `out` fp32). CUT: x's rows from chunk row `first`
+    on enter as zeros, and with CHECK from a tile's first non-finite row on too. Returns the first
+    row so cut (`first` without CHECK)."""
     for i_d in range(0, tl.cdiv(D, BD)):
         o_d = i_d * BD + tl.arange(0, BD)
         rows = (t * H + i_h)[:, None] * D + o_d[None, :]  # [C, BD]
         m = m_t[:, None] & (o_d < D)[None, :]
         b_x = tl.load(x + rows, mask=m, other=0.0)  # [C, BD]
+        if CUT:
+            if CHECK:
+                first = tl.minimum(first, first_nonfinite_row(b_x, b_x))
+            b_x = tl.where(tl.arange(0, C)[:, None] < first, b_x, 0.0).to(b_x.dtype)  # [C, BD]
         tl.store(out + rows, mma_left_fp32(b_left, b_x, F32), mask=m)  # [C, C] @ [C, BD] -> [C, BD]
+    return first
 
 
 @triton.jit
 def wy_factors_kernel(
-    k, v, beta, g, t_inv, w, u_bar, chunks, H, K, V,
+    k, v, beta, g, t_inv, w, u_bar, firsts, chunks, H, K, V,
     C: tl.constexpr, BD: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
 ):
     """grid: (num_chunks, H). `W = (Tinv diag(beta exp(gc))) K` and `Ū = (Tinv diag(beta)) V`:
-    the fp32 left factors scale Tinv's columns, the products keep them split in two halves."""
-    _, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
+    the fp32 left factors scale Tinv's columns, the products keep them split in two halves. The rows
+    from the chunk's first non-finite token (`firsts`, lowered here by a non-finite value row) enter
+    as zeros."""
+    i_ch, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
+    first = tl.load(firsts + i_ch * H + i_h)
+    keep = o_t < first  # [C]
     b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
     b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
     _, b_gc, _ = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C]
-    b_tb = b_tinv * b_beta[None, :]  # Tinv diag(beta): [C, C]
-    factor_tiles(k, b_tb * tl.exp2(b_gc)[None, :], w, t, m_t, H, i_h, K, C, BD, F32)
-    factor_tiles(v, b_tb, u_bar, t, m_t, H, i_h, V, C, BD, F32)
+    b_tb = b_tinv * tl.where(keep, b_beta, 0.0)[None, :]  # Tinv diag(beta): [C, C]
+    factor_tiles(k, b_tb * tl.where(keep, tl.exp2(b_gc), 0.0)[None, :], w, t, m_t, H, i_h, K, first, C, BD, F32, True, False)
+    first = factor_tiles(v, b_tb, u_bar, t, m_t, H, i_h, V, first, C, BD, F32, True, True)
+    tl.store(firsts + i_ch * H + i_h, first)
 
 
-def wy_factors(k, v, beta, g, t_inv, *, chunks, num_warps: int = 4):
-    """Launch `wy_factors_kernel`: `(w [N_tok, H, K], u_bar [N_tok, H, V])`, fp32."""
+def wy_factors(k, v, beta, g, t_inv, firsts, *, chunks, num_warps: int = 4):
+    """Launch `wy_factors_kernel`: `(w [N_tok, H, K], u_bar [N_tok, H, V])`, fp32; `firsts` (from
+    `wy_solve`) lowered in place where a value row is the chunk's first non-finite one."""
     N_tok, H, K = k.shape
     V = v.shape[-1]
     w = torch.empty(N_tok, H, K, dtype=torch.float32, device=k.device)
     u_bar = torch.empty(N_tok, H, V, dtype=torch.float32, device=k.device)
     wy_factors_kernel[(chunks[2], H)](
-        k, v, beta, g, t_inv, w, u_bar, chunks[0], H, K, V,
+        k, v, beta, g, t_inv, w, u_bar, firsts, chunks[0], H, K, V,
         C=t_inv.shape[-1], BD=64, USE_G=g is not None, F32=dot_f32(k.dtype), num_warps=num_warps,
     )
     return w, u_bar

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from polyattn.ops.common import exp_segsum
 from polyattn.ops.kata.feature_maps import make_feature_map
-from polyattn.ops.triton.precision import to_output
+from polyattn.ops.triton.precision import first_nonfinite_row, to_output
 
 from .tiles import key_tile, pair_dots, query_tile, score_values, square_sum
 
@@ -38,11 +38,15 @@ def kata_forward_kernel(
     decay tile, `[BM, BN] @ [BN, BV]`. q, k, v, o: `[N_tok, H, D]`; g, den: `[N_tok, H]`;
     prior: `[N_tok, H, V + 1]` fp32; tiles: `[NT, 4]` (start, end, sequence, flags); starts: `[N + 1]`.
     STORE_O32: also `o32 [N_tok, H, V]`, o before its downcast (the normalized backward's `do·o`).
+    A NaN or Inf in a value row on the diagonal changes no earlier output: the row is zeroed in the
+    product and the outputs from its token on are NaN (the scores of a non-finite key are masked by
+    select already).
     """
     i_h, t0, t1, bos, t, m_t, b_q, b_gq, b_hq = query_tile(q, g, tiles, starts, H, K, E, G, BM, BE, USE_G)
     b_num = tl.zeros([BM, BV], dtype=tl.float32)
     b_den = tl.zeros([BM], dtype=tl.float32)
     b_pre = tl.sum(tl.zeros([BN], dtype=tl.float32), axis=0)  # log2-decay: query tile start -> key tile start
+    bad_from = t1  # the first key on the diagonal whose value row is not finite
     for s0 in range(t0, t1, BN):  # diagonal: key tiles inside the query tile
         b_k, b_v, b_d, mask, k_last = key_tile(
             k, v, g, s0, t1, t, b_gq, b_hq, b_pre, H, i_h, K, V, E, G, BN, BE, BV, USE_G, True, F32,
@@ -52,6 +56,10 @@ def kata_forward_kernel(
         if USE_G:
             b_pre += k_last
         b_den += tl.sum(b_a, axis=1)
+        # a non-finite value row leaves the earlier query rows alone: zeroed here, their outputs NaN below
+        first = first_nonfinite_row(b_v, b_v)  # scalar: BN when every row is finite
+        bad_from = tl.where(first < BN, tl.minimum(bad_from, s0 + first), bad_from)
+        b_v = tl.where(tl.arange(0, BN)[:, None] < first, b_v, 0.0).to(b_v.dtype)  # [BN, BV]
         b_num += score_values(b_a, b_v, SPLIT, F32)  # [BM, BN] @ [BN, BV] -> [BM, BV]
     b_between = tl.sum(tl.zeros([BN], dtype=tl.float32), axis=0)  # log2-decay of the key tiles in between
     for j in range(0, (t0 - bos) // BN):  # earlier key tiles, nearest first
@@ -73,6 +81,7 @@ def kata_forward_kernel(
         b_den += tl.load(prior + row + V, mask=m_t, other=0.0)
     if NORMALIZE:
         b_num = b_num / tl.maximum(b_den, eps)[:, None]
+    b_num = tl.where(t[:, None] < bad_from, b_num, float("nan"))  # [BM, BV]: from the non-finite value on
     offs = (t.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :]
     tl.store(o + offs, to_output(b_num, o.dtype.element_ty, F32), mask=m_t[:, None] & m_v[None, :])  # downcast: output dtype
     if STORE_O32:

@@ -16,13 +16,20 @@ applied after the products, in fp32; fp32 operands (the score tile, the state, d
 enter the tensor cores split in two input-dtype halves (`mma_left_fp32`, `mma_right_fp32`).
 Optionally it also writes `rowdot = sum(x * out, -1)` per DC tile, the per-token term of the
 log-decay gradient.
+
+GUARD (the forward pass): a token whose b or c row holds a NaN or an Inf changes no earlier output.
+Masked score entries are selected to 0 rather than multiplied (0 * NaN is NaN: this alone keeps a
+non-finite b row out of the earlier rows, whose scores never read it), the chunk's intra product
+runs on c with the rows from the first non-finite one on zeroed, and the outputs from that row on
+are set to NaN; the state update takes the rows as they are, so the NaN reaches every later chunk.
+Outputs before the token are bit-identical to a clean call (the zeroed terms were exact zeros before).
 """
 import triton
 import triton.language as tl
 
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays
 from polyattn.ops.triton.plan import state_tile
-from polyattn.ops.triton.precision import mma, mma_left_fp32, mma_right_fp32, to_output
+from polyattn.ops.triton.precision import first_nonfinite_row, mma, mma_left_fp32, mma_right_fp32, to_output
 
 from .chunk_states import keys_times_values
 
@@ -34,7 +41,7 @@ def chunk_outputs_kernel(
     scale, N_tok, H, DA, DC,
     C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr,
     REVERSE: tl.constexpr, USE_G: tl.constexpr, SPLIT: tl.constexpr, USE_H0: tl.constexpr,
-    STORE_HT: tl.constexpr, ROWDOT: tl.constexpr, F32: tl.constexpr,
+    STORE_HT: tl.constexpr, ROWDOT: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr,
 ):
     """One segment's outputs for one DC tile.
 
@@ -80,9 +87,16 @@ def chunk_outputs_kernel(
         b_wa = tl.exp2(b_wq) * scale  # [C]
         b_d = chunk_segsum(b_g, b_gc, b_last, REVERSE, F32)  # [C, C]
         b_att = mma(b_a, tl.trans(b_b), F32)  # [C, BA] @ [BA, C] -> [C, C]
-        b_att = b_att * (tl.exp2(b_d) * scale)  # [C, C]
-        b_o = mma_left_fp32(b_att, b_v, F32)  # [C, C] @ [C, BC] -> [C, BC]
+        if GUARD:
+            first = first_nonfinite_row(b_v, b_v)  # scalar: C when every value row is finite
+            b_att = tl.where(b_d > float("-inf"), b_att * (tl.exp2(b_d) * scale), 0.0)  # [C, C], causal by select
+            b_o = mma_left_fp32(b_att, tl.where(o_t[:, None] < first, b_v, 0.0).to(b_v.dtype), F32)  # [C, C] @ [C, BC]
+        else:
+            b_att = b_att * (tl.exp2(b_d) * scale)  # [C, C]
+            b_o = mma_left_fp32(b_att, b_v, F32)  # [C, C] @ [C, BC] -> [C, BC]
         b_o += mma_right_fp32(b_a, b_s, F32) * b_wa[:, None]  # [C, BA] @ [BA, BC] -> [C, BC]
+        if GUARD:
+            b_o = tl.where(o_t[:, None] < first, b_o, float("nan"))  # [C, BC]
         b_s = b_s * tl.exp2(b_last) + keys_times_values(b_b, b_v, b_wk, USE_G, F32)
         tl.store(out + row_c, to_output(b_o, out.dtype.element_ty, F32), mask=m_tc)  # downcast: output dtype
         if ROWDOT:

@@ -36,7 +36,7 @@ def linear_attn_forward(
     gf = g.reshape(B * T, H).contiguous() if g is not None else None  # [B, T, H] -> [B*T, H]
     o, ht, _ = chunk_pass(
         qf, kf, vf, gf, tuple(seq_lens), scale=scale, reverse=False,
-        initial_state=h0.contiguous() if h0 is not None else None, store_final_state=store_ht,
+        initial_state=h0.contiguous() if h0 is not None else None, store_final_state=store_ht, guard=True,
     )
     return o.view(B, T, H, V), (ht if ht is not None else no_output(q))  # [B*T, H, V] -> [B, T, H, V]
 

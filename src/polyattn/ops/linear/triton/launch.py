@@ -37,13 +37,15 @@ def chunk_pass(
     initial_state: torch.Tensor | None = None,
     store_final_state: bool = False,
     dot_x: torch.Tensor | None = None,
+    guard: bool = False,
     config: KernelConfig | None = None,
 ):
     """Run one chunked pass over flattened tokens.
 
     a, b: [N_tok, H, DA]; c, dot_x: [N_tok, H, DC]; g: [N_tok, H] or None; all contiguous.
     seq_lens: host lengths of the N sequences laid end to end. initial_state: [N, H, DA, DC]
-    (any strides), the causal S_0 or the anticausal R_end. config: default `get_config()`. Returns `(out [N_tok, H, DC] in
+    (any strides), the causal S_0 or the anticausal R_end. guard: keep a non-finite row of b or c
+    out of every earlier output (causal passes; chunk_outputs.py). config: default `get_config()`. Returns `(out [N_tok, H, DC] in
     c's dtype, final_state [N, H, DA, DC] fp32 or None, rowdot [N_tok, H] fp32 or None)`.
     """
     config = config or get_config()
@@ -83,7 +85,7 @@ def chunk_pass(
         scale, N_tok, H, DA, DC,
         C=C, BA=BA, BC=BC, REVERSE=reverse, USE_G=g is not None, SPLIT=split,
         USE_H0=initial_state is not None, STORE_HT=store_final_state, ROWDOT=dot_x is not None,
-        F32=F32, **launch,
+        F32=F32, GUARD=guard, **launch,
     )
     if rowdot is not None:
         rowdot = rowdot.sum(0)  # [n_c, N_tok, H] -> [N_tok, H]

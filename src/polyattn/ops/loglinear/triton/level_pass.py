@@ -44,7 +44,7 @@ from polyattn.ops.common.fenwick import level_table
 from polyattn.ops.linear.triton.chunk_states import keys_times_values
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays
 from polyattn.ops.triton.plan import KernelConfig, block, get_config, num_sms, segment_table, state_tile
-from polyattn.ops.triton.precision import dot_f32, mma, mma_left_fp32, mma_right_fp32, to_output
+from polyattn.ops.triton.precision import dot_f32, first_nonfinite_row, mma, mma_left_fp32, mma_right_fp32, to_output
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def level_pass_kernel(
     scale, N_tok, H, DA, DC, L, NLC,
     C: tl.constexpr, LOG_C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr,
     REVERSE: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr, ROWDOT: tl.constexpr,
-    DLAM: tl.constexpr, F32: tl.constexpr,
+    DLAM: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr,
 ):
     """One sequence, one head, one DC tile.
 
@@ -86,6 +86,9 @@ def level_pass_kernel(
     `rowdot[i_c, t] = sum(dot_x * out, -1)` per tile (the log-decay gradient's term); DLAM (causal
     only): `dlam[i_c, t, l]` = the tile's part of the unweighted level-l share of `out_t` dotted with
     `dot_x_t`, for the reads, and for levels `0..c` `sum_s [level = l] att_ts (dot_x_t . c_s)`.
+    GUARD (the forward pass): a NaN or Inf in a row of b or c changes no earlier output, as in the
+    linear kernel (ops/linear/triton/chunk_outputs.py): masked scores selected to 0, the intra product
+    on c with the rows from the first such token zeroed, the outputs from it on NaN.
     """
     i_c, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(seg + i_n * 4).to(tl.int64)
@@ -127,7 +130,14 @@ def level_pass_kernel(
         b_d = chunk_segsum(b_g, b_gc, b_last, REVERSE, F32)  # [C, C]
 
         # intra-chunk: the score block weighted by lam[t, level(i, j)] (t = row causal, column anticausal)
-        b_att = mma(b_a, tl.trans(b_b), F32) * (tl.exp2(b_d) * scale)  # [C, BA] @ [BA, C] -> [C, C]
+        b_att = mma(b_a, tl.trans(b_b), F32)  # [C, BA] @ [BA, C] -> [C, C]
+        if GUARD:
+            first = first_nonfinite_row(b_v, b_v)  # scalar: C when every value row is finite
+            b_att = tl.where(b_d > float("-inf"), b_att * (tl.exp2(b_d) * scale), 0.0)  # [C, C], causal by select
+            b_vi = tl.where(o_t[:, None] < first, b_v, 0.0).to(b_v.dtype)  # [C, BC]: the intra product's values
+        else:
+            b_att = b_att * (tl.exp2(b_d) * scale)  # [C, C]
+            b_vi = b_v
         if REVERSE:
             p_w = lam + row_l[None, :] + lut  # [C, C]: lam of the column's row
             m_w = m_t[None, :] & (lut < L)
@@ -135,7 +145,7 @@ def level_pass_kernel(
             p_w = lam + row_l[:, None] + lut
             m_w = m_t[:, None] & (lut < L)
         b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)  # [C, C] gathered from the chunk's lam rows
-        b_o = mma_left_fp32(b_att * b_w, b_v, F32)  # [C, C] @ [C, BC] -> [C, BC]
+        b_o = mma_left_fp32(b_att * b_w, b_vi, F32)  # [C, C] @ [C, BC] -> [C, BC]
         if DLAM:
             b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0)  # [C, BC]
             b_xc = mma(b_x, tl.trans(b_v), F32) * b_att  # [C, BC] @ [BC, C] -> [C, C]
@@ -186,6 +196,8 @@ def level_pass_kernel(
             b_p = tl.where(o_l == ell, p_new, b_p)
         b_p = tl.where(o_l >= NL, b_p + b_last, b_p)  # levels no chunk of this sequence reaches only decay
 
+        if GUARD:
+            b_o = tl.where(o_t[:, None] < first, b_o, float("nan"))  # [C, BC]
         tl.store(out + row_c, to_output(b_o, out.dtype.element_ty, F32), mask=m_tc)  # downcast: output dtype
         if ROWDOT:
             if not DLAM:
@@ -206,7 +218,8 @@ def level_pass(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, g: torch.Tensor | None, lam: torch.Tensor,
     position: torch.Tensor, seq_lens: tuple, *, scale: float, reverse: bool,
     initial_state: torch.Tensor | None = None, dot_x: torch.Tensor | None = None, want_dlam: bool = False,
-    out_dtype: torch.dtype | None = None, chunk_size: int | None = None, config: KernelConfig | None = None,
+    out_dtype: torch.dtype | None = None, chunk_size: int | None = None, guard: bool = False,
+    config: KernelConfig | None = None,
 ):
     """Run one level pass over flattened tokens.
 
@@ -215,6 +228,7 @@ def level_pass(
     initial_state: [N, H, NLC, DA, DC] fp32 per-level states entering the pass (the causal states at
     the first chunk's start, or the anticausal ones at the last chunk's end), NLC = max(L - c - 1, 1).
     chunk_size: default the config's. out_dtype: default c's dtype (fp32 when more terms are added to `out` before one rounding).
+    guard: keep a non-finite row of b or c out of every earlier output (the causal forward pass).
     Returns `(out [N_tok, H, DC] in out_dtype, state [N, H, NLC, DA, DC] fp32 (the states leaving
     the pass), rowdot [N_tok, H] fp32 or None, dlam [N_tok, H, L] fp32 or None)`.
     """
@@ -244,7 +258,7 @@ def level_pass(
         scale, N_tok, H, DA, DC, L, NLC,
         C=C, LOG_C=LOG_C, BA=BA, BC=BC, BL=triton.next_power_of_2(NLC),
         REVERSE=reverse, USE_G=g is not None, USE_H0=initial_state is not None,
-        ROWDOT=dot_x is not None, DLAM=want_dlam, F32=F32,
+        ROWDOT=dot_x is not None, DLAM=want_dlam, F32=F32, GUARD=guard,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if rowdot is not None:
