@@ -186,13 +186,14 @@ NONFINITE_INPUT_CAUSAL = (
 
 
 @pytest.mark.parametrize("position", [64, 100], ids=["chunk-start", "inside"])
-@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("value, packed", [("nan", False), ("inf", False), ("nan", True)], ids=["nan", "inf", "nan-packed"])
 @pytest.mark.parametrize("op, field", [(op, field) for op in NONFINITE_INPUT_CAUSAL
                                        for field in ("q", "k", "v") + (("beta",) if op.startswith("delta") else ())])
-def test_triton_forms_under_nonfinite_inputs(op, field, value, position):
+def test_triton_forms_under_nonfinite_inputs(op, field, value, packed, position):
     """A NaN or Inf in q, k or v at one token (head 0) leaves every earlier output bit-identical to a
     clean call, and a non-finite k or v reaches the outputs from that token on (KATA on the CPU: query
-    tiles of two key tiles, so that the diagonal has more than one)."""
+    tiles of two key tiles, so that the diagonal has more than one). Packed: two documents, the token in
+    the second (at 64 inside its first chunk), the first untouched."""
     from polyattn import ops
     from polyattn.ops.common import num_levels
 
@@ -202,19 +203,20 @@ def test_triton_forms_under_nonfinite_inputs(op, field, value, position):
     x["lam"] = torch.rand(1, T, H, num_levels(T), generator=torch.Generator().manual_seed(8)).to(DEVICE)
     hla = {"hla2": {}, "ahla": {"asymmetric": True}, "hla3": {"order": 3}}
     kata = {"kata_m1": {}, "kata_m2": {"groups": 2}, "kata_s2": {"groups": 2, "combine": "sum"}, "kata_lorentz": {"feature": "lorentz"}}
+    options = dict(impl="triton", cu_seqlens=torch.tensor([0, 40, T], device=DEVICE) if packed else None)
 
     def call(x):
         if op in hla:
-            return ops.hla(x["q"], x["k"], x["v"], x["g"], **hla[op], impl="triton")[0]
+            return ops.hla(x["q"], x["k"], x["v"], x["g"], **hla[op], **options)[0]
         if op in kata:
-            return ops.kata(x["q"], x["k"], x["v"], x["g"], **kata[op], impl="triton")[0]
+            return ops.kata(x["q"], x["k"], x["v"], x["g"], **kata[op], **options)[0]
         if op == "loglinear_mamba2":
-            return ops.loglinear_attn(x["q"], x["k"], x["v"], x["lam"], x["g"], impl="triton")[0]
+            return ops.loglinear_attn(x["q"], x["k"], x["v"], x["lam"], x["g"], **options)[0]
         if op == "delta_rule":
-            return ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], x["g"], impl="triton")[0]
+            return ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], x["g"], **options)[0]
         if op == "deltakata_lorentz":
-            return ops.kata(x["q"], x["k"], x["v"], x["g"], feature="lorentz", beta=x["beta"], normalize=False, impl="triton")[0]
-        return ops.linear_attn(x["q"], x["k"], x["v"], x["g"], impl="triton")[0]
+            return ops.kata(x["q"], x["k"], x["v"], x["g"], feature="lorentz", beta=x["beta"], normalize=False, **options)[0]
+        return ops.linear_attn(x["q"], x["k"], x["v"], x["g"], **options)[0]
 
     with use_config(KernelConfig(kata_block_m=64, kata_block_n=16) if DEVICE == "cpu" else get_config()):
         clean = call(x)
