@@ -25,7 +25,7 @@ POINTERS = {
     "a": "*bf16", "b": "*bf16", "c": "*bf16", "g": "*fp32", "out": "*bf16", "seg": "*i32", "s_in": "*fp32",
     "h0": "*fp32", "ht": "*fp32", "dot_x": "*bf16", "rowdot": "*fp32", "states": "*fp32", "seg_decay": "*fp32",
     "q": "*bf16", "k": "*bf16", "v": "*bf16", "do": "*bf16", "dq": "*bf16", "dk": "*bf16", "dv": "*bf16",
-    "beta": "*bf16", "chunks": "*i32", "seqs": "*i32", "cu_chunks": "*i32",
+    "beta": "*bf16", "chunks": "*i32", "nonfinite": "*i32", "seqs": "*i32", "cu_chunks": "*i32",
 }
 PASSES = {  # name: (REVERSE, USE_G, ROWDOT)
     "forward": (False, False, False),
@@ -64,7 +64,7 @@ def main() -> None:
     for name, (reverse, use_g, rowdot) in PASSES.items():
         for C, BC, warps, stages in LAUNCHES:
             constexprs = dict(C=C, BA=128, BC=BC, REVERSE=reverse, USE_G=use_g, SPLIT=True, USE_H0=False,
-                              STORE_HT=False, ROWDOT=rowdot, F32=False)
+                              STORE_HT=False, ROWDOT=rowdot, F32=False, CHECK=name.startswith("forward"), RERUN=False)
             print(f"chunk_outputs  {name:15} C{C} BC{BC} warps{warps} stages{stages}: "
                   f"{resources(chunk_outputs_kernel, constexprs, warps, stages)}", flush=True)
     for warps in (4, 8):

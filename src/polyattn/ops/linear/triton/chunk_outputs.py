@@ -17,12 +17,18 @@ enter the tensor cores split in two input-dtype halves (`mma_left_fp32`, `mma_ri
 Optionally it also writes `rowdot = sum(x * out, -1)` per DC tile, the per-token term of the
 log-decay gradient.
 
-GUARD (the forward pass): a token whose b or c row holds a NaN or an Inf changes no earlier output.
-Masked score entries are selected to 0 rather than multiplied (0 * NaN is NaN: this alone keeps a
-non-finite b row out of the earlier rows, whose scores never read it), the chunk's intra product
-runs on c with the rows from the first non-finite one on zeroed, and the outputs from that row on
-are set to NaN; the state update takes the rows as they are, so the NaN reaches every later chunk.
-Outputs before the token are bit-identical to a clean call (the zeroed terms were exact zeros before).
+GUARD (the forward pass, launch.py `guard=True`): a token whose b or c row holds a NaN or an Inf
+changes no earlier output, at no cost to finite input. A non-finite b or c entry makes the state
+that leaves its segment not finite (NaN and Inf survive every later product, decay and sum), so
+the pass runs the plain loop, each program marking whether its leaving state is finite (CHECK),
+and a second launch reruns only the marked programs (rare: non-finite input, or an overflow) with
+the guarded loop, overwriting their outputs: masked score entries are selected to 0 rather than
+multiplied (0 * NaN is NaN), the intra product runs on c with the rows from the chunk's first
+non-finite one on zeroed, and the outputs from that row on are NaN; the state update takes the
+rows as they are, so the NaN reaches every later chunk. Outputs before the token are bit-identical
+to a clean call (the zeroed terms were exact zeros before). A non-finite a row reaches only its
+own output rows and needs no rerun. (The guarded loop inside the plain launch, even never taken,
+slowed the forward by 10-17% on the H200: the rerun is its own launch.)
 """
 import triton
 import triton.language as tl
@@ -34,30 +40,16 @@ from polyattn.ops.triton.precision import first_nonfinite_row, mma, mma_left_fp3
 from .chunk_states import keys_times_values
 
 
-@triton.jit(do_not_specialize=["N_tok", "s_h0n", "s_h0h", "s_h0a", "s_h0c"])
-def chunk_outputs_kernel(
-    a, b, c, g, out, seg, s_in, h0, ht, dot_x, rowdot,
-    s_h0n, s_h0h, s_h0a, s_h0c,
-    scale, N_tok, H, DA, DC,
+@triton.jit
+def segment_outputs(
+    a, b, c, g, out, s_in, h0, dot_x, rowdot, s_h0n, s_h0h, s_h0a, s_h0c,
+    scale, N_tok, H, DA, DC, bos, eos, i_n, i_s, i_c, i_h,
     C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr,
     REVERSE: tl.constexpr, USE_G: tl.constexpr, SPLIT: tl.constexpr, USE_H0: tl.constexpr,
-    STORE_HT: tl.constexpr, ROWDOT: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr,
+    ROWDOT: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr,
 ):
-    """One segment's outputs for one DC tile.
-
-    grid: (cdiv(DC, BC), num_segments, H). Tiling: a and b rows of the full DA (padded to BA),
-    c / out columns [BC]; the fp32 state [BA, BC] stays in registers for the whole segment.
-    Loop: over the segment's chunks, forward (causal) or backward (anticausal); per chunk the
-    products `[C, BA] @ [BA, C]` (scores), `[C, C] @ [C, BC]` (intra), `[C, BA] @ [BA, BC]`
-    (inter) and the state update `[BA, C] @ [C, BC]`. The incoming state is `s_in[s]` (SPLIT:
-    written by `segment_scan_kernel`) or `h0[n]` (strided) or zero; the segment that ends its
-    sequence in the pass direction stores its final state to `ht[n]` (strided like h0).
-    """
-    i_c, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(seg + i_s * 4).to(tl.int64)
-    eos = tl.load(seg + i_s * 4 + 1).to(tl.int64)
-    i_n = tl.load(seg + i_s * 4 + 2).to(tl.int64)
-    flags = tl.load(seg + i_s * 4 + 3)
+    """The loop of `chunk_outputs_kernel` over one segment's chunks for one DC tile: writes the
+    outputs (and rowdot) and returns the state that leaves the segment ([BA, BC] fp32)."""
     o_a, o_c, m_a, m_c, m_s = state_tile(i_c, DA, DC, BA, BC)
     o_t = tl.arange(0, C)
     if SPLIT:
@@ -102,7 +94,49 @@ def chunk_outputs_kernel(
         if ROWDOT:
             b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0).to(tl.float32)  # [C, BC]
             tl.store(rowdot + (i_c * N_tok + t) * H + i_h, tl.sum(b_x * b_o, axis=1), mask=m_t)
+    return b_s
+
+
+@triton.jit(do_not_specialize=["N_tok", "s_h0n", "s_h0h", "s_h0a", "s_h0c"])
+def chunk_outputs_kernel(
+    a, b, c, g, out, seg, s_in, h0, ht, dot_x, rowdot, nonfinite,
+    s_h0n, s_h0h, s_h0a, s_h0c,
+    scale, N_tok, H, DA, DC,
+    C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr,
+    REVERSE: tl.constexpr, USE_G: tl.constexpr, SPLIT: tl.constexpr, USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr, ROWDOT: tl.constexpr, F32: tl.constexpr, CHECK: tl.constexpr, RERUN: tl.constexpr,
+):
+    """One segment's outputs for one DC tile.
+
+    grid: (cdiv(DC, BC), num_segments, H). Tiling: a and b rows of the full DA (padded to BA),
+    c / out columns [BC]; the fp32 state [BA, BC] stays in registers for the whole segment.
+    Loop (`segment_outputs`): over the segment's chunks, forward (causal) or backward (anticausal);
+    per chunk the products `[C, BA] @ [BA, C]` (scores), `[C, C] @ [C, BC]` (intra),
+    `[C, BA] @ [BA, BC]` (inter) and the state update `[BA, C] @ [C, BC]`. The incoming state is
+    `s_in[s]` (SPLIT: written by `segment_scan_kernel`) or `h0[n]` (strided) or zero; the segment
+    that ends its sequence in the pass direction stores its final state to `ht[n]` (strided like h0).
+    CHECK: write `nonfinite[program]` = whether the state leaving the segment is not finite.
+    RERUN: only the programs so marked run, with the guarded loop (the GUARD paragraph above).
+    """
+    i_c, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    program = (i_h * tl.num_programs(1) + i_s) * tl.num_programs(0) + i_c
+    if RERUN:
+        if tl.load(nonfinite + program) == 0:
+            return
+    bos = tl.load(seg + i_s * 4).to(tl.int64)
+    eos = tl.load(seg + i_s * 4 + 1).to(tl.int64)
+    i_n = tl.load(seg + i_s * 4 + 2).to(tl.int64)
+    flags = tl.load(seg + i_s * 4 + 3)
+    b_s = segment_outputs(
+        a, b, c, g, out, s_in, h0, dot_x, rowdot, s_h0n, s_h0h, s_h0a, s_h0c,
+        scale, N_tok, H, DA, DC, bos, eos, i_n, i_s, i_c, i_h,
+        C, BA, BC, REVERSE, USE_G, SPLIT, USE_H0, ROWDOT, F32, RERUN,
+    )
+    if CHECK:
+        total = tl.sum(tl.sum(b_s, axis=1), axis=0)  # scalar: not finite when a key or value of the segment is not
+        tl.store(nonfinite + program, (total - total != 0).to(tl.int32))
     if STORE_HT:
+        o_a, o_c, m_a, m_c, m_s = state_tile(i_c, DA, DC, BA, BC)
         if REVERSE:
             terminal = (flags & 1) != 0
         else:

@@ -80,13 +80,15 @@ def chunk_pass(
     rowdot = None
     if dot_x is not None:
         rowdot = torch.empty(n_c, N_tok, H, dtype=torch.float32, device=a.device)
-    chunk_outputs_kernel[(n_c, S, H)](
-        a, b, c, g, out, seg, s_in, initial_state, final_state, dot_x, rowdot, *strides,
-        scale, N_tok, H, DA, DC,
-        C=C, BA=BA, BC=BC, REVERSE=reverse, USE_G=g is not None, SPLIT=split,
-        USE_H0=initial_state is not None, STORE_HT=store_final_state, ROWDOT=dot_x is not None,
-        F32=F32, GUARD=guard, **launch,
-    )
+    nonfinite = torch.empty(n_c * S * H, dtype=torch.int32, device=a.device) if guard else None
+    for rerun in (False, True) if guard else (False,):
+        chunk_outputs_kernel[(n_c, S, H)](
+            a, b, c, g, out, seg, s_in, initial_state, final_state, dot_x, rowdot, nonfinite, *strides,
+            scale, N_tok, H, DA, DC,
+            C=C, BA=BA, BC=BC, REVERSE=reverse, USE_G=g is not None, SPLIT=split,
+            USE_H0=initial_state is not None, STORE_HT=store_final_state, ROWDOT=dot_x is not None,
+            F32=F32, CHECK=guard and not rerun, RERUN=rerun, **launch,
+        )
     if rowdot is not None:
         rowdot = rowdot.sum(0)  # [n_c, N_tok, H] -> [N_tok, H]
     return out, final_state, rowdot
