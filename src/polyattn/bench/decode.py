@@ -5,7 +5,9 @@ reads and writes 2 * 4 * B*H*K*V bytes whatever the context; log-linear Mamba-2 
 num_levels(T + 1) such states, each read and written once) against SDPA over a bf16 KV cache of
 the given context, and fla's `fused_recurrent_simple_gla` one-token call when importable.
 B = 8, H = 16, K = V = 128; KATA-M2's and DeltaKATA-M1's steps (P = 2,048 and 4,096 features, K = V = 64,
-into new tensors) beside their PyTorch steps. `gbps`: the state bytes a step must move over its time. Then tokens/s of `CausalLM.generate` for a small model whose
+into new tensors) beside their PyTorch steps. `gbps`: the state bytes a step must move over its time;
+`copy_gbps`: a device-to-device copy of the same byte count in the same process (the roofline of a step
+that reads and writes its state once), and `of_copy` their ratio. Then tokens/s of `CausalLM.generate` for a small model whose
 one-token calls go through the fused steps (`decode_impl="auto"`) or the PyTorch token loop
 (`decode_impl="recurrent"`).
 """
@@ -39,10 +41,16 @@ def run(out: Path, contexts=CONTEXTS) -> list[dict]:
     state = torch.randn(B, H, D, D, device="cuda", generator=gen)
     state_bytes = 2 * state.numel() * 4
 
+    copies = {}  # bytes -> GB/s of a copy that moves them
+
     def record(op, impl, T, ms, dim=D, moved=state_bytes):
         row = dict(op=op, impl=impl, T=T, B=B, H=H, K=dim, V=dim, mode="step", ms=ms)
         if isinstance(ms, float) and op != "decode-softmax":
             row["gbps"] = moved / ms * 1e-6
+            if moved not in copies:
+                copies[moved] = copy_bandwidth(moved)
+            if isinstance(copies[moved], float):
+                row["copy_gbps"], row["of_copy"] = copies[moved], row["gbps"] / copies[moved]
         rows.append(row)
         print(f"{op:14} {impl:32} ctx {T:>6} {ms if isinstance(ms, str) else f'{ms * 1e3:9.1f} us'}", flush=True)
 
@@ -88,6 +96,14 @@ def run(out: Path, contexts=CONTEXTS) -> list[dict]:
     write_rows(rows, out, "decode")
     (out / "decode.md").write_text(table(rows))
     return rows
+
+
+def copy_bandwidth(moved: int) -> float | str:
+    """GB/s of `dst.copy_(src)` on the GPU with `moved` bytes read and written in all (an error entry if it fails)."""
+    src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = try_bench(lambda: dst.copy_(src), rep_ms=200)
+    return moved / ms * 1e-6 if isinstance(ms, float) else ms
 
 
 KATA_D = 64  # the KATA rows at the KATA paper's head dim: P = 2 * 32^2 (M2), 64^2 (M1) features per head
@@ -196,7 +212,8 @@ def table(rows: list[dict]) -> str:
                 continue
             versus_linear = impl != "polyattn-triton-step" and "kata" not in r["op"]  # KATA's states are other sizes
             speed = f" ({r['ms'] / ours[t]:.1f}x ours)" if isinstance(ours.get(t), float) and versus_linear else ""
-            cells.append(f"{r['ms'] * 1e3:.1f} us{speed}")
+            copy = f", {r['of_copy']:.0%} of copy" if "of_copy" in r else ""
+            cells.append(f"{r['ms'] * 1e3:.1f} us{speed}{copy}")
         lines.append(f"| {impl} | " + " | ".join(cells) + " |")
     lines += ["", "| generate | decode | tokens/s |", "|---|---|---|"]
     lines += [f"| {r['op']} (B={r['B']}, prompt {r['T']}) | {r['impl']} | {r['tokens_per_s']:.0f} |" for r in gen_rows]
