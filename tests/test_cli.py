@@ -68,10 +68,11 @@ def test_out_that_cannot_be_created_is_refused_first(capsys, tmp_path):
         (["sweep", "--widths", "64,x"], "--widths: expected a comma-separated list of int"),
         (["sweep", "--lrs", ""], "--lrs: expected at least one value"),
         (["sweep", "--mixers", "linear", "--widths", "63", "--mixer-config", '{"num_heads": 2}'], "divisible by num_heads"),
+        (["sweep", "--workers", "0"], "--workers: expected a positive integer, got 0"),
         (["demo", "--workers", "0"], "--workers: expected a positive integer"),
         (["demo", "--mixers", "bogus"], "unknown mixers ['bogus']"),
     ],
-    ids=["sweep-widths", "sweep-lrs", "sweep-cell", "demo-workers", "demo-mixers"],
+    ids=["sweep-widths", "sweep-lrs", "sweep-cell", "sweep-workers", "demo-workers", "demo-mixers"],
 )
 def test_sweep_and_demo_reject_bad_arguments(args, message, capsys, tmp_path):
     assert main([*args, "--out", str(tmp_path / "o")]) == 2

@@ -159,6 +159,7 @@ def test_flags_override_the_toy_block_which_overrides_the_config(tmp_path):
     [
         ({"sweep__bogus": 1}, [], "sweep.bogus: unknown sweep argument"),
         ({"sweep__out": "x"}, [], "sweep.out: unknown sweep argument"),
+        ({"sweep__workers": 2}, [], "sweep.workers: unknown sweep argument"),
         ({"toy__epochs": 1}, ["--toy"], "toy.epochs: unknown sweep argument"),
         ({"sweep__mixers": ["linear", "nope"]}, [], "unknown mixers ['nope']"),
         ({"sweep__mixers": ["linear"]}, [], "mixer 'gdn' is not in the sweep's mixers"),
@@ -171,7 +172,7 @@ def test_flags_override_the_toy_block_which_overrides_the_config(tmp_path):
         ({"toy": None}, ["--toy"], "--toy needs a 'toy' object"),
         ({"extra": {}}, [], "expected an object with a 'sweep' object"),
     ],
-    ids=["unknown-key", "out-key", "toy-key", "unknown-mixer", "claim-mixer", "claim-slice", "claim-width", "mixer-configs-name",
+    ids=["unknown-key", "out-key", "workers-key", "toy-key", "unknown-mixer", "claim-mixer", "claim-slice", "claim-width", "mixer-configs-name",
          "mixer-configs-option", "steps", "bool", "no-toy", "top-level"],
 )
 def test_bad_config_is_refused_before_any_training(changes, flags, match, tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Trainer, sweep and CLI: outputs written, schedule, best-LR selection, clear errors."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -50,6 +51,62 @@ def test_sweep_reports_the_best_lr_per_cell(tmp_path):
         runs = [r for r in summary["runs"] if r["mixer"] == cell["mixer"]]
         assert row["score"] == max(sum(e["accuracy"] for e in r["eval"]) / 2 for r in runs)
     assert (tmp_path / "sweep.json").exists() and (tmp_path / "accuracy_vs_state.png").exists()
+
+
+def untimed(runs):
+    """A sweep's runs without what the clock measures."""
+    return [{**r, "train": {k: v for k, v in r["train"].items() if k not in ("seconds", "tokens_per_s")}} for r in runs]
+
+
+def test_sweep_on_two_workers_equals_the_serial_sweep():
+    base = TrainConfig(mixer="softmax", **TINY)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker runs
+    try:
+        serial, _ = sweep(base, ["softmax", "linear"], [16], [1e-3, 1e-2], quiet=True)
+    finally:
+        torch.set_num_threads(threads)
+    parallel, best = sweep(base, ["softmax", "linear"], [16], [1e-3, 1e-2], quiet=True, workers=2)
+    assert [(r["mixer"], r["config"]["lr"]) for r in parallel["runs"]] == [("softmax", 1e-3), ("softmax", 1e-2), ("linear", 1e-3), ("linear", 1e-2)]
+    assert parallel["best"] == serial["best"] and untimed(parallel["runs"]) == untimed(serial["runs"])
+    assert [b["label"] for b in best] == ["softmax d=16", "linear d=16"]
+
+
+def sweep_argv(out, steps=3):
+    return ["sweep", "--mixers", "softmax,linear", "--widths", "16", "--lrs", "1e-3,1e-2", "--task-options", '{"vocab_size": 64}',
+            "--train", "32:64:4", "--test", "32:16:4,64:8:8", "--mixer-config", '{"num_heads": 2}', "--steps", str(steps),
+            "--batch-size", "8", "--device", "cpu", "--out", str(out)]
+
+
+def test_sweep_rerun_with_the_same_out_reads_its_cells(tmp_path, monkeypatch, capsys):
+    import polyattn.train.sweep as sweep_module
+
+    assert main(sweep_argv(tmp_path)) == 0
+    first = json.loads((tmp_path / "sweep.json").read_text())
+    assert len(list((tmp_path / "cells").glob("*.json"))) == 4
+    trained = []
+    real_train = sweep_module.train
+    monkeypatch.setattr(sweep_module, "train", lambda config, **kw: trained.append(config.mixer) or real_train(config, **kw))
+    capsys.readouterr()
+    assert main(sweep_argv(tmp_path)) == 0
+    assert trained == [] and "reused 4 of 4 cells" in capsys.readouterr().out
+    assert json.loads((tmp_path / "sweep.json").read_text()) == first
+    (tmp_path / "cells" / "linear-d16-lr0.01.json").unlink()  # a sweep stopped before its last cell
+    assert main(sweep_argv(tmp_path)) == 0
+    assert trained == ["linear"] and "reused 3 of 4 cells" in capsys.readouterr().out
+    assert untimed(json.loads((tmp_path / "sweep.json").read_text())["runs"]) == untimed(first["runs"])
+
+
+def test_sweep_refuses_a_cell_file_of_another_config(tmp_path, monkeypatch):
+    import polyattn.train.sweep as sweep_module
+
+    base = TrainConfig(mixer="linear", **TINY)
+    sweep(base, ["linear"], [16], [1e-2], out_dir=str(tmp_path), quiet=True)
+    monkeypatch.setattr(sweep_module, "train", lambda *a, **kw: pytest.fail("trained a cell"))
+    with pytest.raises(ValueError) as err:
+        sweep(replace(base, steps=2), ["linear"], [16], [1e-2], out_dir=str(tmp_path), quiet=True)
+    path = str(tmp_path / "cells" / "linear-d16-lr0.01.json")
+    assert f"sweep cell {path!r} holds a run of another config (differs in ['steps'])" in str(err.value)
 
 
 @pytest.mark.parametrize(

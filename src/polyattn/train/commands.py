@@ -61,7 +61,7 @@ def parse_json_object(text, flag):
     return value
 
 
-def add_train_arguments(parser):
+def add_train_arguments(parser, out_help="directory for results.json, PNGs and the checkpoint"):
     d = TrainConfig()
     seg = lambda segs: ",".join(f"{s.seq_len}:{s.num_examples}:{s.num_pairs}" for s in segs)  # noqa: E731
     parser.add_argument("--task", default=d.task, help=f"one of {sorted(TASKS)}")
@@ -85,7 +85,7 @@ def add_train_arguments(parser):
     parser.add_argument("--impl", default=d.impl, help="op implementation for every mixer (auto: triton on CUDA)")
     parser.add_argument("--no-bf16", action="store_true", help="no bf16 autocast on CUDA")
     parser.add_argument("--no-checkpoint", action="store_true")
-    parser.add_argument("--out", default=None, help="directory for results.json, PNGs and the checkpoint")
+    parser.add_argument("--out", default=None, help=out_help)
     parser.add_argument("--parallel", default=d.parallel, choices=PARALLEL,
                         help="none: one process; ddp or fsdp (FSDP2, fully_shard per block): one rank of a torchrun launch, "
                              "its rows of each batch; cp (context parallelism): one rank, its 1/N of every sequence")
@@ -156,7 +156,9 @@ def run_train(args):
 
 
 def add_sweep_arguments(parser):
-    add_train_arguments(parser)
+    add_train_arguments(parser, out_help="directory for sweep.json, the plots (claims with --config) and cells/: each cell's "
+                                         "result, written as it ends; rerun with the same --out to continue a stopped sweep "
+                                         "(a cell whose file holds a run of the same config is read, not trained)")
     parser.add_argument("--mixers", default="softmax,gdn,kata-m2", help="comma-separated mixer names")
     parser.add_argument("--mixer-configs", default="{}",
                         help="JSON options per mixer over --mixer-config, e.g. '{\"gdn\": {\"output_gate\": false}}'")
@@ -166,13 +168,17 @@ def add_sweep_arguments(parser):
                         help="an evidence config (JSON, benchmarks/evidence/): its sweep arguments, which flags given here "
                              "override, and its claims, checked into OUT/claims.json and claims.md (needs --out)")
     parser.add_argument("--toy", action="store_true", help="with --config: its toy sizes (a few steps; what CPU CI runs)")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="train N cells at a time, each in its own process of one CPU thread; on CUDA they "
+                             "share the GPU (small models leave it mostly idle)")
 
 
 # An evidence config: {"description", "sweep": {argument: value}, "toy": {argument: value}, "claims": [...]}.
 # Arguments are the sweep's flags without dashes (train, test, mixers, mixer_configs, widths, lrs, steps, ...);
-# segments and lists may be JSON lists, options JSON objects. The output folder and --config/--toy stay on the command line.
+# segments and lists may be JSON lists, options JSON objects. The output folder, --workers (how this machine runs the
+# cells, not what they are) and --config/--toy stay on the command line.
 CONFIG_KEYS = {"description", "sweep", "toy", "claims"}
-COMMAND_LINE_ONLY = {"config", "toy", "out"}
+COMMAND_LINE_ONLY = {"config", "toy", "out", "workers"}
 
 
 def read_json(path, flag):
@@ -242,7 +248,7 @@ def parse_mixer_configs(text, mixers):
 @dataclass
 class SweepPlan:
     """What `polyattn sweep` runs, every part checked: the cells' shared config and axes, the evidence config
-    (``spec``, None without ``--config``) and the command line that reproduces the run."""
+    (``spec``, None without ``--config``), the command line that reproduces the run and the worker processes."""
 
     base: TrainConfig
     mixers: list
@@ -252,6 +258,7 @@ class SweepPlan:
     out: str | None
     spec: dict | None
     command: str
+    workers: int
 
 
 def plan_sweep(args):
@@ -267,6 +274,8 @@ def plan_sweep(args):
         args, spec = apply_config(args)
     elif args.toy:
         raise ValueError("--toy: expected --config FILE (the toy sizes of an evidence config)")
+    if args.workers < 1:
+        raise ValueError(f"--workers: expected a positive integer, got {args.workers}")
     mixers = parse_list(args.mixers, str, "--mixers")
     check_mixers(mixers)
     widths, lrs = parse_list(args.widths, int, "--widths"), parse_list(args.lrs, float, "--lrs")
@@ -276,7 +285,7 @@ def plan_sweep(args):
         check_runnable(config)
     if spec and "claims" in spec:
         check_claims(spec["claims"], mixers, widths, [(s.seq_len, s.num_pairs) for s in base.test_segments])
-    return SweepPlan(base, mixers, widths, lrs, mixer_configs, args.out, spec, command)
+    return SweepPlan(base, mixers, widths, lrs, mixer_configs, args.out, spec, command, args.workers)
 
 
 @reports_errors
@@ -288,7 +297,8 @@ def run_sweep(args):
     plan = plan_sweep(args)
     if plan.out:
         prepare_out_dir(plan.out)
-    summary, best = sweep(plan.base, plan.mixers, plan.widths, plan.lrs, plan.out, mixer_configs=plan.mixer_configs)
+    summary, best = sweep(plan.base, plan.mixers, plan.widths, plan.lrs, plan.out, mixer_configs=plan.mixer_configs,
+                          workers=plan.workers)
     table = format_table(best, extra_columns=[("best lr", lambda r: f"{r['config']['lr']:g}")])
     print(table)
     if plan.spec and "claims" in plan.spec:

@@ -14,9 +14,7 @@ import os
 import platform
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, fields, replace
-from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ from polyattn.layers import MIXERS, available_mixers
 from polyattn.train.config import TrainConfig
 from polyattn.train.loop import build_data, train
 from polyattn.train.sweep import format_table, score
+from polyattn.train.workers import in_processes
 
 DEFAULT_OUT = "benchmarks/results/demo-cpu"
 DECODE_CHECK_MIXER = "kata-m1"
@@ -106,7 +105,6 @@ def decode_check(model, data, prefix):
 
 
 def run_one(config, check_decode):
-    torch.set_num_threads(1)
     t0 = time.perf_counter()
     result, model = train(config, quiet=True)
     result["wall_s"] = time.perf_counter() - t0
@@ -138,17 +136,15 @@ def run_demo(out_dir=DEFAULT_OUT, mixers=None, steps=None, workers=2, stream=Non
           f"{workers} worker process(es) × 1 thread", file=stream, flush=True)
     runs = {task: {} for task in studies}
     bar = tqdm(total=len(jobs), desc="polyattn demo", unit="run", file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-        # the registry lists the costlier mechanisms last: submit them first so both workers finish together
-        futures = {pool.submit(run_one, cfg, task == "mqar" and m == check): (task, m) for task, m, cfg in reversed(jobs)}
-        for done, future in enumerate(as_completed(futures), 1):
-            task, m = futures[future]
-            r = future.result()
-            runs[task].setdefault(m, []).append(r)
-            accs = " ".join(f"{e['accuracy']:.2f}" for e in r["eval"])
-            bar.write(f"[{done:2d}/{len(jobs)}] {task:<9} {m:<17} lr {r['config']['lr']:<6g} acc {accs}  "
-                      f"({r['train']['steps']} steps, {r['wall_s']:.0f}s)", file=stream)
-            bar.update()
+    jobs.reverse()  # the registry lists the costlier mechanisms last: submit them first so both workers finish together
+    finished = in_processes(run_one, [(cfg, task == "mqar" and m == check) for task, m, cfg in jobs], workers)
+    for done, (i, r) in enumerate(finished, 1):
+        task, m, _ = jobs[i]
+        runs[task].setdefault(m, []).append(r)
+        accs = " ".join(f"{e['accuracy']:.2f}" for e in r["eval"])
+        bar.write(f"[{done:2d}/{len(jobs)}] {task:<9} {m:<17} lr {r['config']['lr']:<6g} acc {accs}  "
+                  f"({r['train']['steps']} steps, {r['wall_s']:.0f}s)", file=stream)
+        bar.update()
     bar.close()
     results = {task: {m: best_run(rs) for m, rs in by_mixer.items()} for task, by_mixer in runs.items()}
     summary = {"studies": {}}

@@ -1,11 +1,14 @@
 """Sweeps over mixers × widths × learning rates, reporting the best LR per (mixer, width) cell (the
-Zoology convention: each cell is scored by its best learning rate)."""
+Zoology convention: each cell is scored by its best learning rate). Cells train in this process or in worker
+processes; with an output folder each cell's result is kept in ``cells/`` as it ends, and a rerun reads it."""
 
 import json
-from dataclasses import replace
+import os
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from polyattn.train.loop import train
+from polyattn.train.workers import in_processes
 
 
 def score(result):
@@ -22,16 +25,98 @@ def sweep_cells(base, mixers, widths, lrs, mixer_configs=None):
             for mixer in mixers for width in widths for lr in lrs]
 
 
-def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False, mixer_configs=None):
+def as_json(value):
+    """`value` as it reads back from JSON (tuples as lists): a trained cell and a stored one compare equal."""
+    return json.loads(json.dumps(value))
+
+
+def cell_label(config):
+    return f"{config.mixer} d={config.d_model}"
+
+
+def run_label(config):
+    return f"{cell_label(config)} lr={config.lr:g}"
+
+
+def cell_file(folder, config):
+    """A cell's result file in `folder` (``OUT/cells``), named by mixer, width and lr (``repr``: distinct lrs, distinct names)."""
+    return Path(folder) / f"{config.mixer}-d{config.d_model}-lr{float(config.lr)!r}.json"
+
+
+def run_cell(config, quiet):
+    """One cell's training run as the sweep keeps it: labelled, every 10th history entry, in its JSON form."""
+    result, _ = train(config, quiet=quiet, label=run_label(config))
+    result["label"] = cell_label(config)
+    result["train"]["history"] = result["train"]["history"][::10]
+    return as_json(result)
+
+
+def stored_cells(cells, folder):
+    """``{index: result}`` of the cells with a result file in `folder`; ValueError naming a file that is not
+    a cell's result or holds a run of another config (never reused)."""
+    found = {}
+    for i, config in enumerate(cells):
+        path = cell_file(folder, config)
+        if not path.exists():
+            continue
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"sweep cell {str(path)!r}: cannot read it as JSON ({err}); delete it to train the cell again") from err
+        stored = result.get("config") if isinstance(result, dict) else None
+        if not isinstance(stored, dict):
+            raise ValueError(f"sweep cell {str(path)!r}: expected a training result with a 'config'; delete it to train the cell again")
+        expected = as_json(asdict(config))
+        if stored != expected:
+            missing = object()
+            differ = sorted(key for key in {*stored, *expected} if stored.get(key, missing) != expected.get(key, missing))
+            raise ValueError(f"sweep cell {str(path)!r} holds a run of another config (differs in {differ}); "
+                             f"use another output folder or delete the file")
+        found[i] = result
+    return found
+
+
+def write_cell(path, result):
+    """Write a cell's result whole or not at all (a sweep stopped mid-write leaves no truncated file)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(partial, path)
+
+
+def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False, mixer_configs=None, workers=1):
     """Train every (mixer, width, lr) (`sweep_cells`); returns ``{"runs": [...], "best": [...]}`` and writes
-    ``sweep.json`` + ``accuracy_vs_state.png`` + ``accuracy_vs_length.png`` under `out_dir`."""
-    runs = []
-    for config in sweep_cells(base, mixers, widths, lrs, mixer_configs):
-        label = f"{config.mixer} d={config.d_model}"
-        result, _ = train(config, quiet=quiet, label=f"{label} lr={config.lr:g}")
-        result["label"] = label
-        result["train"]["history"] = result["train"]["history"][::10]
-        runs.append(result)
+    ``sweep.json`` + ``accuracy_vs_state.png`` + ``accuracy_vs_length.png`` under `out_dir`.
+
+    ``workers`` > 1: that many cells at a time, each in a process of one CPU thread (`in_processes`; on CUDA
+    they share the GPU); ``runs`` stay in `sweep_cells` order. With `out_dir`, every cell's result is written to
+    ``out_dir/cells/`` as it ends, and a cell whose file holds a run of the same config is read, not trained."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers: expected a positive integer, got {workers!r}")
+    cells = sweep_cells(base, mixers, widths, lrs, mixer_configs)
+    runs = [None] * len(cells)
+    folder = Path(out_dir) / "cells" if out_dir else None
+    if folder:
+        for i, result in stored_cells(cells, folder).items():
+            runs[i] = result
+        reused = [run_label(config) for config, r in zip(cells, runs) if r is not None]
+        if reused and not quiet:
+            print(f"reused {len(reused)} of {len(cells)} cells from {folder}: {', '.join(reused)}", flush=True)
+        folder.mkdir(parents=True, exist_ok=True)
+    todo = [i for i, r in enumerate(runs) if r is None]
+    workers = min(workers, len(todo))
+    if workers > 1:  # the workers' progress bars would interleave: one line per finished cell instead
+        finished = in_processes(run_cell, [(cells[i], True) for i in todo], workers)
+    else:
+        finished = ((j, run_cell(cells[i], quiet)) for j, i in enumerate(todo))
+    for done, (j, result) in enumerate(finished, 1):
+        config = cells[todo[j]]
+        runs[todo[j]] = result
+        if folder:
+            write_cell(cell_file(folder, config), result)
+        if not quiet:
+            accs = " ".join(f"{e['accuracy']:.2f}" for e in result["eval"])
+            print(f"[{done}/{len(todo)}] {run_label(config)} acc {accs} "
+                  f"({result['train']['steps']} steps, {result['train']['seconds']:.0f}s)", flush=True)
     best = []
     for mixer in mixers:
         for width in widths:
@@ -42,7 +127,6 @@ def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False, mixer_configs=No
         from polyattn.train.plots import plot_accuracy_vs_length, plot_accuracy_vs_state
 
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         (out / "sweep.json").write_text(json.dumps(summary, indent=2) + "\n")
         slices = [(e["length"], e["pairs"]) for e in best[0]["eval"]]
         plot_accuracy_vs_state(best, out / "accuracy_vs_state.png", [slices[0], slices[-1]])
