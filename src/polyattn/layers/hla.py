@@ -20,9 +20,11 @@ multiplier (2 or 3; 1 for AHLA), so that its fastest decay starts in a first-ord
 Measured on ``polyattn demo``'s MQAR (450 steps, length-64 accuracy, single runs, lr 1e-2 unless noted):
 HLA2 canonical 0.06, no decay 0.07 (q/k norm off), inner decay only 0.63 (0.90 with ``A ~ U(0, 8)``);
 AHLA canonical 0.24 (0.80 at lr 3e-2), inner decay only 0.93; HLA3 does not learn in that budget
-whichever placement: canonical 0.24 (0.23 at lr 3e-2; with ``A ~ U(0, 16/3)`` 0.24, and 0.34 or 0.54 in
-two runs at lr 3e-2), no decay 0.27 (0.65 at lr 3e-2), inner decay only 0.12 (0.34), the normalized form
-(inner decay) 0.12 with elu+1 and 0.14 with relu features (length 64, 8 pairs). Before finding this, HLA2 stayed at
+(it does in 1,500 steps: below) whichever placement: canonical 0.24 (0.23 at lr 3e-2; with
+``A ~ U(0, 16/3)`` 0.24, and 0.34 or 0.54 in two runs at lr 3e-2), no decay 0.27 (0.65 at lr 3e-2), inner decay only 0.12 (0.34), the normalized form
+(inner decay) 0.12 with elu+1 and 0.14 with relu features (length 64, 8 pairs). With 1,500 steps this shell
+(inner decay, lr 1e-2) learns: HLA3 0.997 in two seeds (0.986 / 0.971 with 16 pairs), HLA2 0.999; HLA3's loss
+stays near chance for 300-500 steps, then falls (benchmarks/results/demo-cpu-hla-1500/). Before finding this, HLA2 stayed at
 chance with lr 3e-2, q/k RMSNorm, relu or elu+1 features, the normalized form, 8 heads, ``scale=1``,
 q = k at init, and 1500 steps. The decode state is the calls' states either way.
 
