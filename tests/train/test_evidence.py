@@ -26,7 +26,7 @@ def plan(argv):
 
 
 def test_the_evidence_configs_are_committed():
-    assert {p.stem for p in CONFIGS} >= {"mqar-extrapolation", "mqar-loglinear", "mqar-hla", "overwrite", "niah"}
+    assert {p.stem for p in CONFIGS} >= {"mqar-extrapolation", "mqar-loglinear", "mqar-hla", "mqar-hybrid", "overwrite", "niah"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -169,11 +169,21 @@ def test_flags_override_the_toy_block_which_overrides_the_config(tmp_path):
         ({"sweep__mixer_configs": {"gdn": {"bogus": 1}}}, [], "unknown options ['bogus']"),
         ({"sweep__steps": 0}, [], "steps: expected an integer in [1, inf], got 0"),
         ({"sweep__no_bf16": "yes"}, [], "sweep.no_bf16: expected true or false"),
+        ({"sweep__mixers": ["linear", "gdn", "x+y"], "sweep__hybrids": {"x+y": ["linear", "nope"]}}, [],
+         "hybrids: 'x+y': layer_mixers[1]: unknown mixer 'nope'"),
+        ({"sweep__mixers": ["linear", "gdn", "x+y"], "sweep__hybrids": {"x+y": ["linear"]}}, [], "hybrids: 'x+y': layer_mixers: expected 2 entries"),
+        ({"sweep__mixers": ["linear", "gdn", "x+y"], "sweep__hybrids": {"x+y": ["linear", {"name": "gdn", "bogus": 1}]}}, [],
+         "unknown options ['bogus'] for mixer 'gdn'"),
+        ({"sweep__mixers": ["linear", "gdn", "x+y"], "sweep__hybrids": {"x+y": ["linear", "gdn"]}, "sweep__mixer_configs": {"x+y": {}}}, [],
+         "--mixer-configs: 'x+y' is not one of the sweep's mixers"),
+        ({"sweep__hybrids": {"gdn": ["linear", "gdn"]}}, [], "hybrids: name: expected letters, digits and . _ + - other than a registered"),
+        ({"sweep__mixers": ["linear", "gdn", "x+z"], "sweep__hybrids": {"x+y": ["linear", "gdn"]}}, [], "unknown mixers ['x+z']"),
         ({"toy": None}, ["--toy"], "--toy needs a 'toy' object"),
         ({"extra": {}}, [], "expected an object with a 'sweep' object"),
     ],
     ids=["unknown-key", "out-key", "workers-key", "toy-key", "unknown-mixer", "claim-mixer", "claim-slice", "claim-width", "mixer-configs-name",
-         "mixer-configs-option", "steps", "bool", "no-toy", "top-level"],
+         "mixer-configs-option", "steps", "bool", "hybrid-entry", "hybrid-length", "hybrid-option", "hybrid-mixer-configs", "hybrid-name",
+         "hybrid-unknown", "no-toy", "top-level"],
 )
 def test_bad_config_is_refused_before_any_training(changes, flags, match, tmp_path, capsys):
     out = tmp_path / "out"

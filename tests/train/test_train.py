@@ -37,6 +37,45 @@ def test_train_writes_json_plots_and_a_loadable_checkpoint(tmp_path):
     assert "T64/P8*" in format_table([result])
 
 
+HYBRID = [{"name": "gdn", "num_heads": 2, "output_gate": False}, {"name": "softmax", "num_heads": 2}]
+
+
+def test_train_builds_a_hybrid_and_records_its_layers(tmp_path):
+    config = TrainConfig(layer_mixers=HYBRID, out_dir=str(tmp_path), **{**TINY, "mixer_config": {}})
+    result, model = train(config, quiet=True)
+    assert config.mixer == "gdn+softmax" and [b.mixer.name for b in model.blocks] == ["gdn", "softmax"]
+    assert model.blocks[0].mixer.config.output_gate is False
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["mixer"] == "gdn+softmax" and saved["config"]["layer_mixers"] == HYBRID
+    assert saved["layer_mixers"] == [{**layer, "impl": "auto"} for layer in HYBRID]
+    kv = [model.blocks[1].mixer.state_size(T) for T in (32, 64)]  # softmax: its KV cache grows with T
+    assert kv[1] > kv[0] and saved["state_floats"] == {"32": model.blocks[0].mixer.state_size(32) + kv[0],
+                                                       "64": model.blocks[0].mixer.state_size(64) + kv[1]}
+    ids = torch.randint(64, (1, 12))
+    assert torch.equal(CausalLM.from_pretrained(tmp_path / "checkpoint")(ids)[0], model(ids)[0])
+    assert format_table([result]).splitlines()[2].startswith("gdn+softmax ")
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(layer_mixers=["gdn", "softmax", "gdn"]), "layer_mixers: expected 2 entries (one per layer, n_layers=2), got 3"),
+        (dict(layer_mixers=["gdn", "softmax"], n_layers=3), "layer_mixers: expected 3 entries"),
+        (dict(layer_mixers=["gdn", "nope"]), "layer_mixers[1]: unknown mixer 'nope'"),
+        (dict(layer_mixers=[{"num_heads": 2}, "softmax"]), "layer_mixers[0]: expected a mixer name or an object"),
+        (dict(layer_mixers="gdn,softmax"), "layer_mixers: expected a list of mixers"),
+        (dict(layer_mixers=["gdn", "softmax"], mixer_config={"num_heads": 2}), "mixer_config: with layer_mixers each layer takes its entry's options"),
+        (dict(layer_mixers=["gdn", "softmax"], mixer="gdn"), "mixer: with layer_mixers, the hybrid's name: expected"),
+        (dict(layer_mixers=["gdn", "softmax"], mixer="a/b"), "mixer: with layer_mixers, the hybrid's name: expected"),
+    ],
+    ids=["long", "short", "unknown", "no-name", "not-a-list", "mixer-config", "registry-name", "path-name"],
+)
+def test_layer_mixers_are_checked_with_the_config(changes, match):
+    with pytest.raises(ValueError) as err:
+        TrainConfig(**{**TINY, "mixer_config": {}, **changes})
+    assert match in str(err.value)
+
+
 def test_schedule_warms_up_then_decays_to_zero():
     f = lr_lambda(100, 0.1)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
@@ -109,16 +148,53 @@ def test_sweep_refuses_a_cell_file_of_another_config(tmp_path, monkeypatch):
     assert f"sweep cell {path!r} holds a run of another config (differs in ['steps'])" in str(err.value)
 
 
+def hybrid_sweep_argv(out):
+    return ["sweep", "--mixers", "gdn,gdn+softmax", "--hybrids", '{"gdn+softmax": ["gdn", {"name": "softmax", "num_heads": 4}]}',
+            "--mixer-configs", '{"gdn": {"output_gate": false}}', "--widths", "16", "--lrs", "1e-2", "--task-options", '{"vocab_size": 64}',
+            "--train", "32:64:4", "--test", "32:16:4,64:8:8", "--mixer-config", '{"num_heads": 2}', "--steps", "2",
+            "--batch-size", "8", "--device", "cpu", "--out", str(out)]
+
+
+def test_sweep_trains_a_hybrid_cell_with_its_mixers_options(tmp_path, capsys):
+    assert main(hybrid_sweep_argv(tmp_path)) == 0
+    assert "gdn+softmax d=16 " in capsys.readouterr().out  # the table
+    summary = json.loads((tmp_path / "sweep.json").read_text())
+    assert [b["mixer"] for b in summary["best"]] == ["gdn", "gdn+softmax"]
+    gdn, hybrid = summary["runs"]
+    assert hybrid["label"] == "gdn+softmax d=16" and gdn["config"]["layer_mixers"] is None
+    assert hybrid["config"]["mixer_config"] == {} and hybrid["config"]["layer_mixers"] == [
+        {"name": "gdn", "num_heads": 2, "output_gate": False}, {"name": "softmax", "num_heads": 4}]  # --mixer-config, gdn's, its own
+    assert json.loads((tmp_path / "cells" / "gdn+softmax-d16-lr0.01.json").read_text()) == hybrid
+    assert main(hybrid_sweep_argv(tmp_path)) == 0
+    assert "reused 2 of 2 cells" in capsys.readouterr().out
+
+
+def test_sweep_refuses_bad_hybrids_before_training(monkeypatch):
+    import polyattn.train.sweep as sweep_module
+
+    monkeypatch.setattr(sweep_module, "train", lambda *a, **kw: pytest.fail("trained a cell"))
+    base = TrainConfig(mixer="linear", **TINY)
+    for hybrids, match in [({"h": ["linear", "nope"]}, "hybrids: 'h': layer_mixers[1]: unknown mixer 'nope'"),
+                           ({"h": ["linear"]}, "hybrids: 'h': layer_mixers: expected 2 entries"),
+                           ({"linear": ["linear", "softmax"]}, "hybrids: name: expected letters, digits and . _ + - other than")]:
+        with pytest.raises(ValueError) as err:
+            sweep(base, ["linear", *hybrids], [16], [1e-2], quiet=True, hybrids=hybrids)
+        assert match in str(err.value)
+
+
 @pytest.mark.parametrize(
     "argv, match",
     [
         (["train", "--mixer", "nope"], "unknown mixers ['nope']"),
+        (["train", "--layer-mixers", '["gdn"]'], "layer_mixers: expected 2 entries (one per layer, n_layers=2), got 1"),
+        (["train", "--layer-mixers", "gdn,softmax"], "--layer-mixers: expected a JSON list like"),
+        (["train", "--layer-mixers", '["gdn", "softmax"]', "--mixer-config", '{"num_heads": 4}'], "mixer_config: with layer_mixers"),
         (["train", "--task", "nope"], "unknown task 'nope'"),
         (["train", "--steps", "0"], "steps: expected an integer in [1, inf], got 0"),
         (["train", "--train", "64-100-4"], "expected segments like"),
         (["demo", "--mixers", "softmax,nope"], "unknown mixers ['nope']"),
     ],
-    ids=["mixer", "task", "steps", "segments", "demo-mixer"],
+    ids=["mixer", "layer-mixers-length", "layer-mixers-json", "layer-mixers-mixer-config", "task", "steps", "segments", "demo-mixer"],
 )
 def test_cli_reports_invalid_configs(argv, match, capsys):
     assert main(argv) == 2
@@ -132,3 +208,13 @@ def test_cli_train_runs(tmp_path, capsys):
     assert main(argv) == 0
     assert "kata-m2" in capsys.readouterr().out
     assert json.loads((tmp_path / "results.json").read_text())["mixer"] == "kata-m2"
+
+
+def test_cli_train_runs_a_hybrid(tmp_path, capsys):
+    argv = ["train", "--layer-mixers", '["kata-m2", {"name": "softmax", "num_heads": 1}]', "--task-options", '{"vocab_size": 64}',
+            "--train", "64:32:4", "--test", "64:8:4", "--d-model", "16", "--steps", "2", "--batch-size", "4", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert "kata-m2+softmax" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["mixer"] == "kata-m2+softmax" and [layer["name"] for layer in saved["layer_mixers"]] == ["kata-m2", "softmax"]
+    assert CausalLM.from_pretrained(tmp_path / "checkpoint").blocks[1].mixer.heads == 1

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from polyattn.layers import MIXERS
 from polyattn.tasks import TASKS
-from polyattn.train.config import TrainConfig
+from polyattn.train.config import DEFAULT_MIXER, TrainConfig, layer_name
 from polyattn.train.distributed import PARALLEL
 
 
@@ -51,13 +51,19 @@ def parse_list(text, kind, flag):
     return items
 
 
-def parse_json_object(text, flag):
+HYBRID_EXAMPLE = '["kata-m1", "softmax"]'
+
+
+def parse_json(text, flag, example='{"num_heads": 4}'):
+    """`text` as JSON of the kind of `example` (an object or a list); ValueError showing `example` otherwise."""
+    kind = type(json.loads(example))
+    what = "object" if kind is dict else "list"
     try:
         value = json.loads(text)
     except ValueError as err:
-        raise ValueError(f"{flag}: expected a JSON object like '{{\"num_heads\": 4}}', got {text!r} ({err})") from err
-    if not isinstance(value, dict):
-        raise ValueError(f"{flag}: expected a JSON object like '{{\"num_heads\": 4}}', got {text!r}")
+        raise ValueError(f"{flag}: expected a JSON {what} like '{example}', got {text!r} ({err})") from err
+    if not isinstance(value, kind):
+        raise ValueError(f"{flag}: expected a JSON {what} like '{example}', got {text!r}")
     return value
 
 
@@ -65,7 +71,7 @@ def add_train_arguments(parser, out_help="directory for results.json, PNGs and t
     d = TrainConfig()
     seg = lambda segs: ",".join(f"{s.seq_len}:{s.num_examples}:{s.num_pairs}" for s in segs)  # noqa: E731
     parser.add_argument("--task", default=d.task, help=f"one of {sorted(TASKS)}")
-    parser.add_argument("--mixer", default=d.mixer, help=f"one of {list(MIXERS)}")
+    parser.add_argument("--mixer", default=None, help=f"one of {list(MIXERS)} (default {DEFAULT_MIXER})")
     parser.add_argument("--mixer-config", default="{}", help="JSON options for the mixer, e.g. '{\"num_heads\": 4}'")
     parser.add_argument("--task-options", default=json.dumps(d.task_options), help="JSON options for the task generator")
     parser.add_argument("--train", default=seg(d.train_segments), help="train segments seq_len:examples:pairs,...")
@@ -94,8 +100,12 @@ def add_train_arguments(parser, out_help="directory for results.json, PNGs and t
 
 
 def add_single_run_arguments(parser):
-    """`polyattn train` only: the training state of one run."""
+    """`polyattn train` only: a hybrid's layers and the training state of one run."""
     add_train_arguments(parser)
+    parser.add_argument("--layer-mixers", default=None, metavar="JSON",
+                        help="a hybrid: a JSON list of --n-layers mixers, each a name or {\"name\": ..., **options} with its own "
+                             "options (no --mixer-config), e.g. '[\"kata-m1\", \"softmax\"]'; --mixer then names the hybrid "
+                             "(default: the layers' names joined by +)")
     parser.add_argument("--save-every", type=int, default=None, metavar="N",
                         help="write the sharded training state to OUT/train_state/step-N every N steps and at the end")
     parser.add_argument("--resume", default=None, metavar="DIR",
@@ -105,11 +115,12 @@ def add_single_run_arguments(parser):
 def config_from_args(args):
     return TrainConfig(
         task=args.task,
-        task_options=parse_json_object(args.task_options, "--task-options"),
+        task_options=parse_json(args.task_options, "--task-options"),
         train_segments=parse_segments(args.train, "--train"),
         test_segments=parse_segments(args.test, "--test"),
         mixer=args.mixer,
-        mixer_config=parse_json_object(args.mixer_config, "--mixer-config"),
+        mixer_config=parse_json(args.mixer_config, "--mixer-config"),
+        layer_mixers=None if getattr(args, "layer_mixers", None) is None else parse_json(args.layer_mixers, "--layer-mixers", HYBRID_EXAMPLE),
         d_model=args.d_model,
         n_layers=args.n_layers,
         mlp_ratio=args.mlp_ratio,
@@ -133,10 +144,11 @@ def config_from_args(args):
     )
 
 
-def check_mixers(names):
-    unknown = [m for m in names if m not in MIXERS]
+def check_mixers(names, hybrids=()):
+    """ValueError naming the names that are neither registered mixers nor in `hybrids`."""
+    unknown = [m for m in names if m not in MIXERS and m not in hybrids]
     if unknown:
-        raise ValueError(f"unknown mixers {unknown}: expected some of {list(MIXERS)}")
+        raise ValueError(f"unknown mixers {unknown}: expected some of {list(MIXERS) + list(hybrids)}")
 
 
 @reports_errors
@@ -145,7 +157,8 @@ def run_train(args):
     from polyattn.train.sweep import format_table
 
     config = config_from_args(args)
-    check_mixers([config.mixer])
+    if config.layer_mixers is None:  # a hybrid's layers are checked by TrainConfig
+        check_mixers([config.mixer])
     check_runnable(config)  # every argument, and the output folder created, before any work
     result, _ = train(config)
     if int(os.environ.get("RANK", 0)) == 0 or config.parallel == "none":  # under torchrun: rank 0 prints
@@ -159,7 +172,11 @@ def add_sweep_arguments(parser):
     add_train_arguments(parser, out_help="directory for sweep.json, the plots (claims with --config) and cells/: each cell's "
                                          "result, written as it ends; rerun with the same --out to continue a stopped sweep "
                                          "(a cell whose file holds a run of the same config is read, not trained)")
-    parser.add_argument("--mixers", default="softmax,gdn,kata-m2", help="comma-separated mixer names")
+    parser.add_argument("--mixers", default="softmax,gdn,kata-m2", help="comma-separated mixer names (or names of --hybrids)")
+    parser.add_argument("--hybrids", default="{}", metavar="JSON",
+                        help="named per-layer models for --mixers, e.g. '{\"kata-m1+softmax\": [\"kata-m1\", \"softmax\"]}'; "
+                             "each layer takes its mixer's options (--mixer-config, --mixer-configs), updated by its entry's "
+                             "own ({\"name\": ..., **options})")
     parser.add_argument("--mixer-configs", default="{}",
                         help="JSON options per mixer over --mixer-config, e.g. '{\"gdn\": {\"output_gate\": false}}'")
     parser.add_argument("--widths", default="64,128", help="comma-separated d_model values")
@@ -174,7 +191,7 @@ def add_sweep_arguments(parser):
 
 
 # An evidence config: {"description", "sweep": {argument: value}, "toy": {argument: value}, "claims": [...]}.
-# Arguments are the sweep's flags without dashes (train, test, mixers, mixer_configs, widths, lrs, steps, ...);
+# Arguments are the sweep's flags without dashes (train, test, mixers, hybrids, mixer_configs, widths, lrs, steps, ...);
 # segments and lists may be JSON lists, options JSON objects. The output folder, --workers (how this machine runs the
 # cells, not what they are) and --config/--toy stay on the command line.
 CONFIG_KEYS = {"description", "sweep", "toy", "claims"}
@@ -235,11 +252,13 @@ def apply_config(args):
     return parser.parse_args(args.argv[1:], namespace=argparse.Namespace(**values)), spec
 
 
-def parse_mixer_configs(text, mixers):
-    configs = parse_json_object(text, "--mixer-configs")
+def parse_mixer_configs(text, mixers, hybrids):
+    """``--mixer-configs``: options per registered mixer of the sweep, a hybrid's layers included (not per hybrid)."""
+    configs = parse_json(text, "--mixer-configs")
+    names = list(dict.fromkeys(layer_name(e) for m in mixers for e in (hybrids[m] if m in hybrids else [m])))
     for name, options in configs.items():
-        if name not in mixers:
-            raise ValueError(f"--mixer-configs: {name!r} is not one of the sweep's mixers {mixers}")
+        if name not in names:
+            raise ValueError(f"--mixer-configs: {name!r} is not one of the sweep's mixers {names}")
         if not isinstance(options, dict):
             raise ValueError(f"--mixer-configs: expected a JSON object of options for {name!r}, got {options!r}")
     return configs
@@ -255,6 +274,7 @@ class SweepPlan:
     widths: list
     lrs: list
     mixer_configs: dict
+    hybrids: dict
     out: str | None
     spec: dict | None
     command: str
@@ -266,7 +286,7 @@ def plan_sweep(args):
     cell runnable, and the claims of ``--config`` reading mixers, widths and test slices of this sweep."""
     from polyattn.train.claims import check_claims
     from polyattn.train.loop import check_runnable
-    from polyattn.train.sweep import sweep_cells
+    from polyattn.train.sweep import check_hybrids, sweep_cells
 
     command = "polyattn " + shlex.join(args.argv)
     spec = None
@@ -277,15 +297,17 @@ def plan_sweep(args):
     if args.workers < 1:
         raise ValueError(f"--workers: expected a positive integer, got {args.workers}")
     mixers = parse_list(args.mixers, str, "--mixers")
-    check_mixers(mixers)
-    widths, lrs = parse_list(args.widths, int, "--widths"), parse_list(args.lrs, float, "--lrs")
-    mixer_configs = parse_mixer_configs(args.mixer_configs, mixers)
+    hybrids = parse_json(args.hybrids, "--hybrids", f'{{"kata-m1+softmax": {HYBRID_EXAMPLE}}}')
     base = replace(config_from_args(args), checkpoint=False, out_dir=None)
-    for config in sweep_cells(base, mixers, widths, lrs, mixer_configs):  # every cell, before any work
+    check_hybrids(hybrids, base.n_layers)
+    check_mixers(mixers, hybrids)
+    widths, lrs = parse_list(args.widths, int, "--widths"), parse_list(args.lrs, float, "--lrs")
+    mixer_configs = parse_mixer_configs(args.mixer_configs, mixers, hybrids)
+    for config in sweep_cells(base, mixers, widths, lrs, mixer_configs, hybrids):  # every cell, before any work
         check_runnable(config)
     if spec and "claims" in spec:
         check_claims(spec["claims"], mixers, widths, [(s.seq_len, s.num_pairs) for s in base.test_segments])
-    return SweepPlan(base, mixers, widths, lrs, mixer_configs, args.out, spec, command, args.workers)
+    return SweepPlan(base, mixers, widths, lrs, mixer_configs, hybrids, args.out, spec, command, args.workers)
 
 
 @reports_errors
@@ -298,7 +320,7 @@ def run_sweep(args):
     if plan.out:
         prepare_out_dir(plan.out)
     summary, best = sweep(plan.base, plan.mixers, plan.widths, plan.lrs, plan.out, mixer_configs=plan.mixer_configs,
-                          workers=plan.workers)
+                          workers=plan.workers, hybrids=plan.hybrids)
     table = format_table(best, extra_columns=[("best lr", lambda r: f"{r['config']['lr']:g}")])
     print(table)
     if plan.spec and "claims" in plan.spec:

@@ -88,8 +88,9 @@ def check_parallel(config, device):
     if config.parallel == "cp":
         from polyattn.layers import MIXERS
 
-        if not MIXERS[config.mixer].supports_context_parallel:
-            raise ValueError(f"parallel: 'cp' needs a mixer with a chunk summary to exchange, got mixer={config.mixer!r}")
+        unsupported = sorted({name for name in config.layer_names if not MIXERS[name].supports_context_parallel})
+        if unsupported:
+            raise ValueError(f"parallel: 'cp' needs a mixer with a chunk summary to exchange in every layer, got {unsupported}")
         lengths = sorted({seg.seq_len for seg in config.train_segments if seg.seq_len % world})
         if lengths:
             raise ValueError(f"train_segments: under parallel='cp' each length is split evenly over the {world} ranks, got lengths {lengths}")

@@ -77,7 +77,9 @@ def check_runnable(config):
         with torch.device("meta"):
             build_model(config)
     except TypeError as err:
-        raise ValueError(f"mixer_config: invalid options {config.mixer_config} for mixer {config.mixer!r} ({err})") from err
+        where = (f"mixer_config: invalid options {config.mixer_config} for mixer {config.mixer!r}" if config.layer_mixers is None
+                 else f"layer_mixers: invalid options in {config.layer_mixers}")
+        raise ValueError(f"{where} ({err})") from err
     for seg in (*config.train_segments, *config.test_segments):
         try:
             make_task(config.task, 1, seg.seq_len, seg.num_pairs, seed=0, **config.task_options)
@@ -115,15 +117,13 @@ def build_data(config):
 
 
 def build_model(config):
-    lm = LMConfig(
-        vocab_size=task_vocab_size(config),
-        d_model=config.d_model,
-        n_layers=config.n_layers,
-        mixer=config.mixer,
-        mixer_config={"impl": config.impl, **config.mixer_config},
-        mlp_ratio=config.mlp_ratio,
-    )
-    return CausalLM(lm)
+    """The run's `CausalLM`: ``mixer`` with ``mixer_config`` in every layer, or the ``layer_mixers``; every
+    layer's mixer takes ``config.impl`` unless its options name one."""
+    shape = dict(vocab_size=task_vocab_size(config), d_model=config.d_model, n_layers=config.n_layers, mlp_ratio=config.mlp_ratio)
+    if config.layer_mixers is None:
+        return CausalLM(LMConfig(mixer=config.mixer, mixer_config={"impl": config.impl, **config.mixer_config}, **shape))
+    layers = [{"impl": config.impl, **({"name": entry} if isinstance(entry, str) else entry)} for entry in config.layer_mixers]
+    return CausalLM(LMConfig(mixer=layers[0]["name"], layer_mixers=layers, **shape))
 
 
 def no_weight_decay(model):
@@ -291,6 +291,7 @@ def train_on(config, device, ranks, quiet, label):
     results = {
         "config": asdict(config),
         "mixer": config.mixer,
+        "layer_mixers": [{"name": name, **options} for name, options in model.config.layer_specs()],
         "params": model.num_parameters(),
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "world_size": ranks.world_size,

@@ -1,5 +1,5 @@
-"""Sweeps over mixers × widths × learning rates, reporting the best LR per (mixer, width) cell (the
-Zoology convention: each cell is scored by its best learning rate). Cells train in this process or in worker
+"""Sweeps over mixers (or named hybrids) × widths × learning rates, reporting the best LR per (mixer, width)
+cell (the Zoology convention: each cell is scored by its best learning rate). Cells train in this process or in worker
 processes; with an output folder each cell's result is kept in ``cells/`` as it ends, and a rerun reads it."""
 
 import json
@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from polyattn.train.config import check_hybrid_name, check_layer_mixers, layer_name
 from polyattn.train.loop import train
 from polyattn.train.workers import in_processes
 
@@ -16,13 +17,36 @@ def score(result):
     return sum(e["accuracy"] for e in result["eval"]) / len(result["eval"])
 
 
-def sweep_cells(base, mixers, widths, lrs, mixer_configs=None):
+def sweep_cells(base, mixers, widths, lrs, mixer_configs=None, hybrids=None):
     """The run configs of a sweep, mixer by mixer, then width, then lr; a mixer's options are
-    ``base.mixer_config`` updated by ``mixer_configs[mixer]`` (options for that mixer alone)."""
-    mixer_configs = mixer_configs or {}
-    return [replace(base, mixer=mixer, mixer_config={**base.mixer_config, **mixer_configs.get(mixer, {})}, d_model=width, lr=lr,
-                    out_dir=None)
-            for mixer in mixers for width in widths for lr in lrs]
+    ``base.mixer_config`` updated by ``mixer_configs[mixer]`` (options for that mixer alone).
+
+    ``hybrids``: ``{name: layer_mixers}``; a name of it in `mixers` is a cell of that per-layer model, each layer
+    with the options a cell of its mixer gets, updated by its entry's own (``{"name": NAME, **options}``)."""
+    mixer_configs, hybrids = mixer_configs or {}, hybrids or {}
+    check_hybrids(hybrids, base.n_layers)
+
+    def options(mixer):
+        return {**base.mixer_config, **mixer_configs.get(mixer, {})}
+
+    def model(mixer):
+        if mixer not in hybrids:
+            return dict(mixer=mixer, mixer_config=options(mixer), layer_mixers=None)
+        layers = [{"name": layer_name(e), **options(layer_name(e)), **({} if isinstance(e, str) else e)} for e in hybrids[mixer]]
+        return dict(mixer=mixer, mixer_config={}, layer_mixers=layers)
+
+    return [replace(base, **model(mixer), d_model=width, lr=lr, out_dir=None) for mixer in mixers for width in widths for lr in lrs]
+
+
+def check_hybrids(hybrids, n_layers):
+    """ValueError naming the hybrid unless every ``{name: layer_mixers}`` has a hybrid's name and a list of
+    `n_layers` registered mixers (`check_layer_mixers`)."""
+    for name, layers in hybrids.items():
+        check_hybrid_name("hybrids: name", name)
+        try:
+            check_layer_mixers(layers, n_layers)
+        except ValueError as err:
+            raise ValueError(f"hybrids: {name!r}: {err}") from err
 
 
 def as_json(value):
@@ -83,8 +107,8 @@ def write_cell(path, result):
     os.replace(partial, path)
 
 
-def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False, mixer_configs=None, workers=1):
-    """Train every (mixer, width, lr) (`sweep_cells`); returns ``{"runs": [...], "best": [...]}`` and writes
+def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False, mixer_configs=None, workers=1, hybrids=None):
+    """Train every (mixer or hybrid, width, lr) (`sweep_cells`); returns ``{"runs": [...], "best": [...]}`` and writes
     ``sweep.json`` + ``accuracy_vs_state.png`` + ``accuracy_vs_length.png`` under `out_dir`.
 
     ``workers`` > 1: that many cells at a time, each in a process of one CPU thread (`in_processes`; on CUDA
@@ -92,7 +116,7 @@ def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False, mixer_configs=No
     ``out_dir/cells/`` as it ends, and a cell whose file holds a run of the same config is read, not trained."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected a positive integer, got {workers!r}")
-    cells = sweep_cells(base, mixers, widths, lrs, mixer_configs)
+    cells = sweep_cells(base, mixers, widths, lrs, mixer_configs, hybrids)
     runs = [None] * len(cells)
     folder = Path(out_dir) / "cells" if out_dir else None
     if folder:
