@@ -31,6 +31,7 @@ def test_train_writes_json_plots_and_a_loadable_checkpoint(tmp_path):
     assert saved["train"]["steps"] == 3 and len(saved["eval"]) == 2
     assert [(e["length"], e["pairs"]) for e in saved["eval"]] == [(32, 4), (64, 8)]
     assert saved["state_floats"] == {"32": model.state_size(32), "64": model.state_size(64)}
+    assert saved["forms"] == ["chunk"] * config.n_layers  # what "auto" runs for gdn on the CPU
     assert (tmp_path / "accuracy_vs_length.png").stat().st_size > 0
     ids = torch.randint(64, (1, 12))
     assert torch.equal(CausalLM.from_pretrained(tmp_path / "checkpoint")(ids)[0], model(ids)[0])
@@ -53,7 +54,8 @@ def test_train_builds_a_hybrid_and_records_its_layers(tmp_path):
                                                        "64": model.blocks[0].mixer.state_size(64) + kv[1]}
     ids = torch.randint(64, (1, 12))
     assert torch.equal(CausalLM.from_pretrained(tmp_path / "checkpoint")(ids)[0], model(ids)[0])
-    assert format_table([result]).splitlines()[2].startswith("gdn+softmax ")
+    assert saved["forms"] == ["chunk", "sdpa"]
+    assert format_table([result]).splitlines()[2].split()[:2] == ["gdn+softmax", "chunk+sdpa"]
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from polyattn.layers import mixer_form
 from polyattn.models import CausalLM, LMConfig
 from polyattn.tasks import IGNORE_INDEX, TASKS, concat_data, make_task
 from polyattn.train.distributed import (
@@ -124,6 +125,14 @@ def build_model(config):
         return CausalLM(LMConfig(mixer=config.mixer, mixer_config={"impl": config.impl, **config.mixer_config}, **shape))
     layers = [{"impl": config.impl, **({"name": entry} if isinstance(entry, str) else entry)} for entry in config.layer_mixers]
     return CausalLM(LMConfig(mixer=layers[0]["name"], layer_mixers=layers, **shape))
+
+
+def layer_forms(model, config, device):
+    """Per layer, the form of its op its mixer runs at the longest training length (``impl="auto"`` resolved
+    for this device and the training dtype: e.g. "triton" or "chunk"; "sdpa" for softmax)."""
+    dtype = torch.bfloat16 if device.type == "cuda" and config.bf16 else torch.float32
+    return [mixer_form(name, options.get("impl", "auto"), config.max_train_len, device.type, dtype)
+            for name, options in model.config.layer_specs()]
 
 
 def no_weight_decay(model):
@@ -292,6 +301,7 @@ def train_on(config, device, ranks, quiet, label):
         "config": asdict(config),
         "mixer": config.mixer,
         "layer_mixers": [{"name": name, **options} for name, options in model.config.layer_specs()],
+        "forms": layer_forms(model, config, device),
         "params": model.num_parameters(),
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "world_size": ranks.world_size,

@@ -159,17 +159,19 @@ def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False, mixer_configs=No
 
 
 def format_table(results, extra_columns=()):
-    """A plain-text table: mixer, params, state floats (at the longest slice), accuracy per slice, tok/s."""
+    """A plain-text table: mixer, the form of its op per layer, params, state floats (at the longest slice),
+    accuracy per slice, tok/s."""
     slices = [(e["length"], e["pairs"]) for e in results[0]["eval"]]
     max_train = results[0]["max_train_len"]
     longest = str(max(length for length, _ in slices))
-    head = ["mixer", *[c for c, _ in extra_columns], "params", f"state@{longest}"]
+    head = ["mixer", "form", *[c for c, _ in extra_columns], "params", f"state@{longest}"]
     head += [f"T{length}/P{pairs}" + ("*" if length > max_train else "") for length, pairs in slices]
     head += ["train tok/s"]
     rows = []
     for r in results:
         acc = {(e["length"], e["pairs"]): e["accuracy"] for e in r["eval"]}
-        row = [r.get("label", r["mixer"]), *[fn(r) for _, fn in extra_columns], f"{r['params']:,}", f"{r['state_floats'][longest]:,}"]
+        form = "+".join(dict.fromkeys(r["forms"])) if "forms" in r else "-"  # a hybrid: each form once
+        row = [r.get("label", r["mixer"]), form, *[fn(r) for _, fn in extra_columns], f"{r['params']:,}", f"{r['state_floats'][longest]:,}"]
         row += [f"{acc[s]:.3f}" for s in slices]
         row += [f"{r['train']['tokens_per_s']:,.0f}"]
         rows.append(row)
