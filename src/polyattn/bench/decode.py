@@ -2,7 +2,8 @@
 
 Our fused steps (linear attention and the delta rule; state [B, H, K, V] fp32 updated in place:
 reads and writes 2 * 4 * B*H*K*V bytes whatever the context; log-linear Mamba-2 and Gated DeltaNet:
-num_levels(T + 1) such states, each read and written once) against SDPA over a bf16 KV cache of
+num_levels(T + B) such states, of which the step reads and writes those it changes: all at T = 2^k, about half
+for the batch at T, ..., T + B - 1) against SDPA over a bf16 KV cache of
 the given context, and fla's `fused_recurrent_simple_gla` one-token call when importable.
 B = 8, H = 16, K = V = 128; KATA-M2's and DeltaKATA-M1's steps (P = 2,048 and 4,096 features, K = V = 64,
 into new tensors) beside their PyTorch steps. `gbps`: the state bytes a step must move over its time;
@@ -140,30 +141,35 @@ def kata_steps(gen) -> list[tuple]:
 
 
 def loglinear_steps(gen, T: int) -> list[tuple]:
-    """`[(op, ms of the fused step, ms of the PyTorch step, state bytes the step must move)]` of the token at
-    context T for log-linear Mamba-2 and Gated DeltaNet: `L = num_levels(T + 1)` fp32 levels [B, H, L, D, D],
-    every one decayed, so each is read once and written once (the Fenwick carry and the write to level 0
-    in the same walk)."""
+    """`[(op, ms of the fused step, ms of the PyTorch step, state bytes the fused step moves)]` of one token
+    for log-linear Mamba-2 and Gated DeltaNet with `L = num_levels(T + B)` fp32 levels [B, H, L, D, D]: every
+    sequence at position T (a power of two in `CONTEXTS`: the carry reaches every level, the step's worst
+    case), and ("-ragged") the batch at positions T, ..., T + B - 1. The fused step reads and writes only the
+    levels it changes (ops/loglinear/triton/step.py), the PyTorch step every level."""
     from polyattn.ops.common import num_levels
     from polyattn.ops.loglinear import LogLinearState, loglinear_attn_step
+    from polyattn.ops.loglinear.state import occupied_levels
     from polyattn.ops.loglinear.triton.step import loglinear_attn_step_inplace
 
-    L = num_levels(T + 1)
+    L = num_levels(T + B)
     q, k, v = (torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     k = F.normalize(k.float(), dim=-1).to(k.dtype)  # unit keys: the delta rule's contractive regime
     g = -torch.rand(B, H, device="cuda", generator=gen) * 0.1
     beta = torch.rand(B, H, device="cuda", generator=gen)
     lam = torch.rand(B, H, L, device="cuda", generator=gen)
-    levels = torch.randn(B, H, L, D, D, device="cuda", generator=gen)
-    position = torch.full((B,), T, dtype=torch.int64, device="cuda")
-    state = LogLinearState(levels.clone(), position)
     out = []
-    for op, b in (("decode-loglinear-mamba2", None), ("decode-loglinear-gdn", beta)):
-        fused = try_bench(lambda b=b: loglinear_attn_step_inplace(q, k, v, lam, g, levels, position, scale=D ** -0.5, beta=b),
-                          rep_ms=200)
-        reference = try_bench(lambda b=b: loglinear_attn_step(q.float(), k.float(), v.float(), lam, g, b, state, scale=D ** -0.5),
+    for suffix, position in (("", torch.full((B,), T)), ("-ragged", T + torch.arange(B))):
+        position = position.to("cuda")
+        occupied = occupied_levels(position, L)  # [B, L]: levels with keys (the others are zero)
+        levels = torch.randn(B, H, L, D, D, device="cuda", generator=gen) * occupied[:, None, :, None, None]
+        state = LogLinearState(levels.clone(), position)
+        touched = int(occupied.sum()) + B  # and each sequence's carry target, level ctz(t) + 1
+        for op, b in (("decode-loglinear-mamba2", None), ("decode-loglinear-gdn", beta)):
+            fused = try_bench(lambda b=b: loglinear_attn_step_inplace(q, k, v, lam, g, levels, position, scale=D ** -0.5, beta=b),
                               rep_ms=200)
-        out.append((op, fused, reference, 2 * 4 * B * H * L * D * D))
+            reference = try_bench(lambda b=b: loglinear_attn_step(q.float(), k.float(), v.float(), lam, g, b, state, scale=D ** -0.5),
+                                  rep_ms=200)
+            out.append((op + suffix, fused, reference, 2 * 4 * H * touched * D * D))
     return out
 
 

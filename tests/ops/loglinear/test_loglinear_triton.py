@@ -200,6 +200,35 @@ def test_decoding_step_matches_the_recurrent_form(base):
         assert rel_err(fused.levels, reference.levels) <= 1e-5, f"step {t}: state rel err {rel_err(fused.levels, reference.levels):.2e}"
 
 
+@pytest.mark.parametrize("base", ["mamba2", "gdn"])
+def test_decoding_step_touches_only_the_levels_it_changes(base):
+    """A level that holds no keys at a sequence's position is neither read nor written by the fused step
+    (only the carry's target is filled): with NaN planted in every such level the outputs and the touched
+    levels equal those of the zero-filled state, and the NaN stays where it was, outside the target."""
+    from polyattn.ops.loglinear.state import occupied_levels
+    from polyattn.ops.loglinear.triton.step import loglinear_attn_step_inplace
+
+    positions = [1, 6, 8, 11, 16]
+    L = num_levels(16 + 1) + 2
+    state = _state(positions, L, seed=21)
+    x = {n: t.float()[:, 0] for n, t in _inputs(len(positions), 1, seed=22, L=L).items()}
+    x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
+    beta = torch.rand(len(positions), H, generator=torch.Generator().manual_seed(23)).to(DEVICE) if base == "gdn" else None
+    position = state.position
+    empty = ~occupied_levels(position, L)  # [N, L]
+    target = torch.zeros_like(empty)
+    target[torch.arange(len(positions)), (position & -position).log2().long() + 1] = True  # level ctz(t) + 1
+    clean = state.levels.float().contiguous()
+    planted = clean.clone()
+    planted[empty[:, None, :, None, None].expand_as(planted)] = float("nan")
+    o_clean, after_clean = loglinear_attn_step_inplace(x["q"], x["k"], x["v"], x["lam"], x["g"], clean, position, scale=0.5, beta=beta)
+    o, after = loglinear_attn_step_inplace(x["q"], x["k"], x["v"], x["lam"], x["g"], planted, position, scale=0.5, beta=beta)
+    assert torch.equal(o, o_clean)
+    touched = (~empty | target)[:, None, :, None, None].expand_as(after)
+    assert torch.equal(after[touched], after_clean[touched])
+    assert bool(after[~touched].isnan().all())
+
+
 def test_auto_takes_the_kernels_for_the_mamba2_base_only(monkeypatch):
     """`impl="auto"` offers the Triton form to the dispatcher without `beta` (it picks it for CUDA inputs)
     and keeps it out with `beta` (the Gated DeltaNet base has no kernel)."""

@@ -10,9 +10,14 @@ whose sequences sit at their own positions `t`:
     o = Σ_l lam[l] S[l]ᵀ (scale q)
 
 on the shared step front (ops/triton/step.py): one program per (batch, head, value tile) walks the
-L levels, reading and writing each level's tile once; the carry is a running sum in registers. The
-tile holds all K rows of its value columns, so the delta rule's read `kᵀ S[l]` is complete in the
-program. A state at position 0 is empty (its levels are ignored).
+L levels; the carry is a running sum in registers. The tile holds all K rows of its value columns, so
+the delta rule's read `kᵀ S[l]` is complete in the program. A state at position 0 is empty (its levels
+are ignored, and the step zeroes them). Only the levels the step can change are touched: a level that
+holds no keys at position t (`state.occupied_levels`: level l >= 1 iff bit l - 1 of t - 1 is set) is
+zero, stays zero under the decay and the transition, and adds nothing to the read, so it is neither
+read nor written, except level ctz(t) + 1, which the carry fills. The step reads and writes the
+occupied levels (1 + popcount(t - 1)) and the carry's target: at t = 2^k every level below k + 2,
+on average over t about half of them.
 """
 import torch
 import triton
@@ -42,25 +47,28 @@ def loglinear_step_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     b_o = tl.zeros([BV], dtype=tl.float32)
     b_acc = tl.zeros([BK, BV], dtype=tl.float32)
+    last = tl.maximum(t - 1, 0)
     for lv in range(0, L):
-        # step_tile addresses a [.., K, V] state by (batch * heads) index; shifting the base by
-        # (i_bh * (L - 1) + lv) K V lands it on level lv of this (batch, head) in [B, H, L, K, V]
-        base = state + (i_bh.to(tl.int64) * (L - 1) + lv) * K * V
-        p_s, m_s, b_s, b_q, b_k, b_v = step_tile(q, k, v, g, base, scale, K, V, BK, BV, USE_G)
-        if t == 0:
-            b_s = b_s * 0.0
-        if lv <= j:
-            b_acc += b_s
-            b_s = b_s * 0.0
-        elif lv == j + 1:
-            b_s += b_acc
-        if USE_BETA:  # (I − β k kᵀ) S[l]: the read kᵀ S[l] over all K rows of the tile
-            b_s -= (b_beta * b_k)[:, None] * tl.sum(b_k[:, None] * b_s, axis=0)[None, :]
-        if lv == 0:
-            b_s = (b_beta * b_k)[:, None] * b_v[None, :]  # [BK, 1] * [1, BV] -> [BK, BV]
-        b_lam = tl.load(lam + i_bh * L + lv).to(tl.float32)
-        b_o += b_lam * tl.sum(b_s * b_q[:, None], axis=0)
-        tl.store(p_s, b_s, mask=m_s)
+        occupied = (t > 0) & ((lv == 0) | (((last >> tl.maximum(lv - 1, 0)) & 1) == 1))  # keys in level lv
+        if occupied | (lv == j + 1) | (lv == 0) | (t == 0):  # else: zero before and after this step
+            # step_tile addresses a [.., K, V] state by (batch * heads) index; shifting the base by
+            # (i_bh * (L - 1) + lv) K V lands it on level lv of this (batch, head) in [B, H, L, K, V]
+            base = state + (i_bh.to(tl.int64) * (L - 1) + lv) * K * V
+            p_s, m_s, b_s, b_q, b_k, b_v = step_tile(q, k, v, g, base, scale, K, V, BK, BV, USE_G)
+            if not occupied:  # the carry's target, or a level of an empty state: zero
+                b_s = tl.zeros_like(b_s)
+            if lv <= j:
+                b_acc += b_s
+                b_s = b_s * 0.0
+            elif lv == j + 1:
+                b_s += b_acc
+            if USE_BETA:  # (I − β k kᵀ) S[l]: the read kᵀ S[l] over all K rows of the tile
+                b_s -= (b_beta * b_k)[:, None] * tl.sum(b_k[:, None] * b_s, axis=0)[None, :]
+            if lv == 0:
+                b_s = (b_beta * b_k)[:, None] * b_v[None, :]  # [BK, 1] * [1, BV] -> [BK, BV]
+            b_lam = tl.load(lam + i_bh * L + lv).to(tl.float32)
+            b_o += b_lam * tl.sum(b_s * b_q[:, None], axis=0)
+            tl.store(p_s, b_s, mask=m_s)
     tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty), mask=o_v < V)
 
 
