@@ -8,12 +8,26 @@ from pathlib import Path
 import pytest
 
 from polyattn.cli import main
-from polyattn.train.claims import check_claims, claim_rows, judge
+from polyattn.train.claims import bucket_means, check_claims, claim_rows, judge, log2_edges
 from polyattn.train.commands import add_sweep_arguments, plan_sweep
 
 EVIDENCE = Path(__file__).resolve().parents[2] / "benchmarks" / "evidence"
 CONFIGS = sorted(EVIDENCE.glob("*.json"))
 ROW_KEYS = {"claim", "source", "source_value", "ours", "holds_if", "holds", "command"}
+
+
+def expected_value(cell, row):
+    """A cell's metric from its eval row, computed here: buckets [0, 1), [1, 2), [2, 4), ... unless the cell names them."""
+    metric = cell.get("metric", "accuracy")
+    if metric != "loss_by_position":
+        return row[metric]
+    length = row["length"]
+    edges = cell.get("buckets") or [0, *(2**k for k in range(length.bit_length()) if 2**k < length), length]
+    values = {}
+    for a, b in zip(edges, edges[1:]):
+        scored = [x for x in row["loss_by_position"][a:b] if x is not None]
+        values[f"[{a},{b})"] = sum(scored) / len(scored) if scored else None
+    return values
 
 
 def plan(argv):
@@ -26,7 +40,8 @@ def plan(argv):
 
 
 def test_the_evidence_configs_are_committed():
-    assert {p.stem for p in CONFIGS} >= {"mqar-extrapolation", "mqar-loglinear", "mqar-hla", "mqar-hybrid", "overwrite", "niah"}
+    assert {p.stem for p in CONFIGS} >= {"mqar-extrapolation", "mqar-loglinear", "mqar-hla", "mqar-hybrid", "overwrite", "niah",
+                                          "text-loss-by-position"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -40,14 +55,14 @@ def test_config_runs_at_toy_size_and_measures_every_claim(path, tmp_path, capsys
     summary = json.loads((out / "sweep.json").read_text())
     best = [next(r for r in summary["runs"] if (r["mixer"], r["config"]["d_model"], r["config"]["lr"]) == (b["mixer"], b["d_model"], b["lr"]))
             for b in summary["best"]]
-    accuracy = {(r["mixer"], r["config"]["d_model"], e["length"], e["pairs"]): e["accuracy"] for r in best for e in r["eval"]}
+    rows_of = {(r["mixer"], r["config"]["d_model"], e["length"], e["pairs"]): e for r in best for e in r["eval"]}
     assert len(rows) == len(spec["claims"])
     for row, claim in zip(rows, spec["claims"]):
         assert set(row) == ROW_KEYS and row["command"] == "polyattn " + " ".join(argv)
         assert row["source_value"] == claim["source_value"]
         cells = {claim["ours"]["mixer"]: claim["ours"]} if "mixer" in claim["ours"] else claim["ours"]
         ours = row["ours"] if isinstance(row["ours"], dict) else {next(iter(cells)): row["ours"]}
-        assert ours == {name: accuracy[(c["mixer"], c["width"], *c["slice"])] for name, c in cells.items()}  # measured
+        assert ours == {name: expected_value(c, rows_of[(c["mixer"], c["width"], *c["slice"])]) for name, c in cells.items()}  # measured
         assert row["holds"] == judge(claim["holds"], ours)
     assert "| claim | source |" in (out / "claims.md").read_text()
     assert all(r["train"]["tokens_per_s"] > 0 for r in summary["runs"])
@@ -59,7 +74,8 @@ def test_full_config_passes_every_check(path, tmp_path):
     full = plan(["sweep", "--config", str(path), "--out", str(tmp_path / "out")])  # every cell on the meta device, the claims' cells
     spec = json.loads(path.read_text())
     assert {"impl", "device"}.isdisjoint(spec["sweep"]) and full.base.impl == "auto" and full.base.device == "auto"
-    assert full.lrs == [1e-3, 3.2e-3, 1e-2, 3.2e-2] and full.base.steps == spec["sweep"]["steps"]
+    assert len(full.lrs) >= 2 and set(full.lrs) <= {1e-3, 3.2e-3, 1e-2, 3.2e-2} and full.base.steps == spec["sweep"]["steps"]
+    assert full.score == spec["sweep"].get("score", "accuracy")
     assert spec["description"] and "GPU minutes" in spec["description"]
 
 
@@ -86,8 +102,15 @@ def claim(ours, holds, source_value=None):
         ({"ahead_of": "b"}, {"a": 0.4, "b": 0.4}, False),  # a tie is not ahead
         ({"ahead_of": "c"}, {"a": 0.9, "b": 0.2, "c": 0.3}, False),  # every other cell must be ahead
         (None, {"a": 0.1}, None),
+        ({"below": "b"}, {"a": 1.9, "b": 2.0}, True),
+        ({"below": "b"}, {"a": 2.0, "b": 2.0}, False),  # a tie is not below
+        ({"below": "c"}, {"a": 1.0, "b": 2.5, "c": 2.0}, False),  # every other cell must be below
+        ({"below": "b"}, {"a": {"[0,1)": 1.0, "[1,2)": 2.0}, "b": {"[0,1)": 1.5, "[1,2)": 2.5}}, True),
+        ({"below": "b"}, {"a": {"[0,1)": 1.0, "[1,2)": 2.6}, "b": {"[0,1)": 1.5, "[1,2)": 2.5}}, False),  # every bucket
+        ({"below": "b"}, {"a": {"[0,1)": None}, "b": {"[0,1)": 1.5}}, False),  # a bucket without scored positions
     ],
-    ids=["at-least-equal", "at-least-below", "at-least-every-cell", "ahead", "tie", "ahead-every-cell", "reported"],
+    ids=["at-least-equal", "at-least-below", "at-least-every-cell", "ahead", "tie", "ahead-every-cell", "reported",
+         "below", "below-tie", "below-every-cell", "below-every-bucket", "bucket-above", "bucket-unscored"],
 )
 def test_judge(rule, ours, expected):
     assert judge(rule, ours) is expected
@@ -104,6 +127,40 @@ def test_claim_rows_read_the_best_cells():
     assert single["command"] == "polyattn sweep --config x.json --out o"
 
 
+def test_log2_buckets_of_a_hand_computed_example():
+    assert log2_edges(2048) == [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert log2_edges(5) == [0, 1, 2, 4, 5] and log2_edges(1) == [0, 1]
+    by_position = [4.0, 3.0, 2.0, 1.0, None, 6.0]  # t = 5 scored, t = 4 not
+    assert bucket_means(by_position, log2_edges(6)) == {"[0,1)": 4.0, "[1,2)": 3.0, "[2,4)": 1.5, "[4,6)": 6.0}
+    assert bucket_means(by_position, [0, 4, 5]) == {"[0,4)": 2.5, "[4,5)": None}
+
+
+def test_claim_rows_read_loss_and_loss_by_position():
+    def run(mixer, loss, by_position):
+        return {"mixer": mixer, "config": {"d_model": 64},
+                "eval": [{"length": 4, "pairs": 0, "accuracy": 0.5, "loss": loss, "loss_by_position": by_position}]}
+
+    best = [run("gdn", 2.0, [3.0, 2.0, 2.0, 1.0]), run("loglinear-gdn", 2.5, [2.0, 1.0, 3.0, 0.0])]
+    cell = lambda mixer, **extra: {"mixer": mixer, "width": 64, "slice": [4, 0], **extra}  # noqa: E731
+    claims = [claim(cell("gdn", metric="loss"), None),
+              claim({"loglinear-gdn": cell("loglinear-gdn", metric="loss_by_position"), "gdn": cell("gdn", metric="loss_by_position")},
+                    {"below": "gdn"}),
+              claim({"loglinear-gdn": cell("loglinear-gdn", metric="loss_by_position", buckets=[0, 2, 4]),
+                     "gdn": cell("gdn", metric="loss_by_position", buckets=[0, 2, 4])}, {"below": "gdn"}),
+              claim({"loglinear-gdn": cell("loglinear-gdn", metric="loss"), "gdn": cell("gdn", metric="loss")}, {"below": "gdn"})]
+    check_claims(claims, ["gdn", "loglinear-gdn"], [64], [(4, 0)])
+    mean, log2, halves, means = claim_rows(claims, best, "polyattn sweep")
+    assert mean["ours"] == 2.0 and mean["holds"] is None
+    assert log2["ours"] == {"loglinear-gdn": {"[0,1)": 2.0, "[1,2)": 1.0, "[2,4)": 1.5}, "gdn": {"[0,1)": 3.0, "[1,2)": 2.0, "[2,4)": 1.5}}
+    assert log2["holds"] is False and log2["holds_if"] == "loglinear-gdn < gdn in every bucket"  # a tie in [2,4)
+    assert halves["ours"] == {"loglinear-gdn": {"[0,2)": 1.5, "[2,4)": 1.5}, "gdn": {"[0,2)": 2.5, "[2,4)": 1.5}} and halves["holds"] is False
+    assert means["ours"] == {"loglinear-gdn": 2.5, "gdn": 2.0} and means["holds"] is False and means["holds_if"] == "loglinear-gdn < gdn"
+
+
+def loss_cell(mixer="gdn", **extra):
+    return {"mixer": mixer, "width": 64, "slice": [256, 16], **extra}
+
+
 @pytest.mark.parametrize(
     "claims, match",
     [
@@ -115,8 +172,21 @@ def test_claim_rows_read_the_best_cells():
         ([claim({"a": cell("gdn")}, None, {"b": 0.5})], "names ['b'] are not cells of ours"),
         ([{"claim": "c", "ours": cell("gdn")}], "expected the keys"),
         ([], "expected a non-empty list of claims"),
+        ([claim(loss_cell(metric="perplexity"), None)], "metric: expected one of ['accuracy', 'loss', 'loss_by_position'], got 'perplexity'"),
+        ([claim(loss_cell(metric="loss", buckets=[0, 1]), None)], "buckets: only a \"loss_by_position\" cell has buckets"),
+        ([claim(loss_cell(metric="loss_by_position", buckets=[0, 4, 2]), None)], "buckets: expected two or more increasing integer edges in [0, 256]"),
+        ([claim(loss_cell(metric="loss_by_position", buckets=[0, 512]), None)], "buckets: expected two or more increasing integer edges"),
+        ([claim(loss_cell(metric="loss_by_position", buckets=[8]), None)], "buckets: expected two or more increasing integer edges"),
+        ([claim({"a": loss_cell(), "b": loss_cell()}, {"below": "b"})], "below judges cells of metric loss or loss_by_position, these read 'accuracy'"),
+        ([claim({"a": loss_cell(metric="loss"), "b": loss_cell(metric="loss")}, {"ahead_of": "b"})], "ahead_of judges cells of metric accuracy"),
+        ([claim({"a": loss_cell(metric="loss"), "b": loss_cell(metric="loss")}, {"below": "c"})], "below expects one of two or more named cells"),
+        ([claim({"a": loss_cell(metric="loss"), "b": loss_cell(metric="loss_by_position")}, None)], "expected every cell to read one metric"),
+        ([claim({"a": loss_cell(metric="loss_by_position"), "b": loss_cell(metric="loss_by_position", buckets=[0, 8])}, {"below": "b"})],
+         "expected every cell to read one metric (and the same buckets)"),
     ],
-    ids=["mixer", "width", "slice", "ahead-of-self", "rule", "source-names", "keys", "empty"],
+    ids=["mixer", "width", "slice", "ahead-of-self", "rule", "source-names", "keys", "empty", "metric", "buckets-not-by-position",
+         "buckets-order", "buckets-past-length", "buckets-one-edge", "below-accuracy", "ahead-of-loss", "below-unknown", "mixed-metrics",
+         "mixed-buckets"],
 )
 def test_check_claims_rejects_cells_outside_the_sweep(claims, match):
     with pytest.raises(ValueError) as err:
@@ -178,12 +248,16 @@ def test_flags_override_the_toy_block_which_overrides_the_config(tmp_path):
          "--mixer-configs: 'x+y' is not one of the sweep's mixers"),
         ({"sweep__hybrids": {"gdn": ["linear", "gdn"]}}, [], "hybrids: name: expected letters, digits and . _ + - other than a registered"),
         ({"sweep__mixers": ["linear", "gdn", "x+z"], "sweep__hybrids": {"x+y": ["linear", "gdn"]}}, [], "unknown mixers ['x+z']"),
+        ({"sweep__score": "perplexity"}, [], "score: expected one of ['accuracy', 'loss'], got 'perplexity'"),
+        ({"claims": [{**TINY_CLAIM, "holds": {"below": "linear"}}]}, [], "below judges cells of metric loss or loss_by_position"),
+        ({"claims": [claim({"mixer": "gdn", "width": 16, "slice": [64, 8], "metric": "loss_by_position", "buckets": [0, 128]}, None)]}, [],
+         "buckets: expected two or more increasing integer edges in [0, 64]"),
         ({"toy": None}, ["--toy"], "--toy needs a 'toy' object"),
         ({"extra": {}}, [], "expected an object with a 'sweep' object"),
     ],
     ids=["unknown-key", "out-key", "workers-key", "toy-key", "unknown-mixer", "claim-mixer", "claim-slice", "claim-width", "mixer-configs-name",
          "mixer-configs-option", "steps", "bool", "hybrid-entry", "hybrid-length", "hybrid-option", "hybrid-mixer-configs", "hybrid-name",
-         "hybrid-unknown", "no-toy", "top-level"],
+         "hybrid-unknown", "score", "claim-rule-metric", "claim-buckets", "no-toy", "top-level"],
 )
 def test_bad_config_is_refused_before_any_training(changes, flags, match, tmp_path, capsys):
     out = tmp_path / "out"

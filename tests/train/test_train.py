@@ -10,7 +10,7 @@ from polyattn.cli import main
 from polyattn.models import CausalLM
 from polyattn.train import TrainConfig, train
 from polyattn.train.loop import lr_lambda
-from polyattn.train.sweep import format_table, sweep
+from polyattn.train.sweep import best_of, format_table, sweep
 
 TINY = dict(
     task_options={"vocab_size": 64},
@@ -92,6 +92,28 @@ def test_sweep_reports_the_best_lr_per_cell(tmp_path):
         runs = [r for r in summary["runs"] if r["mixer"] == cell["mixer"]]
         assert row["score"] == max(sum(e["accuracy"] for e in r["eval"]) / 2 for r in runs)
     assert (tmp_path / "sweep.json").exists() and (tmp_path / "accuracy_vs_state.png").exists()
+
+
+def test_sweep_scored_by_loss_picks_the_lowest_loss_lr(monkeypatch):
+    """lr 1e-2 has the higher accuracy, lr 1e-3 the lower loss: accuracy picks one, loss the other."""
+    measured = {1e-3: (0.4, 1.5), 1e-2: (0.6, 2.5)}  # lr: (accuracy, loss) on both slices
+
+    def fake_cell(config, quiet):
+        accuracy, loss = measured[config.lr]
+        return {"mixer": config.mixer, "config": {"d_model": config.d_model, "lr": config.lr}, "eval": [{"accuracy": accuracy, "loss": loss}] * 2,
+                "train": {"steps": 1, "seconds": 0.0}}
+
+    monkeypatch.setattr("polyattn.train.sweep.run_cell", fake_cell)
+    base = TrainConfig(mixer="linear", **TINY)
+    by_loss, best = sweep(base, ["linear"], [16], [1e-3, 1e-2], quiet=True, metric="loss")
+    assert by_loss["scored_by"] == "loss" and by_loss["best"] == [{"mixer": "linear", "d_model": 16, "lr": 1e-3, "score": 1.5}]
+    assert best[0]["config"]["lr"] == 1e-3
+    by_accuracy, _ = sweep(base, ["linear"], [16], [1e-3, 1e-2], quiet=True)
+    assert by_accuracy["scored_by"] == "accuracy" and by_accuracy["best"][0]["lr"] == 1e-2
+    runs = by_loss["runs"]
+    assert best_of(runs, "loss") is runs[0] and best_of(runs) is runs[1]
+    with pytest.raises(ValueError, match=r"score: expected one of \['accuracy', 'loss'\], got 'perplexity'"):
+        sweep(base, ["linear"], [16], [1e-3], quiet=True, metric="perplexity")
 
 
 def untimed(runs):

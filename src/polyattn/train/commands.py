@@ -181,6 +181,8 @@ def add_sweep_arguments(parser):
                         help="JSON options per mixer over --mixer-config, e.g. '{\"gdn\": {\"output_gate\": false}}'")
     parser.add_argument("--widths", default="64,128", help="comma-separated d_model values")
     parser.add_argument("--lrs", default="1e-3,3.2e-3,1e-2,3.2e-2", help="comma-separated learning rates")
+    parser.add_argument("--score", default="accuracy", metavar="METRIC",
+                        help="what picks each cell's best lr: accuracy (the highest mean over the test slices) or loss (the lowest)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="an evidence config (JSON, benchmarks/evidence/): its sweep arguments, which flags given here "
                              "override, and its claims, checked into OUT/claims.json and claims.md (needs --out)")
@@ -279,6 +281,7 @@ class SweepPlan:
     spec: dict | None
     command: str
     workers: int
+    score: str
 
 
 def plan_sweep(args):
@@ -286,7 +289,7 @@ def plan_sweep(args):
     cell runnable, and the claims of ``--config`` reading mixers, widths and test slices of this sweep."""
     from polyattn.train.claims import check_claims
     from polyattn.train.loop import check_runnable
-    from polyattn.train.sweep import check_hybrids, sweep_cells
+    from polyattn.train.sweep import check_hybrids, check_score, sweep_cells
 
     command = "polyattn " + shlex.join(args.argv)
     spec = None
@@ -296,6 +299,7 @@ def plan_sweep(args):
         raise ValueError("--toy: expected --config FILE (the toy sizes of an evidence config)")
     if args.workers < 1:
         raise ValueError(f"--workers: expected a positive integer, got {args.workers}")
+    check_score(args.score)
     mixers = parse_list(args.mixers, str, "--mixers")
     hybrids = parse_json(args.hybrids, "--hybrids", f'{{"kata-m1+softmax": {HYBRID_EXAMPLE}}}')
     base = replace(config_from_args(args), checkpoint=False, out_dir=None)
@@ -307,7 +311,7 @@ def plan_sweep(args):
         check_runnable(config)
     if spec and "claims" in spec:
         check_claims(spec["claims"], mixers, widths, [(s.seq_len, s.num_pairs) for s in base.test_segments])
-    return SweepPlan(base, mixers, widths, lrs, mixer_configs, hybrids, args.out, spec, command, args.workers)
+    return SweepPlan(base, mixers, widths, lrs, mixer_configs, hybrids, args.out, spec, command, args.workers, args.score)
 
 
 @reports_errors
@@ -320,8 +324,11 @@ def run_sweep(args):
     if plan.out:
         prepare_out_dir(plan.out)
     summary, best = sweep(plan.base, plan.mixers, plan.widths, plan.lrs, plan.out, mixer_configs=plan.mixer_configs,
-                          workers=plan.workers, hybrids=plan.hybrids)
-    table = format_table(best, extra_columns=[("best lr", lambda r: f"{r['config']['lr']:g}")])
+                          workers=plan.workers, hybrids=plan.hybrids, metric=plan.score)
+    columns = [("best lr", lambda r: f"{r['config']['lr']:g}")]
+    if plan.score == "loss":
+        columns += [(f"loss@{e['length']}", lambda r, i=i: f"{r['eval'][i]['loss']:.3f}") for i, e in enumerate(best[0]["eval"])]
+    table = format_table(best, extra_columns=columns)
     print(table)
     if plan.spec and "claims" in plan.spec:
         rows = claim_rows(plan.spec["claims"], best, plan.command)

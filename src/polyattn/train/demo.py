@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from polyattn.layers import MIXERS, available_mixers
 from polyattn.train.config import TrainConfig
 from polyattn.train.loop import build_data, train
-from polyattn.train.sweep import format_table, score
+from polyattn.train.sweep import best_of, format_table, score
 from polyattn.train.workers import in_processes
 
 DEFAULT_OUT = "benchmarks/results/demo-cpu"
@@ -179,7 +179,7 @@ def run_demo(out_dir=DEFAULT_OUT, mixers=None, steps=None, workers=2, stream=Non
 def best_run(runs):
     """The run with the best `score` (ties: the lower LR); it records every LR's score under ``lr_scores``."""
     runs = sorted(runs, key=lambda r: r["config"]["lr"])
-    best = max(runs, key=score)
+    best = best_of(runs)
     best["lr_scores"] = {f"{r['config']['lr']:g}": score(r) for r in runs}
     return best
 

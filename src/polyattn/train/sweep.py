@@ -12,9 +12,22 @@ from polyattn.train.loop import train
 from polyattn.train.workers import in_processes
 
 
-def score(result):
-    """A run's score: mean accuracy over its eval slices."""
-    return sum(e["accuracy"] for e in result["eval"]) / len(result["eval"])
+SCORES = ("accuracy", "loss")
+
+
+def check_score(metric):
+    if metric not in SCORES:
+        raise ValueError(f"score: expected one of {list(SCORES)}, got {metric!r}")
+
+
+def score(result, metric="accuracy"):
+    """A run's score: the mean of `metric` (accuracy or loss) over its eval slices."""
+    return sum(e[metric] for e in result["eval"]) / len(result["eval"])
+
+
+def best_of(runs, metric="accuracy"):
+    """The run of the best `score`: the highest mean accuracy, or the lowest mean loss (ties: the first)."""
+    return (min if metric == "loss" else max)(runs, key=lambda r: score(r, metric))
 
 
 def sweep_cells(base, mixers, widths, lrs, mixer_configs=None, hybrids=None):
@@ -107,15 +120,17 @@ def write_cell(path, result):
     os.replace(partial, path)
 
 
-def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False, mixer_configs=None, workers=1, hybrids=None):
-    """Train every (mixer or hybrid, width, lr) (`sweep_cells`); returns ``{"runs": [...], "best": [...]}`` and writes
-    ``sweep.json`` + ``accuracy_vs_state.png`` + ``accuracy_vs_length.png`` under `out_dir`.
+def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False, mixer_configs=None, workers=1, hybrids=None, metric="accuracy"):
+    """Train every (mixer or hybrid, width, lr) (`sweep_cells`); returns ``{"scored_by", "runs": [...], "best": [...]}``
+    (each cell's best lr by `best_of` under `metric`) and writes ``sweep.json`` + ``accuracy_vs_state.png`` +
+    ``accuracy_vs_length.png`` under `out_dir`.
 
     ``workers`` > 1: that many cells at a time, each in a process of one CPU thread (`in_processes`; on CUDA
     they share the GPU); ``runs`` stay in `sweep_cells` order. With `out_dir`, every cell's result is written to
     ``out_dir/cells/`` as it ends, and a cell whose file holds a run of the same config is read, not trained."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected a positive integer, got {workers!r}")
+    check_score(metric)
     cells = sweep_cells(base, mixers, widths, lrs, mixer_configs, hybrids)
     runs = [None] * len(cells)
     folder = Path(out_dir) / "cells" if out_dir else None
@@ -138,15 +153,16 @@ def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False, mixer_configs=No
         if folder:
             write_cell(cell_file(folder, config), result)
         if not quiet:
-            accs = " ".join(f"{e['accuracy']:.2f}" for e in result["eval"])
-            print(f"[{done}/{len(todo)}] {run_label(config)} acc {accs} "
+            values = " ".join(f"{e[metric]:.2f}" for e in result["eval"])
+            print(f"[{done}/{len(todo)}] {run_label(config)} {'acc' if metric == 'accuracy' else metric} {values} "
                   f"({result['train']['steps']} steps, {result['train']['seconds']:.0f}s)", flush=True)
     best = []
     for mixer in mixers:
         for width in widths:
             cell = [r for r in runs if r["mixer"] == mixer and r["config"]["d_model"] == width]
-            best.append(max(cell, key=score))
-    summary = {"runs": runs, "best": [{"mixer": b["mixer"], "d_model": b["config"]["d_model"], "lr": b["config"]["lr"], "score": score(b)} for b in best]}
+            best.append(best_of(cell, metric))
+    summary = {"scored_by": metric, "runs": runs,
+               "best": [{"mixer": b["mixer"], "d_model": b["config"]["d_model"], "lr": b["config"]["lr"], "score": score(b, metric)} for b in best]}
     if out_dir:
         from polyattn.train.plots import plot_accuracy_vs_length, plot_accuracy_vs_state
 
