@@ -50,7 +50,7 @@ def loglinear_step_kernel(
     last = tl.maximum(t - 1, 0)
     for lv in range(0, L):
         occupied = (t > 0) & ((lv == 0) | (((last >> tl.maximum(lv - 1, 0)) & 1) == 1))  # keys in level lv
-        if occupied | (lv == j + 1) | (lv == 0) | (t == 0):  # else: zero before and after this step
+        if occupied | (lv == j + 1) | (t == 0):  # else: zero before and after this step
             # step_tile addresses a [.., K, V] state by (batch * heads) index; shifting the base by
             # (i_bh * (L - 1) + lv) K V lands it on level lv of this (batch, head) in [B, H, L, K, V]
             base = state + (i_bh.to(tl.int64) * (L - 1) + lv) * K * V
