@@ -90,6 +90,13 @@ def chunk_segsum(b_g, b_gc, b_last, REVERSE: tl.constexpr, EXACT: tl.constexpr):
 
 
 @triton.jit
+def select_scores(b_att, b_d, scale):
+    """The [C, C] score tile weighted by `exp2(b_d) * scale` (`chunk_segsum`), 0 where `b_d` is -inf by
+    select rather than by product: a non-finite score there (a later non-finite key) reaches no output."""
+    return tl.where(b_d > float("-inf"), b_att * (tl.exp2(b_d) * scale), 0.0)
+
+
+@triton.jit
 def chunk_side_decays(b_g, b_gc, b_last, REVERSE: tl.constexpr, EXACT: tl.constexpr):
     """The two [C] log2-decays of a pass: `(query side, key side)`. Causal: a query reads the
     entering state through `Gc_i` and a key reaches the leaving state through the suffix after

@@ -85,18 +85,30 @@ def mma_fp32(x, y, dtype: tl.constexpr, F32: tl.constexpr, MODE: tl.constexpr):
 
 
 @triton.jit
-def first_nonfinite_row(x, y):
-    """The first row index of `x [C, *]` or `y [C, *]` that holds a NaN or an Inf (`x - x` is 0 exactly
-    for finite values), C when there is none: the chunk's rows from it on are non-finite input."""
-    bad = (tl.sum(tl.where(x - x == 0, 0, 1), axis=1) + tl.sum(tl.where(y - y == 0, 0, 1), axis=1)) > 0  # [C]
+def first_nonfinite_row(x):
+    """The first row index of `x [C, *]` that holds a NaN or an Inf (`x - x` is 0 exactly for finite
+    values), C when there is none: the chunk's rows from it on are non-finite input."""
+    bad = tl.sum(tl.where(x - x == 0, 0, 1), axis=1) > 0  # [C]
     o_t = tl.arange(0, x.shape[0])
     return tl.min(tl.where(bad, o_t, x.shape[0]), axis=0)
 
 
-def first_nonfinite_row_ref(x: torch.Tensor, y: torch.Tensor) -> int:
-    """Twin of `first_nonfinite_row` for one chunk `x [C, *]`, `y [C, *]`."""
-    bad = ~(torch.isfinite(x).all(-1) & torch.isfinite(y).all(-1))  # [C]
+def first_nonfinite_row_ref(x: torch.Tensor) -> int:
+    """Twin of `first_nonfinite_row` for one chunk `x [C, *]`."""
+    bad = ~torch.isfinite(x).all(-1)  # [C]
     return int(bad.nonzero()[0, 0]) if bool(bad.any()) else x.shape[0]
+
+
+@triton.jit
+def zero_rows_from(x, first):
+    """`x [C, *]` with its rows from row `first` on set to zero (in x's dtype): they enter a product as nothing."""
+    return tl.where(tl.arange(0, x.shape[0])[:, None] < first, x, 0.0).to(x.dtype)
+
+
+@triton.jit
+def nan_rows_from(x, first):
+    """`x [C, *]` with its rows from row `first` on set to NaN: outputs that read a non-finite input."""
+    return tl.where(tl.arange(0, x.shape[0])[:, None] < first, x, float("nan"))
 
 
 @triton.jit

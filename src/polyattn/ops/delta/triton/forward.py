@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
-from polyattn.ops.triton.precision import mma, mma_fp32, mma_right_fp32, to_output
+from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix, select_scores
+from polyattn.ops.triton.precision import mma, mma_fp32, mma_right_fp32, nan_rows_from, to_output
 
 
 @triton.jit
@@ -44,8 +44,7 @@ def sequence_tile(seqs, cu_chunks, K, V, BK: tl.constexpr, BV: tl.constexpr):
 def chunk_scores(b_q, b_k, b_g, b_gc, b_last, scale, F32: tl.constexpr):
     """The chunk's score tile `A_qk = scale Q K^T ⊙ exp2(D)` [C, C] (0 above the diagonal, by select:
     a non-finite key reaches no earlier row) from q, k [C, BK] and the chunk's log2-decays (ops/triton/decay.py)."""
-    b_d = chunk_segsum(b_g, b_gc, b_last, False, F32)  # [C, C], -inf above the diagonal
-    return tl.where(b_d > float("-inf"), mma(b_q, tl.trans(b_k), F32) * (tl.exp2(b_d) * scale), 0.0)  # [C, BK] @ [BK, C]
+    return select_scores(mma(b_q, tl.trans(b_k), F32), chunk_segsum(b_g, b_gc, b_last, False, F32), scale)  # [C, BK] @ [BK, C]
 
 
 @triton.jit
@@ -123,7 +122,7 @@ def delta_outputs_kernel(
     b_h = tl.load(hs + (i_ch * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_o = mma_fp32(b_att, b_u, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
     b_o += mma_right_fp32(b_q, b_h, F32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BK] @ [BK, BV] -> [C, BV]
-    b_o = tl.where(tl.arange(0, C)[:, None] < tl.load(firsts + i_ch * H + i_h), b_o, float("nan"))  # [C, BV]
+    b_o = nan_rows_from(b_o, tl.load(firsts + i_ch * H + i_h))  # [C, BV]
     tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
 
 

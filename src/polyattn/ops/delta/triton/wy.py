@@ -20,7 +20,7 @@ import triton.language as tl
 
 from polyattn.ops.triton.decay import chunk_decay, exact_segsum, exact_suffix
 from polyattn.ops.triton.plan import block
-from polyattn.ops.triton.precision import LOG2E, dot_f32, first_nonfinite_row, mma, mma_left_fp32
+from polyattn.ops.triton.precision import LOG2E, dot_f32, first_nonfinite_row, mma, mma_left_fp32, zero_rows_from
 
 from .forward import chunk_program
 
@@ -202,8 +202,8 @@ def factor_tiles(
         b_x = tl.load(x + rows, mask=m, other=0.0)  # [C, BD]
         if CUT:
             if CHECK:
-                first = tl.minimum(first, first_nonfinite_row(b_x, b_x))
-            b_x = tl.where(tl.arange(0, C)[:, None] < first, b_x, 0.0).to(b_x.dtype)  # [C, BD]
+                first = tl.minimum(first, first_nonfinite_row(b_x))
+            b_x = zero_rows_from(b_x, first)  # [C, BD]
         tl.store(out + rows, mma_left_fp32(b_left, b_x, F32), mask=m)  # [C, C] @ [C, BD] -> [C, BD]
     return first
 

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from polyattn.ops.common import exp_segsum
 from polyattn.ops.kata.feature_maps import make_feature_map
-from polyattn.ops.triton.precision import first_nonfinite_row, to_output
+from polyattn.ops.triton.precision import first_nonfinite_row, to_output, zero_rows_from
 
 from .tiles import key_tile, pair_dots, query_tile, score_values, square_sum
 
@@ -57,9 +57,9 @@ def kata_forward_kernel(
             b_pre += k_last
         b_den += tl.sum(b_a, axis=1)
         # a non-finite value row leaves the earlier query rows alone: zeroed here, their outputs NaN below
-        first = first_nonfinite_row(b_v, b_v)  # scalar: BN when every row is finite
+        first = first_nonfinite_row(b_v)  # scalar: BN when every row is finite
         bad_from = tl.where(first < BN, tl.minimum(bad_from, s0 + first), bad_from)
-        b_v = tl.where(tl.arange(0, BN)[:, None] < first, b_v, 0.0).to(b_v.dtype)  # [BN, BV]
+        b_v = zero_rows_from(b_v, first)  # [BN, BV]
         b_num += score_values(b_a, b_v, SPLIT, F32)  # [BM, BN] @ [BN, BV] -> [BM, BV]
     b_between = tl.sum(tl.zeros([BN], dtype=tl.float32), axis=0)  # log2-decay of the key tiles in between
     for j in range(0, (t0 - bos) // BN):  # earlier key tiles, nearest first

@@ -33,9 +33,11 @@ slowed the forward by 10-17% on the H200: the rerun is its own launch.)
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays
+from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays, select_scores
 from polyattn.ops.triton.plan import state_tile
-from polyattn.ops.triton.precision import first_nonfinite_row, mma, mma_left_fp32, mma_right_fp32, to_output
+from polyattn.ops.triton.precision import (
+    first_nonfinite_row, mma, mma_left_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
+)
 
 from .chunk_states import keys_times_values
 
@@ -80,15 +82,15 @@ def segment_outputs(
         b_d = chunk_segsum(b_g, b_gc, b_last, REVERSE, F32)  # [C, C]
         b_att = mma(b_a, tl.trans(b_b), F32)  # [C, BA] @ [BA, C] -> [C, C]
         if GUARD:
-            first = first_nonfinite_row(b_v, b_v)  # scalar: C when every value row is finite
-            b_att = tl.where(b_d > float("-inf"), b_att * (tl.exp2(b_d) * scale), 0.0)  # [C, C], causal by select
-            b_o = mma_left_fp32(b_att, tl.where(o_t[:, None] < first, b_v, 0.0).to(b_v.dtype), F32)  # [C, C] @ [C, BC]
+            first = first_nonfinite_row(b_v)  # scalar: C when every value row is finite
+            b_att = select_scores(b_att, b_d, scale)  # [C, C]
+            b_o = mma_left_fp32(b_att, zero_rows_from(b_v, first), F32)  # [C, C] @ [C, BC] -> [C, BC]
         else:
             b_att = b_att * (tl.exp2(b_d) * scale)  # [C, C]
             b_o = mma_left_fp32(b_att, b_v, F32)  # [C, C] @ [C, BC] -> [C, BC]
         b_o += mma_right_fp32(b_a, b_s, F32) * b_wa[:, None]  # [C, BA] @ [BA, BC] -> [C, BC]
         if GUARD:
-            b_o = tl.where(o_t[:, None] < first, b_o, float("nan"))  # [C, BC]
+            b_o = nan_rows_from(b_o, first)  # [C, BC]
         b_s = b_s * tl.exp2(b_last) + keys_times_values(b_b, b_v, b_wk, USE_G, F32)
         tl.store(out + row_c, to_output(b_o, out.dtype.element_ty, F32), mask=m_tc)  # downcast: output dtype
         if ROWDOT:

@@ -42,9 +42,11 @@ import triton.language as tl
 
 from polyattn.ops.common.fenwick import level_table
 from polyattn.ops.linear.triton.chunk_states import keys_times_values
-from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays
+from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays, select_scores
 from polyattn.ops.triton.plan import KernelConfig, block, get_config, num_sms, segment_table, state_tile
-from polyattn.ops.triton.precision import dot_f32, first_nonfinite_row, mma, mma_left_fp32, mma_right_fp32, to_output
+from polyattn.ops.triton.precision import (
+    dot_f32, first_nonfinite_row, mma, mma_left_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
+)
 
 
 @triton.jit
@@ -86,9 +88,10 @@ def level_pass_kernel(
     `rowdot[i_c, t] = sum(dot_x * out, -1)` per tile (the log-decay gradient's term); DLAM (causal
     only): `dlam[i_c, t, l]` = the tile's part of the unweighted level-l share of `out_t` dotted with
     `dot_x_t`, for the reads, and for levels `0..c` `sum_s [level = l] att_ts (dot_x_t . c_s)`.
-    GUARD (the forward pass): a NaN or Inf in a row of b or c changes no earlier output, as in the
-    linear kernel (ops/linear/triton/chunk_outputs.py): masked scores selected to 0, the intra product
-    on c with the rows from the first such token zeroed, the outputs from it on NaN.
+    GUARD (the forward pass): a NaN or Inf in a row of b or c changes no earlier output, inline here
+    (its cost was within noise on the H200), as in the linear kernel's guarded loop
+    (ops/linear/triton/chunk_outputs.py): masked scores selected to 0, the intra product on c with the
+    rows from the first such token zeroed, the outputs from it on NaN.
     """
     i_c, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(seg + i_n * 4).to(tl.int64)
@@ -132,9 +135,9 @@ def level_pass_kernel(
         # intra-chunk: the score block weighted by lam[t, level(i, j)] (t = row causal, column anticausal)
         b_att = mma(b_a, tl.trans(b_b), F32)  # [C, BA] @ [BA, C] -> [C, C]
         if GUARD:
-            first = first_nonfinite_row(b_v, b_v)  # scalar: C when every value row is finite
-            b_att = tl.where(b_d > float("-inf"), b_att * (tl.exp2(b_d) * scale), 0.0)  # [C, C], causal by select
-            b_vi = tl.where(o_t[:, None] < first, b_v, 0.0).to(b_v.dtype)  # [C, BC]: the intra product's values
+            first = first_nonfinite_row(b_v)  # scalar: C when every value row is finite
+            b_att = select_scores(b_att, b_d, scale)  # [C, C]
+            b_vi = zero_rows_from(b_v, first)  # [C, BC]: the intra product's values
         else:
             b_att = b_att * (tl.exp2(b_d) * scale)  # [C, C]
             b_vi = b_v
@@ -197,7 +200,7 @@ def level_pass_kernel(
         b_p = tl.where(o_l >= NL, b_p + b_last, b_p)  # levels no chunk of this sequence reaches only decay
 
         if GUARD:
-            b_o = tl.where(o_t[:, None] < first, b_o, float("nan"))  # [C, BC]
+            b_o = nan_rows_from(b_o, first)  # [C, BC]
         tl.store(out + row_c, to_output(b_o, out.dtype.element_ty, F32), mask=m_tc)  # downcast: output dtype
         if ROWDOT:
             if not DLAM:
