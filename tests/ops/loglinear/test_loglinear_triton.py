@@ -163,8 +163,6 @@ def test_level_pass_matches_its_twin(reverse, with_state):
 
 def test_triton_rejects_what_it_lacks():
     x = {n: t.float() for n, t in _inputs(1, 8).items()}
-    with pytest.raises(ValueError, match="Gated DeltaNet"):
-        ops.loglinear_attn(**x, beta=torch.rand(1, 8, H, device=DEVICE), impl="triton")
     with pytest.raises(ValueError, match="bf16/fp16/fp32"):
         ops.loglinear_attn(**{n: t.double() for n, t in x.items()}, impl="triton")
     with pytest.raises(ValueError, match="num_levels"):
@@ -231,7 +229,7 @@ def test_decoding_step_touches_only_the_levels_it_changes(base):
 
 def test_auto_takes_the_kernels_for_the_mamba2_base_only(monkeypatch):
     """`impl="auto"` offers the Triton form to the dispatcher without `beta` (it picks it for CUDA inputs)
-    and keeps it out with `beta` (the Gated DeltaNet base has no kernel)."""
+    and keeps it out with `beta` (the Gated DeltaNet base's forward kernel has not run on the H200)."""
     import polyattn.ops.loglinear as loglinear
 
     offered = []

@@ -150,6 +150,7 @@ def _triton_call(op, x):
         "delta_rule": lambda: ops.delta_rule(q, unit_k, v, beta, g, impl="triton"),
         "hla2": lambda: ops.hla(q, k, v, g, impl="triton"),
         "loglinear_mamba2": lambda: ops.loglinear_attn(q, k, v, lam, g, impl="triton"),
+        "loglinear_gdn": lambda: ops.loglinear_attn(q, unit_k, v, lam, g, beta=beta, impl="triton"),
         "kata_m2": lambda: ops.kata(q, k, v, g, groups=2, impl="triton"),
         "kata_lorentz": lambda: ops.kata(q, k, v, g, feature="lorentz", impl="triton"),
         "deltakata_lorentz": lambda: ops.kata(q, k, v, g, feature="lorentz", beta=beta, normalize=False, impl="triton"),
@@ -180,15 +181,16 @@ def test_first_nonfinite_row_matches_twin(plant):
 # every Triton form: a NaN or Inf in q, k, v (or beta) changes no earlier output (ops/README.md,
 # "Guarantees of the Triton forms")
 NONFINITE_INPUT_CAUSAL = (
-    "linear_attn", "delta_rule", "hla2", "ahla", "hla3", "loglinear_mamba2", "kata_m1", "kata_m2", "kata_s2", "kata_lorentz",
-    "deltakata_lorentz",
+    "linear_attn", "delta_rule", "hla2", "ahla", "hla3", "loglinear_mamba2", "loglinear_gdn", "kata_m1", "kata_m2", "kata_s2",
+    "kata_lorentz", "deltakata_lorentz",
 )
+BETA_OPS = ("delta_rule", "loglinear_gdn", "deltakata_lorentz")
 
 
 @pytest.mark.parametrize("position", [64, 100], ids=["chunk-start", "inside"])
 @pytest.mark.parametrize("value, packed", [("nan", False), ("inf", False), ("nan", True)], ids=["nan", "inf", "nan-packed"])
 @pytest.mark.parametrize("op, field", [(op, field) for op in NONFINITE_INPUT_CAUSAL
-                                       for field in ("q", "k", "v") + (("beta",) if op.startswith("delta") else ())])
+                                       for field in ("q", "k", "v") + (("beta",) if op in BETA_OPS else ())])
 def test_triton_forms_under_nonfinite_inputs(op, field, value, packed, position):
     """A NaN or Inf in q, k or v at one token (head 0) leaves every earlier output bit-identical to a
     clean call, and a non-finite k or v reaches the outputs from that token on (KATA on the CPU: query
@@ -212,6 +214,8 @@ def test_triton_forms_under_nonfinite_inputs(op, field, value, packed, position)
             return ops.kata(x["q"], x["k"], x["v"], x["g"], **kata[op], **options)[0]
         if op == "loglinear_mamba2":
             return ops.loglinear_attn(x["q"], x["k"], x["v"], x["lam"], x["g"], **options)[0]
+        if op == "loglinear_gdn":
+            return ops.loglinear_attn(x["q"], x["k"], x["v"], x["lam"], x["g"], beta=x["beta"], **options)[0]
         if op == "delta_rule":
             return ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], x["g"], **options)[0]
         if op == "deltakata_lorentz":
@@ -229,7 +233,8 @@ def test_triton_forms_under_nonfinite_inputs(op, field, value, packed, position)
 
 
 @pytest.mark.parametrize("position", [64, 100], ids=["chunk-start", "inside"])
-@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla2", "loglinear_mamba2", "kata_m2", "kata_lorentz", "deltakata_lorentz"])
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla2", "loglinear_mamba2", "loglinear_gdn", "kata_m2", "kata_lorentz",
+                                "deltakata_lorentz"])
 def test_triton_forms_under_a_nan_gate(op, position):
     """A NaN log-decay at one token (a NaN activation under a learned gate) is non-finite input: it
     reaches the outputs from that token on, and leaves every earlier output bit-identical."""

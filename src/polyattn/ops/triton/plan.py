@@ -44,6 +44,9 @@ class KernelConfig:
     gradients) enter the bf16/fp16 products with values, keys and queries: "split" (the default,
     the tests' error bound) in two halves, precision.mma_left_fp32, two products with ~16
     mantissa bits; "rounded" one product of the rounded tile (flash attention's precision).
+    gdn_block_v and gdn_num_warps are the value tile and warps of log-linear Gated DeltaNet's level
+    walk (ops/loglinear/triton/gdn.py; ptxas for sm_90a at K = 128: 408 bytes of spills per thread at
+    32 and 8 warps, 2.8 KB at 4 warps); its per-chunk kernel runs like the delta rule's output kernel.
     """
 
     chunk_size: int = 64
@@ -63,6 +66,8 @@ class KernelConfig:
     kata_bwd_warps: int = 8
     kata_num_stages: int = 2
     kata_score_dot: str = "split"
+    gdn_block_v: int = 32
+    gdn_num_warps: int = 8
 
 
 _CONFIG = [KernelConfig()]

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .plan import block
-from .precision import LOG2E
+from .precision import LOG2E, dot_f32, to_output
 
 
 @triton.jit
@@ -34,12 +34,12 @@ def step_tile(q, k, v, g, state, scale, K, V, BK: tl.constexpr, BV: tl.constexpr
 
 
 @triton.jit
-def step_finish(p_s, m_s, b_s, b_q, o, V, BV: tl.constexpr):
-    """Write the updated tile and this program's `o = S^T q` columns (downcast: output dtype)."""
+def step_finish(p_s, m_s, b_s, b_q, o, V, BV: tl.constexpr, F32: tl.constexpr):
+    """Write the updated tile and this program's `o = S^T q` columns (downcast: output dtype, `to_output`)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     o_v = i_v * BV + tl.arange(0, BV)
     tl.store(p_s, b_s, mask=m_s)
-    tl.store(o + i_bh * V + o_v, tl.sum(b_s * b_q[:, None], axis=0).to(o.dtype.element_ty), mask=o_v < V)
+    tl.store(o + i_bh * V + o_v, to_output(tl.sum(b_s * b_q[:, None], axis=0), o.dtype.element_ty, F32), mask=o_v < V)
 
 
 def launch_step(kernel, q, k, v, state, extra: tuple, *, scale, use_g: bool):
@@ -53,6 +53,6 @@ def launch_step(kernel, q, k, v, state, extra: tuple, *, scale, use_g: bool):
     BV = min(32, block(V))
     kernel[(triton.cdiv(V, BV), B * H)](
         q.contiguous(), k.contiguous(), v.contiguous(), *extra, state, o, scale, K, V,
-        BK=block(K), BV=BV, USE_G=use_g, num_warps=4,
+        BK=block(K), BV=BV, USE_G=use_g, F32=dot_f32(q.dtype), num_warps=4,
     )
     return o, state

@@ -16,14 +16,14 @@ from polyattn.ops.triton.step import launch_step, step_finish, step_tile
 @triton.jit
 def delta_rule_step_kernel(
     q, k, v, g, beta, state, o, scale, K, V,
-    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
 ):
     """One decoding step for one (batch, head, V tile); q, k: [B, H, K], v, o: [B, H, V]."""
     p_s, m_s, b_s, b_q, b_k, b_v = step_tile(q, k, v, g, state, scale, K, V, BK, BV, USE_G)
     b_beta = tl.load(beta + tl.program_id(1)).to(tl.float32)
     b_read = tl.sum(b_s * b_k[:, None], axis=0)  # [BK, BV] -> [BV]: S^T k
     b_s += b_k[:, None] * (b_beta * (b_v - b_read))[None, :]  # rank-1 update, [BK, BV]
-    step_finish(p_s, m_s, b_s, b_q, o, V, BV)
+    step_finish(p_s, m_s, b_s, b_q, o, V, BV, F32)
 
 
 def delta_rule_step_inplace(q, k, v, beta, g, state, *, scale):

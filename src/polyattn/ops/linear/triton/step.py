@@ -15,12 +15,12 @@ from polyattn.ops.triton.step import launch_step, step_finish, step_tile
 @triton.jit
 def linear_attn_step_kernel(
     q, k, v, g, state, o, scale, K, V,
-    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
 ):
     """One decoding step for one (batch, head, V tile); q, k: [B, H, K], v, o: [B, H, V]."""
     p_s, m_s, b_s, b_q, b_k, b_v = step_tile(q, k, v, g, state, scale, K, V, BK, BV, USE_G)
     b_s += b_k[:, None] * b_v[None, :]  # [BK, 1] * [1, BV] -> [BK, BV]
-    step_finish(p_s, m_s, b_s, b_q, o, V, BV)
+    step_finish(p_s, m_s, b_s, b_q, o, V, BV, F32)
 
 
 def linear_attn_step_inplace(q, k, v, g, state, *, scale):

@@ -1,11 +1,14 @@
-"""Triton kernels of `loglinear_attn` for the Mamba-2 base (`beta=None`), and the decoding step of
-both bases: the only package of ops/loglinear that imports triton.
+"""Triton kernels of `loglinear_attn` for the Mamba-2 base (`beta=None`), the forward of the Gated
+DeltaNet base (`beta` given) and the decoding step of both: the only package of ops/loglinear that
+imports triton.
 
-Files by stage (on the shared core ops/triton and linear attention's chunk product): level_pass.py
-(the intra-chunk level-masked block and every chunk-level in one walk per sequence, with its PyTorch
-twin), function.py (custom ops for the forward and backward passes, dg, dlam, and the translation
-between `LogLinearState` and the kernels' per-chunk-level states). Importing this package does not
-import triton: the entry point loads the kernels on first call.
+Files by stage (on the shared core ops/triton, linear attention's chunk product and the delta rule's
+WY stage): level_pass.py (the intra-chunk level-masked block and every chunk-level in one walk per
+sequence, with its PyTorch twin), gdn.py (log-linear Gated DeltaNet: the per-chunk block and the walk
+of its chunk-levels, with their twin), step.py (the decoding step), function.py (custom ops for the
+forward and backward passes, dg, dlam, and the translation between `LogLinearState` and the kernels'
+per-chunk-level states). Importing this package does not import triton: the entry point loads the
+kernels on first call.
 """
 from __future__ import annotations
 
@@ -13,9 +16,9 @@ from __future__ import annotations
 def loglinear_attn_triton(q, k, v, lam, g=None, *, beta=None, scale, initial_state=None, output_final_state=False, cu_seqlens=None):
     """Triton form of `loglinear_attn` (handles `cu_seqlens` natively); see function.py.
 
-    The Mamba-2 base in full. With `beta` (log-linear Gated DeltaNet) only the one-token decoding
-    step: other calls raise ValueError, since they need a level-masked delta-rule kernel that does
-    not exist yet (use `impl="chunk"`).
+    The Mamba-2 base in full. With `beta` (log-linear Gated DeltaNet) the forward without gradients
+    from position 0 (no initial state; the final state on request) and the one-token decoding step:
+    other calls raise ValueError (use `impl="chunk"`).
     """
     from .function import loglinear_attn_fused
 

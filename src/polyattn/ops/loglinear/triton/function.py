@@ -1,5 +1,6 @@
-"""Custom ops and form function of the Triton `loglinear_attn` (Mamba-2 base, `beta=None`; the one-token
-step of both bases).
+"""Custom ops and form function of the Triton `loglinear_attn` (Mamba-2 base, `beta=None`; the forward of
+the Gated DeltaNet base, gdn.py, whose chunk-level states leave like the level pass's and give the final
+state the same way, with `gdn_last_chunk_levels` for the last chunk's keys; the one-token step of both).
 
 The kernels (level_pass.py) run on per-chunk-level states `R [N, H, NLC, K, V]`, the level pass's
 block-rule states; a `LogLinearState` holds Fenwick levels of the last query. `fenwick_to_blocks`
@@ -31,6 +32,7 @@ from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, fenwi
 from polyattn.ops.triton.plan import get_config, no_output, reverse_cumsum, sequence_lengths
 from polyattn.ops.triton.precision import check_kernel_inputs
 
+from .gdn import gdn_forward
 from .level_pass import level_pass
 from .step import loglinear_attn_step_inplace
 
@@ -325,6 +327,17 @@ def last_chunk_levels(k, v, g, low, position, lengths, real, C: int):
     return levels + torch.einsum("nlm,nh,nhlkv->nhmkv", move, total, low)
 
 
+def gdn_last_chunk_levels(k, v, g, beta, t_inv, position, lengths, real, C: int):
+    """Fenwick levels `0..c` of the final state `[N, H, c + 1, K, V]` from the rows of `last_chunk_rows`
+    (k, v: [N, C, H, *]; g, beta: [N, C, H]; t_inv: [N, C, H, C] fp32, the chunk's rows of the inverse):
+    the keys of the last query's chunk at `level(E - 1, s)`, each carried to `E - 1` through the delta
+    rule of the rows after it, `diag(β) Tinv^T K̃` with `K̃_s = exp(g_{s+1} + ... + g_{E-1}) k_s`."""
+    onehot, decay, _, _ = last_chunk_weights(g, position, lengths, real, C)
+    kd = torch.where(real[..., None, None], k * decay[..., None], 0.0)  # [N, C, H, K]: K̃ (padding rows 0)
+    carried = torch.einsum("nihj,nihk->njhk", t_inv, kd) * beta[..., None]  # [N, C, H, K]
+    return torch.einsum("njl,njhk,njhv->nhlkv", onehot, carried, v)  # [N, H, c + 1, K, V]
+
+
 def blocks_to_fenwick(R: torch.Tensor, low_levels: torch.Tensor, position: torch.Tensor, lengths: torch.Tensor, C: int, L: int):
     """The final `LogLinearState` levels `[N, H, L, K, V]`: levels `0..c` from `last_chunk_levels`,
     level `c + 1 + ell` the leaving state `R[ell]` where bit `ell` of the last chunk index is set
@@ -338,7 +351,8 @@ def blocks_to_fenwick(R: torch.Tensor, low_levels: torch.Tensor, position: torch
 
 def loglinear_attn_fused(q, k, v, lam, g=None, *, beta=None, scale, initial_state=None, output_final_state=False, cu_seqlens=None):
     """Triton form of `loglinear_attn` (inputs already validated, scale resolved): the Mamba-2 base, and
-    with `beta` (Gated DeltaNet) the one-token step only (ValueError for other calls).
+    with `beta` (Gated DeltaNet) the forward without gradients from position 0 (gdn.py) and the
+    one-token step (ValueError for other calls).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; lam: [B, T, H, L]; g: [B, T, H] or None; initial_state:
     `LogLinearState` with levels [N, H, L, K, V] (only the levels a state can occupy at its position
@@ -369,18 +383,40 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
         )
         return o[:, None], (LogLinearState(state, position + 1) if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
     if beta is not None:
-        raise ValueError(
-            "loglinear_attn: impl='triton' runs the log-linear Gated DeltaNet (beta given) only for one-token decoding "
-            "without gradients; other calls need a level-masked delta-rule kernel that does not exist yet, use impl='chunk'"
-        )
+        tensors = (q, k, v, lam, g, beta)
+        if initial_state is not None or (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)):
+            raise ValueError(
+                "loglinear_attn: impl='triton' runs the log-linear Gated DeltaNet (beta given) forward without an "
+                "initial state and without gradients, and its one-token decoding step; use impl='chunk' for other calls"
+            )
     if q.numel() == 0:
         o = v.new_zeros(B, T, H, V, dtype=q.dtype)
         if not output_final_state:
             return o, None
         final = levels if initial_state is not None else q.new_zeros(N, H, L, K, V, dtype=torch.float32)
         return o, LogLinearState(final, position + lengths)
+    if beta is not None:
+        return _gdn_forward(q, k, v, lam, g, beta, position, lengths, seq_lens, scale, output_final_state)
     r0, low = (None, None) if initial_state is None else fenwick_to_blocks(levels, position, C, _levels_dim(L, C))
     o, R, F_low = loglinear_attn_forward(q, k, v, lam, g, r0, low, position, scale, list(seq_lens), C, output_final_state)
     if not output_final_state:
         return o, None
+    return o, LogLinearState(blocks_to_fenwick(R, F_low, position, lengths, C, L), position + lengths)
+
+
+def _gdn_forward(q, k, v, lam, g, beta, position, lengths, seq_lens, scale, output_final_state):
+    """Log-linear Gated DeltaNet from position 0 (gdn.py), the final state from its chunk-level states and
+    the last chunk's keys (`gdn_last_chunk_levels`)."""
+    B, T, H, K = q.shape
+    V, L, C = v.shape[-1], lam.shape[-1], get_config().chunk_size
+    qf, kf, vf, lamf, gf, bf = _flatten((q, k, v, lam, g, beta), B, T)
+    o, R, t_inv = gdn_forward(qf, kf, vf, gf, bf, lamf, tuple(seq_lens), scale=scale)
+    o = o.view(B, T, H, V)  # [B*T, H, V] -> [B, T, H, V]
+    if not output_final_state:
+        return o, None
+    starts = lengths.cumsum(0) - lengths  # [N]
+    rows, real = last_chunk_rows(position, starts, lengths, C)
+    F_low = gdn_last_chunk_levels(
+        _rows(kf, rows), _rows(vf, rows), _rows(gf, rows), _rows(bf, rows), t_inv[rows], position, lengths, real, C,
+    )
     return o, LogLinearState(blocks_to_fenwick(R, F_low, position, lengths, C, L), position + lengths)

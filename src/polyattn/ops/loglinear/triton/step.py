@@ -24,13 +24,14 @@ import triton
 import triton.language as tl
 
 from polyattn.ops.triton.plan import block
+from polyattn.ops.triton.precision import dot_f32, to_output
 from polyattn.ops.triton.step import step_tile
 
 
 @triton.jit
 def loglinear_step_kernel(
     q, k, v, g, beta, lam, pos, state, o, scale, H, K, V, L,
-    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr, F32: tl.constexpr,
 ):
     """One decoding step for one (batch, head, V tile); q, k: [B, H, K], v, o: [B, H, V],
     lam: [B, H, L], g, beta: [B, H] or None, pos: [B], state: [B, H, L, K, V] fp32."""
@@ -69,7 +70,7 @@ def loglinear_step_kernel(
             b_lam = tl.load(lam + i_bh * L + lv).to(tl.float32)
             b_o += b_lam * tl.sum(b_s * b_q[:, None], axis=0)
             tl.store(p_s, b_s, mask=m_s)
-    tl.store(o + i_bh * V + o_v, b_o.to(o.dtype.element_ty), mask=o_v < V)
+    tl.store(o + i_bh * V + o_v, to_output(b_o, o.dtype.element_ty, F32), mask=o_v < V)  # downcast: output dtype
 
 
 def loglinear_attn_step_inplace(q, k, v, lam, g, levels, position, *, scale, beta=None):
@@ -89,6 +90,6 @@ def loglinear_attn_step_inplace(q, k, v, lam, g, levels, position, *, scale, bet
     loglinear_step_kernel[(triton.cdiv(V, BV), B * H)](
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous() if g is not None else None,
         beta.contiguous() if beta is not None else None, lam.contiguous(), position.contiguous(), levels, o, scale, H, K, V, L,
-        BK=block(K), BV=BV, USE_G=g is not None, USE_BETA=beta is not None, num_warps=4,
+        BK=block(K), BV=BV, USE_G=g is not None, USE_BETA=beta is not None, F32=dot_f32(q.dtype), num_warps=4,
     )
     return o, levels
