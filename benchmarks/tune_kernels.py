@@ -20,7 +20,7 @@ PRESETS = {  # the launch parameters each family's kernels read
                dict(block_c=32), dict(programs_per_sm=2), dict(programs_per_sm=8), dict(chunk_size=128, num_warps=8),
                dict(chunk_size=32)],
     "delta": [dict(), dict(delta_block_v=64), dict(delta_num_warps=8), dict(delta_chunk_warps=4), dict(delta_out_block_v=32),
-              dict(delta_fp32_dot="tf32"), dict(delta_fp32_dot="rounded")],
+              dict(delta_fp32_dot="tf32"), dict(delta_fp32_dot="rounded"), dict(gdn_block_v=16), dict(gdn_block_v=64)],
     "kata": [dict(), dict(kata_score_dot="rounded"), dict(kata_num_warps=4, kata_bwd_warps=4), dict(kata_num_stages=3),
              dict(kata_score_dot="rounded", kata_num_stages=3),
              dict(kata_score_dot="rounded", kata_num_warps=4, kata_bwd_warps=8, kata_num_stages=3),
@@ -33,7 +33,7 @@ def family(op: str) -> str:
     """The preset family of a benchmark op: the kernels its polyattn impl runs."""
     if op.startswith("kata_m") or op.startswith("kata_s"):
         return "kata"
-    if op in ("delta_rule", "deltakata_lorentz"):
+    if op in ("delta_rule", "deltakata_lorentz", "loglinear_gdn"):
         return "delta"
     return "linear"  # linear attention, HLA, log-linear Mamba-2 and first-order KATA read the linear knobs
 

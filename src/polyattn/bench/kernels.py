@@ -18,6 +18,10 @@ reads about half of its `NL = log2(T / C)` chunk-levels per token: forward FLOPs
 `2KV NL`; bytes add lam (and dlam) at `2L` bytes per token. First-order KATA and DeltaKATA
 (`kata_lorentz`, `deltakata_lorentz`: the Lorentz map, P = K, on the linear and delta-rule kernels in
 fp32) count as linear attention and the delta rule (the normaliser column and the lift not counted).
+Log-linear Gated DeltaNet (`loglinear_gdn`, the forward only: its Triton form has no backward yet)
+counts the delta rule's forward, the chunk's `A Tinv` (`2C^2`) and per chunk-level `W h` and the carry
+(`4KV`), half of the levels also a read (`2KV`): `2 (2C(K+V) + 3KV) + 2C^2 + 5KV NL`; bytes as
+log-linear Mamba-2's.
 """
 from __future__ import annotations
 
@@ -36,8 +40,8 @@ H = 16
 CHUNK = 64
 
 
-OPS = ("linear_attn", "linear_attn_decay", "delta_rule", "hla2", "hla2_decay", "loglinear_mamba2", "kata_m1", "kata_m2",
-       "kata_s2", "kata_lorentz", "deltakata_lorentz", "softmax")
+OPS = ("linear_attn", "linear_attn_decay", "delta_rule", "hla2", "hla2_decay", "loglinear_mamba2", "loglinear_gdn", "kata_m1",
+       "kata_m2", "kata_s2", "kata_lorentz", "deltakata_lorentz", "softmax")
 
 
 @dataclass(frozen=True)
@@ -47,13 +51,14 @@ class Case:
     make: object  # (q, k, v, g, beta) -> callable returning the output tensor
 
 
-GATED = ("linear_attn_decay", "hla2_decay", "delta_rule", "loglinear_mamba2", "kata_lorentz", "deltakata_lorentz")  # fwd+bwd differentiates g
-WITH_BETA = ("delta_rule", "deltakata_lorentz")  # ops whose fwd+bwd differentiates beta
+GATED = ("linear_attn_decay", "hla2_decay", "delta_rule", "loglinear_mamba2", "loglinear_gdn", "kata_lorentz",
+         "deltakata_lorentz")  # fwd+bwd differentiates g
+WITH_BETA = ("delta_rule", "loglinear_gdn", "deltakata_lorentz")  # ops whose fwd+bwd differentiates beta
 KATA = {"kata_m1": (1, "concat"), "kata_m2": (2, "concat"), "kata_s2": (2, "sum")}  # op -> (groups, combine)
 
 
 def _with_levels(call):
-    """A maker for a log-linear op `call(q, k, v, g, lam)`: lam `[B, T, H, num_levels(T)]` bf16 (a
+    """A maker for a log-linear op `call(q, k, v, g, lam, beta)`: lam `[B, T, H, num_levels(T)]` bf16 (a
     leaf of the backward, like q), exposed to `measure` as the callable's `extra_leaves`."""
     from polyattn.ops.common import num_levels
 
@@ -64,7 +69,7 @@ def _with_levels(call):
         lam.requires_grad_(q.requires_grad)
 
         def run():
-            return call(q, k, v, g, lam)
+            return call(q, k, v, g, lam, beta)
 
         run.extra_leaves = [lam]
         return run
@@ -106,7 +111,9 @@ def cases() -> list[Case]:
         Case("hla2", "polyattn-triton", lambda q, k, v, g, b: lambda: ops.hla(q, k, v, impl="triton")[0]),
         Case("hla2_decay", "polyattn-triton", lambda q, k, v, g, b: lambda: ops.hla(q, k, v, g, impl="triton")[0]),
         Case("loglinear_mamba2", "polyattn-triton",
-             _with_levels(lambda q, k, v, g, lam: ops.loglinear_attn(q, k, v, lam, g, scale=1.0, impl="triton")[0])),
+             _with_levels(lambda q, k, v, g, lam, b: ops.loglinear_attn(q, k, v, lam, g, scale=1.0, impl="triton")[0])),
+        Case("loglinear_gdn", "polyattn-triton",  # the forward only: fwd+bwd raises (a table entry)
+             _with_levels(lambda q, k, v, g, lam, b: ops.loglinear_attn(q, k, v, lam, g, beta=b, scale=1.0, impl="triton")[0])),
     ]
     out += [
         Case(op, "polyattn-triton-parallel",
@@ -136,7 +143,7 @@ def cases() -> list[Case]:
                         lambda q, k, v, g, b: lambda: chunk_gated_delta_rule(q, k, v, g, b)[0]))
     if chunk_log_linear_attn is not None:  # q, k with one group per head (G = H), scale 1 as ours
         out.append(Case("loglinear_mamba2", "fla-chunk_log_linear_attn",
-                        _with_levels(lambda q, k, v, g, lam: chunk_log_linear_attn(q, k, v, g, lam, scale=1.0)[0])))
+                        _with_levels(lambda q, k, v, g, lam, b: chunk_log_linear_attn(q, k, v, g, lam, scale=1.0)[0])))
     return out
 
 
@@ -155,13 +162,16 @@ def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int, T: int | None =
         fwd_flops = 2 * (2 * CHUNK * (K + V) + 3 * K * V)
     fwd_bytes = (2 * K + 2 * V) * 2
     flops, bytes_ = (fwd_flops, fwd_bytes) if mode == "fwd" else (3 * fwd_flops, (5 * K + 6 * V) * 2)
-    if op == "loglinear_mamba2":
+    if op.startswith("loglinear"):
         T = T or tokens
         NL = max(1, (T // CHUNK - 1).bit_length())
         L = (T - 1).bit_length() + 1
         fwd_flops = 2 * CHUNK * (K + V) + 2 * K * V * (1 + NL / 2)
         flops = fwd_flops if mode == "fwd" else 3 * fwd_flops + 2 * K * V * NL
         bytes_ = fwd_bytes + 2 * L if mode == "fwd" else (5 * K + 6 * V) * 2 + 4 * L
+    if op == "loglinear_gdn":  # the delta rule's forward, and per level W h and the carry, half of them a read
+        fwd_flops = 2 * (2 * CHUNK * (K + V) + 3 * K * V) + 2 * CHUNK * CHUNK + 2 * K * V * 2.5 * NL
+        flops = fwd_flops if mode == "fwd" else 3 * fwd_flops
     if op.startswith("hla2"):
         flops *= 2
     return flops * tokens * H, bytes_ * tokens * H
@@ -275,6 +285,8 @@ RATIOS = (  # (our op, our impl, anchor op, anchor impl)
     ("loglinear_mamba2", "polyattn-triton", "loglinear_mamba2", "fla-chunk_log_linear_attn"),
     ("loglinear_mamba2", "polyattn-triton", "linear_attn_decay", "polyattn-triton"),
     ("loglinear_mamba2", "polyattn-triton", "softmax", "sdpa-cudnn"),
+    ("loglinear_gdn", "polyattn-triton", "delta_rule", "polyattn-triton"),
+    ("loglinear_gdn", "polyattn-triton", "softmax", "sdpa-cudnn"),
     ("kata_lorentz", "polyattn-triton", "linear_attn_decay", "polyattn-triton"),
     ("deltakata_lorentz", "polyattn-triton", "delta_rule", "polyattn-triton"),
 )
