@@ -63,6 +63,26 @@ def test_triton_segment_split(dtype):
         assert_low_precision_matches(linear_attn_naive, linear_attn_chunk, linear_attn_triton, _inputs(1, SPLIT_T, decay=True, seed=6), h0, dtype)
 
 
+@pytest.mark.parametrize("field, value", [("k", "nan"), ("v", "inf"), ("g", "nan")])
+def test_segment_split_keeps_nonfinite_input_causal(field, value):
+    """With the segment split (the scan flags the segment that holds the token, the rerun takes it
+    alone), a NaN or Inf in a key, value or log-decay leaves every earlier output bit-identical and
+    reaches the outputs from it on; the segments after it are not rerun and are NaN by their state."""
+    from polyattn.ops.triton.plan import KernelConfig, plan_segments, use_config
+
+    config = KernelConfig(chunk_size=16, block_c=16, min_segment_chunks=1) if not CUDA else KernelConfig()
+    x = {n: t.float() for n, t in _inputs(1, SPLIT_T, decay=True, seed=15).items()}
+    position = SPLIT_T // 2 + 3
+    with use_config(config):
+        assert plan_segments((SPLIT_T,), H, V, config, torch.device(DEVICE)) > 2
+        clean, _ = linear_attn_triton(x["q"], x["k"], x["v"], x["g"], scale=0.5)
+        x[field][:, position, 0] = float(value)
+        o, _ = linear_attn_triton(x["q"], x["k"], x["v"], x["g"], scale=0.5)
+    assert torch.equal(o[:, :position], clean[:, :position]), f"{field}={value} changed an earlier output"
+    assert not bool(torch.isfinite(o[:, position:, 0]).all()), f"{field}={value} never reached an output"
+    assert not bool(torch.isfinite(o[:, -1, 0]).all()), "the last segment did not see the non-finite state"
+
+
 @pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
 def test_triton_step_matches_reference(decay):
     x = _inputs(B, 3, decay, seed=7)

@@ -18,17 +18,20 @@ Optionally it also writes `rowdot = sum(x * out, -1)` per DC tile, the per-token
 log-decay gradient.
 
 GUARD (the forward pass, launch.py `guard=True`): a token whose b or c row holds a NaN or an Inf
-changes no earlier output, at no cost to finite input. A non-finite b or c entry makes the state
-that leaves its segment not finite (NaN and Inf survive every later product, decay and sum), so
-the pass runs the plain loop, each program marking whether its leaving state is finite (CHECK),
-and a second launch reruns only the marked programs (rare: non-finite input, or an overflow) with
-the guarded loop, overwriting their outputs: masked score entries are selected to 0 rather than
-multiplied (0 * NaN is NaN), the intra product runs on c with the rows from the chunk's first
-non-finite one on zeroed, and the outputs from that row on are NaN; the state update takes the
+changes no earlier output. A non-finite b or c entry makes the state that leaves its segment not
+finite (NaN and Inf survive every later product, decay and sum), so the pass runs the plain loop and
+a second launch reruns, with the guarded loop, only the programs of segments marked as holding such
+a row (rare: non-finite input, or an overflow), overwriting their outputs. With the segment split the
+scan kernel marks a segment whose local state is not finite (chunk_states.py), off this kernel;
+without it each program marks whether the state leaving its segment is finite (CHECK). The guarded
+loop: masked score entries are selected to 0 rather than multiplied (0 * NaN is NaN), the intra
+product runs on c with the rows from the chunk's first non-finite one on zeroed, and the outputs from
+that row on are NaN; the state update takes the
 rows as they are, so the NaN reaches every later chunk. Outputs before the token are bit-identical
 to a clean call (the zeroed terms were exact zeros before). A non-finite a row reaches only its
-own output rows and needs no rerun. (The guarded loop inside the plain launch, even never taken,
-slowed the forward by 10-17% on the H200: the rerun is its own launch.)
+own output rows and needs no rerun. (On the H200 the guarded loop inside the plain launch, even never
+taken, slowed the forward by 10-17%, and the CHECK flag alone by 13%: the rerun is its own launch,
+and the split pass takes its flags from the scan.)
 """
 import triton
 import triton.language as tl
@@ -39,7 +42,7 @@ from polyattn.ops.triton.precision import (
     first_nonfinite_row, mma, mma_left_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
 )
 
-from .chunk_states import keys_times_values
+from .chunk_states import flag_nonfinite, keys_times_values
 
 
 @triton.jit
@@ -117,7 +120,8 @@ def chunk_outputs_kernel(
     `[C, BA] @ [BA, BC]` (inter) and the state update `[BA, C] @ [C, BC]`. The incoming state is
     `s_in[s]` (SPLIT: written by `segment_scan_kernel`) or `h0[n]` (strided) or zero; the segment
     that ends its sequence in the pass direction stores its final state to `ht[n]` (strided like h0).
-    CHECK: write `nonfinite[program]` = whether the state leaving the segment is not finite.
+    CHECK (a pass without segment split; with it the scan kernel flags the segments): write
+    `nonfinite[program]` = whether the state leaving the segment is not finite.
     RERUN: only the programs so marked run, with the guarded loop (the GUARD paragraph above).
     """
     i_c, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -134,9 +138,8 @@ def chunk_outputs_kernel(
         scale, N_tok, H, DA, DC, bos, eos, i_n, i_s, i_c, i_h,
         C, BA, BC, REVERSE, USE_G, SPLIT, USE_H0, ROWDOT, F32, RERUN,
     )
-    if CHECK:
-        total = tl.sum(tl.sum(b_s, axis=1), axis=0)  # scalar: not finite when a key or value of the segment is not
-        tl.store(nonfinite + program, (total - total != 0).to(tl.int32))
+    if CHECK:  # not finite when a key, value or log-decay of the segment (or the entering state) is not
+        flag_nonfinite(nonfinite, b_s, program)
     if STORE_HT:
         o_a, o_c, m_a, m_c, m_s = state_tile(i_c, DA, DC, BA, BC)
         if REVERSE:

@@ -28,6 +28,14 @@ def keys_times_values(b_b, b_v, b_wk, USE_G: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
+def flag_nonfinite(nonfinite, b_s, index):
+    """`nonfinite[index]` = 1 where the fp32 tile `b_s` holds a NaN or an Inf (its sum is then not
+    finite: `x - x` is 0 exactly for finite x), else 0."""
+    total = tl.sum(tl.sum(b_s, axis=1), axis=0)
+    tl.store(nonfinite + index, (total - total != 0).to(tl.int32))
+
+
+@triton.jit
 def segment_states_kernel(
     b, c, g, seg, states, seg_decay,
     H, DA, DC,
@@ -81,11 +89,11 @@ def segment_states_kernel(
 
 @triton.jit(do_not_specialize=["s_h0n", "s_h0h", "s_h0a", "s_h0c"])
 def segment_scan_kernel(
-    states, seg_decay, cu_seg, h0,
+    states, seg_decay, cu_seg, h0, nonfinite,
     s_h0n, s_h0h, s_h0a, s_h0c,
-    H, DA, DC,
+    S, H, DA, DC,
     BA: tl.constexpr, BC: tl.constexpr,
-    REVERSE: tl.constexpr, USE_H0: tl.constexpr,
+    REVERSE: tl.constexpr, USE_H0: tl.constexpr, CHECK: tl.constexpr,
 ):
     """Incoming state of every segment, in place over the local states.
 
@@ -94,7 +102,9 @@ def segment_scan_kernel(
     (strided, so a transposed view works) or zero: it reads the segment's local state, writes
     the carry in its place, then `carry = exp2(decay) * carry + local`. The terminal segment's
     local state is never read; the outputs kernel, which ends on the true final state,
-    stores `ht`.
+    stores `ht`. CHECK: write `nonfinite[(h * S + s) * n_c + c]` = whether segment s's local
+    state is not finite (a non-finite b or c row, or log-decay, inside it), for every segment,
+    the terminal one included: the flags of chunk_outputs.py's rerun, off its main kernel.
     """
     i_c, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lo = tl.load(cu_seg + i_n)
@@ -114,6 +124,8 @@ def segment_scan_kernel(
             i_s = lo + i
         p_s = states + ((i_s * H + i_h) * DA + o_a[:, None]).to(tl.int64) * DC + o_c[None, :]
         b_local = tl.load(p_s, mask=m_s, other=0.0)
+        if CHECK:
+            flag_nonfinite(nonfinite, b_local, (i_h * S + i_s) * tl.num_programs(0) + i_c)
         b_decay = tl.load(seg_decay + i_s * H + i_h)
         tl.store(p_s, b_carry, mask=m_s)
         b_carry = b_carry * tl.exp2(b_decay) + b_local
@@ -122,4 +134,6 @@ def segment_scan_kernel(
     else:
         i_s = hi - 1
     p_s = states + ((i_s * H + i_h) * DA + o_a[:, None]).to(tl.int64) * DC + o_c[None, :]
+    if CHECK:
+        flag_nonfinite(nonfinite, tl.load(p_s, mask=m_s, other=0.0), (i_h * S + i_s) * tl.num_programs(0) + i_c)
     tl.store(p_s, b_carry, mask=m_s)

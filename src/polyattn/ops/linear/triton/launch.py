@@ -66,6 +66,7 @@ def chunk_pass(
     strides = tuple(strided.stride()) if strided is not None else (0, 0, 0, 0)
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     s_in = None
+    nonfinite = torch.empty(n_c * S * H, dtype=torch.int32, device=a.device) if guard else None
     if split:
         s_in = torch.empty(S, H, DA, DC, dtype=torch.float32, device=a.device)
         seg_decay = torch.empty(S, H, dtype=torch.float32, device=a.device)
@@ -74,20 +75,19 @@ def chunk_pass(
             C=C, BA=BA, BC=BC, REVERSE=reverse, USE_G=g is not None, F32=F32, **launch,
         )
         segment_scan_kernel[(n_c, N, H)](
-            s_in, seg_decay, cu_seg, initial_state, *strides, H, DA, DC,
-            BA=BA, BC=BC, REVERSE=reverse, USE_H0=initial_state is not None, num_warps=4,
+            s_in, seg_decay, cu_seg, initial_state, nonfinite, *strides, S, H, DA, DC,
+            BA=BA, BC=BC, REVERSE=reverse, USE_H0=initial_state is not None, CHECK=guard, num_warps=4,
         )
     rowdot = None
     if dot_x is not None:
         rowdot = torch.empty(n_c, N_tok, H, dtype=torch.float32, device=a.device)
-    nonfinite = torch.empty(n_c * S * H, dtype=torch.int32, device=a.device) if guard else None
     for rerun in (False, True) if guard else (False,):
         chunk_outputs_kernel[(n_c, S, H)](
             a, b, c, g, out, seg, s_in, initial_state, final_state, dot_x, rowdot, nonfinite, *strides,
             scale, N_tok, H, DA, DC,
             C=C, BA=BA, BC=BC, REVERSE=reverse, USE_G=g is not None, SPLIT=split,
             USE_H0=initial_state is not None, STORE_HT=store_final_state, ROWDOT=dot_x is not None,
-            F32=F32, CHECK=guard and not rerun, RERUN=rerun, **launch,
+            F32=F32, CHECK=guard and not rerun and not split, RERUN=rerun, **launch,
         )
     if rowdot is not None:
         rowdot = rowdot.sum(0)  # [n_c, N_tok, H] -> [N_tok, H]
