@@ -55,6 +55,29 @@ def test_triton_forms_compile_as_one_graph(op):
         assert_close_rel(a, b, 1e-6, f"{op} gradient {i}")
 
 
+def test_loglinear_gdn_forward_compiles_as_one_graph():
+    """The Gated DeltaNet base's forward (no gradients) traces as one opaque call, equal to eager,
+    and opcheck accepts its schema and fake."""
+    from polyattn.ops.loglinear.triton.function import loglinear_gdn_forward
+
+    x = seeded_inputs(1, 70, 2, 8, 12, decay=True, beta=True, seed=0, device=DEVICE, dtype=torch.float32)
+    x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
+    lam = torch.rand(1, 70, 2, 8, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+
+    def run(q, k, v, lam, g, beta):
+        o, s = ops.loglinear_attn(q, k, v, lam, g, beta=beta, impl="triton", output_final_state=True)
+        return o, s.levels
+
+    args = (x["q"], x["k"], x["v"], lam, x["g"], x["beta"])
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(run, fullgraph=True, backend="aot_eager")(*args)
+        want = run(*args)
+    for name, a, b in zip(("o", "final state"), got, want):
+        assert_close_rel(a, b, 1e-6, name)
+    torch.library.opcheck(loglinear_gdn_forward, (*args, 0.5, [70]), test_utils=("test_schema", "test_faketensor"))
+
+
 @pytest.mark.parametrize("name", ["linear", "gdn", "loglinear-mamba2"])
 def test_mixer_training_step_compiles_with_triton_forms(name):
     mixer = build_mixer(name, 16, num_heads=2, impl="triton").to(DEVICE)

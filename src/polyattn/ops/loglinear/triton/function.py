@@ -404,18 +404,38 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
     return o, LogLinearState(blocks_to_fenwick(R, F_low, position, lengths, C, L), position + lengths)
 
 
-def _gdn_forward(q, k, v, lam, g, beta, position, lengths, seq_lens, scale, output_final_state):
-    """Log-linear Gated DeltaNet from position 0 (gdn.py), the final state from its chunk-level states and
-    the last chunk's keys (`gdn_last_chunk_levels`)."""
+@torch.library.custom_op("polyattn::loglinear_gdn_forward", mutates_args=())
+def loglinear_gdn_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor,
+    scale: float, seq_lens: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Gated DeltaNet base's forward kernels (gdn.py) as a custom op, no autograd: `(o [B, T, H, V],
+    R [N, H, NLC, K, V] fp32, t_inv [B*T, H, C] fp32)`."""
     B, T, H, K = q.shape
-    V, L, C = v.shape[-1], lam.shape[-1], get_config().chunk_size
     qf, kf, vf, lamf, gf, bf = _flatten((q, k, v, lam, g, beta), B, T)
     o, R, t_inv = gdn_forward(qf, kf, vf, gf, bf, lamf, tuple(seq_lens), scale=scale)
-    o = o.view(B, T, H, V)  # [B*T, H, V] -> [B, T, H, V]
+    return o.view(B, T, H, v.shape[-1]), R, t_inv  # [B*T, H, V] -> [B, T, H, V]
+
+
+@loglinear_gdn_forward.register_fake
+def _(q, k, v, lam, g, beta, scale, seq_lens):
+    B, T, H, K = q.shape
+    C = get_config().chunk_size
+    NLC = _levels_dim(lam.shape[-1], C)
+    R = q.new_empty(len(seq_lens), H, NLC, K, v.shape[-1], dtype=torch.float32)
+    return q.new_empty(B, T, H, v.shape[-1]), R, q.new_empty(B * T, H, C, dtype=torch.float32)
+
+
+def _gdn_forward(q, k, v, lam, g, beta, position, lengths, seq_lens, scale, output_final_state):
+    """Log-linear Gated DeltaNet from position 0 (`loglinear_gdn_forward`), the final state from its
+    chunk-level states and the last chunk's keys (`gdn_last_chunk_levels`)."""
+    B, T = q.shape[:2]
+    L, C = lam.shape[-1], get_config().chunk_size
+    o, R, t_inv = loglinear_gdn_forward(q, k, v, lam, g, beta, scale, list(seq_lens))
     if not output_final_state:
         return o, None
-    starts = lengths.cumsum(0) - lengths  # [N]
-    rows, real = last_chunk_rows(position, starts, lengths, C)
+    kf, vf, gf, bf = _flatten((k, v, g, beta), B, T)
+    rows, real = last_chunk_rows(position, lengths.cumsum(0) - lengths, lengths, C)
     F_low = gdn_last_chunk_levels(
         _rows(kf, rows), _rows(vf, rows), _rows(gf, rows), _rows(bf, rows), t_inv[rows], position, lengths, real, C,
     )
