@@ -27,7 +27,7 @@ POINTERS = {
     "a": "*bf16", "b": "*bf16", "c": "*bf16", "g": "*fp32", "out": "*bf16", "seg": "*i32", "s_in": "*fp32",
     "h0": "*fp32", "ht": "*fp32", "dot_x": "*bf16", "rowdot": "*fp32", "states": "*fp32", "seg_decay": "*fp32",
     "q": "*bf16", "k": "*bf16", "v": "*bf16", "do": "*bf16", "dq": "*bf16", "dk": "*bf16", "dv": "*bf16",
-    "beta": "*bf16", "chunks": "*i32", "nonfinite": "*i32", "seqs": "*i32", "cu_chunks": "*i32",
+    "beta": "*bf16", "chunks": "*i32", "nonfinite": "*i32", "seqs": "*i32", "cu_chunks": "*i32", "pos": "*i64",
 }
 PASSES = {  # name: (REVERSE, USE_G, ROWDOT)
     "forward": (False, False, False),

@@ -113,6 +113,23 @@ LOW_PRECISION_FLOOR = {torch.float32: 5e-6, torch.bfloat16: 2.0**-8, torch.float
 LOW_PRECISION_CEILING = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
+def loglinear_prefix_state(make_inputs, positions: list[int], L: int, shape: tuple, *, device, seed: int = 1):
+    """A `LogLinearState` reached by the naive log-linear form after a random prefix, per sequence at its
+    own position: `make_inputs(P, seed, L)` gives a prefix's inputs (a dict of `loglinear_attn`'s
+    arguments, beta among them for the Gated DeltaNet base); `shape = (H, K, V)`; position 0 is empty."""
+    from polyattn.ops.loglinear import LogLinearState, loglinear_attn_naive
+
+    H, K, V = shape
+    levels = []
+    for i, P in enumerate(positions):
+        if P == 0:
+            levels.append(torch.zeros(1, H, L, K, V, dtype=torch.float64, device=device))
+            continue
+        _, s = loglinear_attn_naive(**make_inputs(P, seed + i, L), scale=K**-0.5, output_final_state=True)
+        levels.append(s.levels)
+    return LogLinearState(torch.cat(levels), torch.tensor(positions, device=device))
+
+
 def dtype_id(dtype: torch.dtype) -> str:
     """A short parametrize id for a dtype."""
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}[dtype]

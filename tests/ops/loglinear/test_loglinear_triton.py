@@ -21,7 +21,9 @@ from polyattn.ops.loglinear import LogLinearState, loglinear_attn_chunk, logline
 from polyattn.ops.loglinear.state import occupied_levels
 from polyattn.ops.loglinear.triton import loglinear_attn_triton
 from polyattn.ops.triton.plan import KernelConfig, get_config, use_config
-from polyattn.testing import assert_close_rel, assert_low_precision_matches, dtype_id, rel_err, seeded_inputs
+from polyattn.testing import (
+    assert_close_rel, assert_low_precision_matches, dtype_id, loglinear_prefix_state, rel_err, seeded_inputs,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -49,15 +51,7 @@ def _inputs(Bx, T, decay=True, seed=0, L=None):
 
 def _state(positions, L, seed=1):
     """A state reached by the naive form after a random prefix, per sequence at its own position."""
-    levels = []
-    for i, P in enumerate(positions):
-        if P == 0:
-            levels.append(torch.zeros(1, H, L, K, V, dtype=torch.float64, device=DEVICE))
-            continue
-        x = _inputs(1, P, seed=seed + i, L=L)
-        _, s = loglinear_attn_naive(**x, scale=K**-0.5, output_final_state=True)
-        levels.append(s.levels)
-    return LogLinearState(torch.cat(levels), torch.tensor(positions, device=DEVICE))
+    return loglinear_prefix_state(lambda P, s, L: _inputs(1, P, seed=s, L=L), positions, L, (H, K, V), device=DEVICE, seed=seed)
 
 
 def _occupied_only(form):

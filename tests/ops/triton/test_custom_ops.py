@@ -75,7 +75,8 @@ def test_loglinear_gdn_forward_compiles_as_one_graph():
         want = run(*args)
     for name, a, b in zip(("o", "final state"), got, want):
         assert_close_rel(a, b, 1e-6, name)
-    torch.library.opcheck(loglinear_gdn_forward, (*args, 0.5, [70]), test_utils=("test_schema", "test_faketensor"))
+    position = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    torch.library.opcheck(loglinear_gdn_forward, (*args, None, None, position, 0.5, [70], True), test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("name", ["linear", "gdn", "loglinear-mamba2"])

@@ -24,7 +24,7 @@ LOGLINEAR_ATTN_FORMS = {
 def loglinear_auto_forms(gated_delta: bool, decoding: bool) -> dict:
     """The forms ``impl="auto"`` picks from (on CUDA it takes ``"triton"`` where that is among them): all of
     them, but without ``"triton"`` for a Gated DeltaNet base call that is not decoding (its Triton forward,
-    without gradients and from position 0, has run only under the interpreter so far)."""
+    without gradients, has run only under the interpreter so far)."""
     if gated_delta and not decoding:
         return {n: f for n, f in LOGLINEAR_ATTN_FORMS.items() if n != "triton"}
     return LOGLINEAR_ATTN_FORMS
@@ -71,7 +71,7 @@ def loglinear_attn(
         output_final_state: also return the :class:`LogLinearState` after the last token.
         cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1); positions restart per sequence.
         impl: ``"naive" | "recurrent" | "chunk" | "scan" | "triton" | "auto"`` (chunk size 64; ``"triton"`` has the
-            Mamba-2 base in full, and with ``beta`` the forward without gradients from position 0 and the decoding
+            Mamba-2 base in full, and with ``beta`` the forward without gradients and the decoding
             step (ValueError for other calls); ``"auto"`` picks it for CUDA inputs without ``beta``, and for decoding).
 
     Returns:

@@ -6,6 +6,7 @@ whole chunks of one sequence owned by one program; a sequence is cut into severa
 the family's associative combine. A *chunk table* is the segment table with one chunk per row:
 the grid of the per-chunk parallel kernels.
 """
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -45,8 +46,8 @@ class KernelConfig:
     the tests' error bound) in two halves, precision.mma_left_fp32, two products with ~16
     mantissa bits; "rounded" one product of the rounded tile (flash attention's precision).
     gdn_block_v and gdn_num_warps are the value tile and warps of log-linear Gated DeltaNet's level
-    walk (ops/loglinear/triton/gdn.py; ptxas for sm_90a at K = 128: 408 bytes of spills per thread at
-    32 and 8 warps, 2.8 KB at 4 warps); its per-chunk kernel runs like the delta rule's output kernel.
+    walk (ops/loglinear/triton/gdn.py; ptxas for sm_90a at K = 128: 164 bytes of spills per thread at
+    32 and 8 warps, 1.3 KB at 4 warps); its per-chunk kernel runs like the delta rule's output kernel.
     """
 
     chunk_size: int = 64
@@ -170,6 +171,27 @@ def chunk_table(seq_lens: tuple, chunk_size: int, device):
     of sequence n's first chunk, so per-chunk buffers are indexed `cu_chunks[n] + i`."""
     longest = max(seq_lens, default=1)
     return segment_table(seq_lens, triton.cdiv(longest, chunk_size), chunk_size, device)
+
+
+def grid_chunk_table(seq_lens: tuple, position: torch.Tensor, chunk_size: int):
+    """Chunks on the absolute grid of sequences that start at `position [N]` (device int64, never read
+    on the host): `(table [NC, 4] int32 (bos, eos, offset of bos in its chunk, 0), cu_chunks [N + 1]
+    int32, NC)`. Sequence n owns `cdiv(length, C) + 1` rows, enough at any offset: its first chunk is
+    cut at the grid line after its start, and a row past its end is empty (bos = eos)."""
+    C, device = chunk_size, position.device
+    rows = [triton.cdiv(n, C) + 1 for n in seq_lens]
+    NC = sum(rows)
+    cu = torch.tensor([0, *itertools.accumulate(rows)], device=device)  # [N + 1]
+    lengths = torch.tensor(seq_lens, device=device)  # [N]
+    seq = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), torch.tensor(rows, device=device), output_size=NC)
+    j = torch.arange(NC, device=device) - cu[seq]  # [NC]: the row within its sequence
+    r = (position % C)[seq]  # [NC]
+    n = lengths[seq]
+    starts = (lengths.cumsum(0) - lengths)[seq]
+    lo = (j * C - r).clamp(min=0).minimum(n)
+    hi = ((j + 1) * C - r).clamp(min=0).minimum(n)
+    table = torch.stack([starts + lo, starts + hi, torch.where(j == 0, r, 0), torch.zeros_like(j)], 1)  # [NC, 4]
+    return table.to(torch.int32), cu.to(torch.int32), NC
 
 
 def plan_segments(seq_lens: tuple, H: int, DC: int, config: KernelConfig, device) -> int:

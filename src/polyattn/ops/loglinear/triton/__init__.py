@@ -17,8 +17,8 @@ def loglinear_attn_triton(q, k, v, lam, g=None, *, beta=None, scale, initial_sta
     """Triton form of `loglinear_attn` (handles `cu_seqlens` natively); see function.py.
 
     The Mamba-2 base in full. With `beta` (log-linear Gated DeltaNet) the forward without gradients
-    from position 0 (no initial state; the final state on request) and the one-token decoding step:
-    other calls raise ValueError (use `impl="chunk"`).
+    (any initial state, the final state on request) and the one-token decoding step: a call that
+    needs gradients raises ValueError (use `impl="chunk"`).
     """
     from .function import loglinear_attn_fused
 

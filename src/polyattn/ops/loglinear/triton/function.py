@@ -327,15 +327,28 @@ def last_chunk_levels(k, v, g, low, position, lengths, real, C: int):
     return levels + torch.einsum("nlm,nh,nhlkv->nhmkv", move, total, low)
 
 
-def gdn_last_chunk_levels(k, v, g, beta, t_inv, position, lengths, real, C: int):
+def gdn_last_chunk_levels(k, v, g, beta, t_inv, w, low, position, lengths, real, C: int):
     """Fenwick levels `0..c` of the final state `[N, H, c + 1, K, V]` from the rows of `last_chunk_rows`
-    (k, v: [N, C, H, *]; g, beta: [N, C, H]; t_inv: [N, C, H, C] fp32, the chunk's rows of the inverse):
-    the keys of the last query's chunk at `level(E - 1, s)`, each carried to `E - 1` through the delta
-    rule of the rows after it, `diag(β) Tinv^T K̃` with `K̃_s = exp(g_{s+1} + ... + g_{E-1}) k_s`."""
-    onehot, decay, _, _ = last_chunk_weights(g, position, lengths, real, C)
+    (k, v, w: [N, C, H, *] with w the WY factor W; g, beta: [N, C, H]; t_inv: [N, C, H, C] fp32, the
+    rows of the inverse, whose columns start at the chunk's first token): the keys of the last query's
+    chunk at `level(E - 1, s)`, each carried to `E - 1` through the delta rule of the rows after it,
+    `diag(β) Tinv^T K̃` with `K̃_s = exp(g_{s+1} + ... + g_{E-1}) k_s`; plus, when the sequence never
+    left an initial state's chunk, its groups `low` carried through the sequence (`exp(G) low - K̃^T W
+    low`) at `max(l, level(E - 1, P - 1))`."""
+    onehot, decay, move, total = last_chunk_weights(g, position, lengths, real, C)
+    n1 = torch.div(position + lengths - 1, C, rounding_mode="floor")  # [N]
+    off = torch.where(n1 == position // C, position % C, 0)  # [N]: the chunk's first token on the grid
+    j = torch.arange(C, device=position.device)
+    cols = (j[None] - off[:, None]).clamp(min=0)  # [N, C]: row j's column in t_inv
+    t_inv = torch.gather(t_inv, -1, cols[:, None, None, :].expand_as(t_inv)) * (j[None] >= off[:, None])[:, None, None, :]
     kd = torch.where(real[..., None, None], k * decay[..., None], 0.0)  # [N, C, H, K]: K̃ (padding rows 0)
     carried = torch.einsum("nihj,nihk->njhk", t_inv, kd) * beta[..., None]  # [N, C, H, K]
-    return torch.einsum("njl,njhk,njhv->nhlkv", onehot, carried, v)  # [N, H, c + 1, K, V]
+    levels = torch.einsum("njl,njhk,njhv->nhlkv", onehot, carried, v)  # [N, H, c + 1, K, V]
+    if low is None:
+        return levels
+    w = torch.where(real[..., None, None], w, 0.0)
+    through = total[:, :, None, None, None] * low - torch.einsum("njhk,njhlv->nhlkv", kd, torch.einsum("njhk,nhlkv->njhlv", w, low))
+    return levels + torch.einsum("nlm,nhlkv->nhmkv", move, through)
 
 
 def blocks_to_fenwick(R: torch.Tensor, low_levels: torch.Tensor, position: torch.Tensor, lengths: torch.Tensor, C: int, L: int):
@@ -351,7 +364,7 @@ def blocks_to_fenwick(R: torch.Tensor, low_levels: torch.Tensor, position: torch
 
 def loglinear_attn_fused(q, k, v, lam, g=None, *, beta=None, scale, initial_state=None, output_final_state=False, cu_seqlens=None):
     """Triton form of `loglinear_attn` (inputs already validated, scale resolved): the Mamba-2 base, and
-    with `beta` (Gated DeltaNet) the forward without gradients from position 0 (gdn.py) and the
+    with `beta` (Gated DeltaNet) the forward without gradients (gdn.py) and the
     one-token step (ValueError for other calls).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; lam: [B, T, H, L]; g: [B, T, H] or None; initial_state:
@@ -382,23 +395,22 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
             beta=None if beta is None else beta[:, 0],
         )
         return o[:, None], (LogLinearState(state, position + 1) if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
-    if beta is not None:
-        tensors = (q, k, v, lam, g, beta)
-        if initial_state is not None or (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)):
-            raise ValueError(
-                "loglinear_attn: impl='triton' runs the log-linear Gated DeltaNet (beta given) forward without an "
-                "initial state and without gradients, and its one-token decoding step; use impl='chunk' for other calls"
-            )
+    if beta is not None and torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, lam, g, beta)):
+        raise ValueError(
+            "loglinear_attn: impl='triton' runs the log-linear Gated DeltaNet (beta given) forward without gradients "
+            "(and its one-token decoding step); use impl='chunk' for a call that needs gradients"
+        )
     if q.numel() == 0:
         o = v.new_zeros(B, T, H, V, dtype=q.dtype)
         if not output_final_state:
             return o, None
         final = levels if initial_state is not None else q.new_zeros(N, H, L, K, V, dtype=torch.float32)
         return o, LogLinearState(final, position + lengths)
-    if beta is not None:
-        return _gdn_forward(q, k, v, lam, g, beta, position, lengths, seq_lens, scale, output_final_state)
     r0, low = (None, None) if initial_state is None else fenwick_to_blocks(levels, position, C, _levels_dim(L, C))
-    o, R, F_low = loglinear_attn_forward(q, k, v, lam, g, r0, low, position, scale, list(seq_lens), C, output_final_state)
+    if beta is not None:
+        o, R, F_low = loglinear_gdn_forward(q, k, v, lam, g, beta, r0, low, position, scale, list(seq_lens), output_final_state)
+    else:
+        o, R, F_low = loglinear_attn_forward(q, k, v, lam, g, r0, low, position, scale, list(seq_lens), C, output_final_state)
     if not output_final_state:
         return o, None
     return o, LogLinearState(blocks_to_fenwick(R, F_low, position, lengths, C, L), position + lengths)
@@ -407,36 +419,42 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
 @torch.library.custom_op("polyattn::loglinear_gdn_forward", mutates_args=())
 def loglinear_gdn_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor,
-    scale: float, seq_lens: list[int],
+    r0: torch.Tensor | None, low: torch.Tensor | None, position: torch.Tensor, scale: float, seq_lens: list[int],
+    store_final: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Gated DeltaNet base's forward kernels (gdn.py) as a custom op, no autograd: `(o [B, T, H, V],
-    R [N, H, NLC, K, V] fp32, t_inv [B*T, H, C] fp32)`."""
+    """The Gated DeltaNet base's forward (gdn.py) as a custom op, no autograd: `(o [B, T, H, V], R [N, H,
+    NLC, K, V] fp32 (the chunk-level states leaving the walk), F [N, H, c + 1, K, V] fp32 (the final
+    state's in-chunk levels; empty [0] without store_final))`. With an initial state (`r0` its
+    per-chunk-level states, `low` its in-chunk groups) the reads of `low` by the rest of its chunk,
+    through q̃, are added to o in fp32 before the one rounding."""
     B, T, H, K = q.shape
+    C = get_config().chunk_size
     qf, kf, vf, lamf, gf, bf = _flatten((q, k, v, lam, g, beta), B, T)
-    o, R, t_inv = gdn_forward(qf, kf, vf, gf, bf, lamf, tuple(seq_lens), scale=scale)
-    return o.view(B, T, H, v.shape[-1]), R, t_inv  # [B*T, H, V] -> [B, T, H, V]
+    layout = _layout(position, seq_lens, C, q.device)
+    o, R, t_inv, w, qt = gdn_forward(
+        qf, kf, vf, gf, bf, lamf, tuple(seq_lens), position, scale=scale, r0=r0,
+        out_dtype=torch.float32 if low is not None else None,
+    )
+    if low is not None:
+        rows, real = layout.first
+        weights, _, _, _ = first_chunk_weights(_rows(qf, rows), _rows(gf, rows), _rows(lamf, rows), position, real, scale=scale, C=C)
+        reads = torch.einsum("njhl,njhk,nhlkv->njhv", weights, qt[rows], low)  # [N, C, H, V]
+        o = o.index_add(0, rows[real], reads[real]).to(q.dtype)  # [B*T, H, V]
+    F_low = no_output(q)
+    if store_final:
+        rows, real = layout.last
+        F_low = gdn_last_chunk_levels(
+            _rows(kf, rows), _rows(vf, rows), _rows(gf, rows), _rows(bf, rows), t_inv[rows], w[rows], low, position,
+            layout.lengths, real, C,
+        )
+    return o.view(B, T, H, v.shape[-1]), R, F_low  # [B*T, H, V] -> [B, T, H, V]
 
 
 @loglinear_gdn_forward.register_fake
-def _(q, k, v, lam, g, beta, scale, seq_lens):
+def _(q, k, v, lam, g, beta, r0, low, position, scale, seq_lens, store_final):
     B, T, H, K = q.shape
     C = get_config().chunk_size
-    NLC = _levels_dim(lam.shape[-1], C)
-    R = q.new_empty(len(seq_lens), H, NLC, K, v.shape[-1], dtype=torch.float32)
-    return q.new_empty(B, T, H, v.shape[-1]), R, q.new_empty(B * T, H, C, dtype=torch.float32)
-
-
-def _gdn_forward(q, k, v, lam, g, beta, position, lengths, seq_lens, scale, output_final_state):
-    """Log-linear Gated DeltaNet from position 0 (`loglinear_gdn_forward`), the final state from its
-    chunk-level states and the last chunk's keys (`gdn_last_chunk_levels`)."""
-    B, T = q.shape[:2]
-    L, C = lam.shape[-1], get_config().chunk_size
-    o, R, t_inv = loglinear_gdn_forward(q, k, v, lam, g, beta, scale, list(seq_lens))
-    if not output_final_state:
-        return o, None
-    kf, vf, gf, bf = _flatten((k, v, g, beta), B, T)
-    rows, real = last_chunk_rows(position, lengths.cumsum(0) - lengths, lengths, C)
-    F_low = gdn_last_chunk_levels(
-        _rows(kf, rows), _rows(vf, rows), _rows(gf, rows), _rows(bf, rows), t_inv[rows], position, lengths, real, C,
-    )
-    return o, LogLinearState(blocks_to_fenwick(R, F_low, position, lengths, C, L), position + lengths)
+    N, V = len(seq_lens), v.shape[-1]
+    R = q.new_empty(N, H, _levels_dim(lam.shape[-1], C), K, V, dtype=torch.float32)
+    F_low = q.new_empty(N, H, C.bit_length(), K, V, dtype=torch.float32) if store_final else no_output(q)
+    return q.new_empty(B, T, H, V), R, F_low

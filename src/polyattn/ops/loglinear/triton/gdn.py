@@ -21,8 +21,10 @@ are `L - c - 1` delta rules sharing their inputs and W, Ū: `gdn_chunk_kernel` f
 and q̃ for every chunk in parallel, `gdn_levels_kernel` walks each sequence's chunks once per value
 tile, every level in turn, its states in a global fp32 buffer (`[N, H, NLC, K, V]`, L2-resident) since
 Triton cannot index registers by level, and adds the reads to the intra block in registers: one output
-store per chunk, no atomics, the same bits every run. The buffer leaves holding each level's state after
-the last chunk, the level pass's `R` (level_pass.py), from which function.py forms the final state.
+store per chunk, no atomics, the same bits every run. The buffer enters holding the initial chunk-level
+states (function.py, `fenwick_to_blocks`) and leaves holding each level's state after the last chunk, the
+level pass's `R` (level_pass.py), from which function.py forms the final state. Chunks lie on the absolute
+grid of each sequence's start position (`plan.grid_chunk_table`).
 
 A NaN or Inf in a token's k, v, β or g (the WY stage's `firsts`) makes every later output NaN and no
 earlier one (the intra rows from it on are NaN, the states after its chunk are NaN); one in q reaches
@@ -37,7 +39,7 @@ from polyattn.ops.delta.triton.forward import chunk_program, chunk_scores, seque
 from polyattn.ops.delta.triton.function import fp32_dot
 from polyattn.ops.delta.triton.wy import wy_factors, wy_solve
 from polyattn.ops.triton.decay import chunk_decay, chunk_suffix
-from polyattn.ops.triton.plan import block, chunk_table, get_config, segment_table
+from polyattn.ops.triton.plan import block, get_config, grid_chunk_table, segment_table
 from polyattn.ops.triton.precision import (
     dot_f32, mma_fp32, mma_left_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
 )
@@ -69,7 +71,7 @@ def gdn_chunk_kernel(
     b_ti = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C] fp32, lower
     b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
     b_wa = mma_fp32(b_att, b_ti, b_q.dtype, F32, FP32_DOT) * b_beta[None, :]  # [C, C] @ [C, C]: A Tinv diag(β)
-    lut = intra_levels(C, LOG_C)  # [C, C]
+    lut = intra_levels(C, LOG_C, tl.load(chunks + i_ch * 4 + 2))  # [C, C] at the chunk's offsets on the grid
     m_w = m_t[:, None] & (o_t[:, None] >= o_t[None, :]) & (lut < L)
     b_lam = tl.load(lam + (t * H + i_h)[:, None] * L + lut, mask=m_w, other=0.0).to(tl.float32)  # [C, C]: lam[t, level(i, j)]
     b_wa = tl.where(m_w, b_wa * b_lam, 0.0)  # [C, C]
@@ -85,23 +87,28 @@ def gdn_chunk_kernel(
 
 @triton.jit
 def gdn_levels_kernel(
-    k, g, w, u_bar, qt, lam, firsts, o_intra, out, state, seqs, cu_chunks, H, K, V, L, NLC,
+    k, g, w, u_bar, qt, lam, firsts, o_intra, out, state, seqs, chunks, cu_chunks, pos, H, K, V, L, NLC,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """grid: (cdiv(V, BV), N, H). One sequence, head and value tile: per chunk, for each chunk-level
-    that a chunk of the sequence can read (`ell < bit_length(last chunk index)`), the products `W h`
-    [C, BK] @ [BK, BV], the read `q̃ h` where bit ell of the chunk index is set and the carry
-    `K̃^T (.)` [BK, C] @ [C, BV]; the level's state tile [BK, BV] is loaded from and stored to
-    `state` (zero at a block's first chunk), the output tile (intra block + reads) stored once."""
+    """grid: (cdiv(V, BV), N, H). One sequence, head and value tile, the sequence starting at the
+    absolute position `pos[n]`, its chunks the rows `cu_chunks[n]..` of the grid table `chunks`: per
+    chunk `a` (absolute index), for each chunk-level that a chunk of the sequence can read
+    (`ell < bit_length(last chunk index)`), the products `W h` [C, BK] @ [BK, BV], the read `q̃ h`
+    where bit ell of `a` is set and the carry `K̃^T (.)` [BK, C] @ [C, BV]; the level's state tile
+    [BK, BV] is loaded from and stored to `state` (which enters holding the initial states; zero at
+    a block's first chunk after the sequence's first), the output tile (intra block + reads) stored once."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     o_t = tl.arange(0, C)
-    n_chunks = tl.cdiv(eos - bos, C)
-    NL = tl.minimum(bit_length(n_chunks - 1), NLC)  # chunk-levels some chunk reads
+    P = tl.load(pos + i_n).to(tl.int32)  # positions below 2^31
+    n0 = P // C
+    n1 = (P + (eos - bos) - 1) // C  # the last chunk's absolute index
+    NL = tl.minimum(bit_length(n1), NLC)  # chunk-levels some chunk reads
     p_level = state + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
-    for i in range(0, n_chunks):
-        t = bos + i * C + o_t
-        m_t = t < eos
+    for i in range(0, n1 - n0 + 1):
+        a = n0 + i
+        t = tl.load(chunks + (c0 + i) * 4) + o_t
+        m_t = t < tl.load(chunks + (c0 + i) * 4 + 1)
         row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
         m_tk = m_t[:, None] & m_k[None, :]
         row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
@@ -116,9 +123,12 @@ def gdn_levels_kernel(
         bad = tl.load(firsts + (c0 + i) * H + i_h) < C  # a non-finite token in the chunk
         for ell in range(0, NL):
             p_s = p_level + ell * K * V
-            b_h = tl.load(p_s, mask=m_s & (i % (2 << ell) != 0), other=0.0)  # [BK, BV]; a block's first chunk: zero
+            # [BK, BV]; a block's first chunk reads nothing, but the sequence's first chunk reads what entered
+            # (an initial state's keys in that chunk join its writes: function.py, fenwick_to_blocks)
+            m_h = m_s & (((o_k[:, None] * 0 + a) % (2 << ell) != 0) | (i == 0))
+            b_h = tl.load(p_s, mask=m_h, other=0.0)  # [BK, BV]
             b_x = mma_fp32(b_w, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV] -> [C, BV]
-            if ((i >> ell) & 1) == 1:  # second half: read
+            if ((a >> ell) & 1) == 1:  # second half: read
                 b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
                 b_o += mma_fp32(b_qt, b_h, b_k.dtype, F32, FP32_DOT) * b_lam[:, None]  # [C, BK] @ [BK, BV]
                 b_x = -b_x
@@ -130,10 +140,12 @@ def gdn_levels_kernel(
         tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
 
 
-def gdn_forward_ref(q, k, v, g, beta, lam, w, u_bar, t_inv, seq_lens: tuple, *, scale, chunk_size):
+def gdn_forward_ref(q, k, v, g, beta, lam, w, u_bar, t_inv, seq_lens: tuple, positions: list, *, scale, chunk_size, r0=None):
     """PyTorch twin of `gdn_chunk_kernel` and `gdn_levels_kernel` (float64, finite inputs): `(o [N_tok, H, V],
-    state [N, H, NLC, K, V])` from the kernels' inputs (`w, u_bar, t_inv` of the WY stage), sequences
-    starting at position 0; the state holds the levels some chunk reads, zero above them."""
+    state [N, H, NLC, K, V])` from the kernels' inputs (`w, u_bar, t_inv` of the WY stage on the grid's
+    chunks), sequence n starting at the absolute position `positions[n]` (host ints) with the entering
+    chunk-level states `r0 [N, H, NLC, K, V]` (or none); the state's levels that no chunk reads stay as
+    they entered."""
     N_tok, H, K = q.shape
     V, L, C = v.shape[-1], lam.shape[-1], chunk_size
     c = C.bit_length() - 1
@@ -143,27 +155,28 @@ def gdn_forward_ref(q, k, v, g, beta, lam, w, u_bar, t_inv, seq_lens: tuple, *, 
     lut = level_table(C, device=q.device)  # [C, C], -1 above the diagonal
     o = torch.zeros(N_tok, H, V, dtype=torch.float64, device=q.device)
     states, bos = [], 0
-    for length in seq_lens:
-        n_chunks = triton.cdiv(length, C)
-        NL = min(max(n_chunks - 1, 0).bit_length(), NLC)
-        h = torch.zeros(NLC, H, K, V, dtype=torch.float64, device=q.device)
-        for i in range(n_chunks):
-            s, e = bos + i * C, min(bos + (i + 1) * C, bos + length)
-            n = e - s
-            qc, kc, vc, wc, uc = (x[s:e].transpose(0, 1) for x in (q, k, v, w, u_bar))  # [H, n, D]
-            gc = torch.cumsum(g[s:e].t(), -1)  # [H, n]
-            att = scale * (qc @ kc.transpose(-1, -2)) * torch.exp(gc[:, :, None] - gc[:, None, :]).tril()  # [H, n, n]
-            qt = scale * torch.exp(gc)[..., None] * qc - att @ wc  # [H, n, K]
-            tinv = t_inv[s:e, :, :n].transpose(0, 1)  # [H, n, n]
-            lam_c = lam[s:e].transpose(0, 1)  # [H, n, L]
-            lam_in = torch.gather(lam_c, -1, lut[:n, :n].clamp(min=0).expand(H, n, n)) * (lut[:n, :n] >= 0)  # [H, n, n]
-            oc = ((att @ tinv) * beta[s:e].t()[:, None, :] * lam_in) @ vc  # [H, n, V]
-            kd = torch.exp(gc[:, -1:] - gc)[..., None] * kc  # [H, n, K]: K̃
+    for n, (length, P) in enumerate(zip(seq_lens, positions)):
+        n0, n1 = P // C, (P + length - 1) // C
+        NL = min(n1.bit_length(), NLC)
+        h = torch.zeros(NLC, H, K, V, dtype=torch.float64, device=q.device) if r0 is None else r0[n].double().transpose(0, 1).clone()
+        for a in range(n0, n1 + 1):
+            s, e = bos + max(a * C - P, 0), bos + min((a + 1) * C - P, length)
+            m, off = e - s, (P % C if a == n0 else 0)
+            qc, kc, vc, wc, uc = (x[s:e].transpose(0, 1) for x in (q, k, v, w, u_bar))  # [H, m, D]
+            gc = torch.cumsum(g[s:e].t(), -1)  # [H, m]
+            att = scale * (qc @ kc.transpose(-1, -2)) * torch.exp(gc[:, :, None] - gc[:, None, :]).tril()  # [H, m, m]
+            qt = scale * torch.exp(gc)[..., None] * qc - att @ wc  # [H, m, K]
+            tinv = t_inv[s:e, :, :m].transpose(0, 1)  # [H, m, m]
+            lam_c = lam[s:e].transpose(0, 1)  # [H, m, L]
+            lut_c = lut[off : off + m, off : off + m]  # [m, m]: levels of the rows' offsets on the grid
+            lam_in = torch.gather(lam_c, -1, lut_c.clamp(min=0).expand(H, m, m)) * (lut_c >= 0)  # [H, m, m]
+            oc = ((att @ tinv) * beta[s:e].t()[:, None, :] * lam_in) @ vc  # [H, m, V]
+            kd = torch.exp(gc[:, -1:] - gc)[..., None] * kc  # [H, m, K]: K̃
             for ell in range(NL):
-                if i % (2 << ell) == 0:
+                if a % (2 << ell) == 0 and a > n0:
                     h[ell] = 0
-                x = wc @ h[ell]  # [H, n, V]
-                if (i >> ell) & 1:
+                x = wc @ h[ell]  # [H, m, V]
+                if (a >> ell) & 1:
                     oc = oc + lam_c[:, :, c + 1 + ell, None] * (qt @ h[ell])
                     x = -x
                 else:
@@ -175,17 +188,19 @@ def gdn_forward_ref(q, k, v, g, beta, lam, w, u_bar, t_inv, seq_lens: tuple, *, 
     return o, torch.stack(states)
 
 
-def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, *, scale):
+def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=None, out_dtype=None):
     """The forward from flattened tokens (q, k: [N_tok, H, K]; v: [N_tok, H, V]; g, beta: [N_tok, H], g
-    may be None; lam: [N_tok, H, L]; all contiguous), every sequence starting at position 0. Returns
-    `(o [N_tok, H, V] in q's dtype, R [N, H, NLC, K, V] fp32 (each chunk-level's state after the last
-    chunk), t_inv [N_tok, H, C] fp32 (the WY stage's inverses, for the final state's in-chunk levels))`."""
+    may be None; lam: [N_tok, H, L]; all contiguous), sequence n starting at the absolute position
+    `position[n]` (device int64) with the entering chunk-level states `r0 [N, H, NLC, K, V]` fp32 (or
+    none). Returns `(o [N_tok, H, V] in out_dtype (default q's), R [N, H, NLC, K, V] fp32 (each
+    chunk-level's state after the last chunk), t_inv [N_tok, H, C], w [N_tok, H, K], qt [N_tok, H, K],
+    fp32: the WY stage's inverses and factor and q̃, for the edge terms of function.py)`."""
     config = get_config()
     N_tok, H, K = q.shape
     V, L, C = v.shape[-1], lam.shape[-1], config.chunk_size
     LOG_C = C.bit_length() - 1
     N, NLC = len(seq_lens), max(L - LOG_C - 1, 1)
-    chunks = chunk_table(seq_lens, C, q.device)
+    chunks = grid_chunk_table(seq_lens, position, C)
     seqs = segment_table(seq_lens, 1, C, q.device)[0]
     t_inv, firsts = wy_solve(k, beta, g, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
     w, u_bar = wy_factors(k, v, beta, g, t_inv, firsts, chunks=chunks, num_warps=config.num_warps)
@@ -197,13 +212,12 @@ def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, *, scale):
         C=C, LOG_C=LOG_C, BK=BK, BV=min(block(V), config.delta_out_block_v), USE_G=g is not None, F32=F32,
         FP32_DOT=FP32_DOT, num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
     )
-    R = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=q.device)  # levels no chunk reads stay zero
-    out = torch.empty(N_tok, H, V, dtype=q.dtype, device=q.device)
+    R = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=q.device) if r0 is None else r0.float().contiguous().clone()
+    out = torch.empty(N_tok, H, V, dtype=out_dtype or q.dtype, device=q.device)
     BV = min(block(V), config.gdn_block_v)
     gdn_levels_kernel[(triton.cdiv(V, BV), N, H)](
-        k, g, w, u_bar, qt, lam, firsts, o_intra, out, R, seqs, chunks[1], H, K, V, L, NLC,
+        k, g, w, u_bar, qt, lam, firsts, o_intra, out, R, seqs, chunks[0], chunks[1], position, H, K, V, L, NLC,
         C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT,
         num_warps=config.gdn_num_warps, num_stages=config.num_stages,
     )
-    return out, R, t_inv
-
+    return out, R, t_inv, w, qt

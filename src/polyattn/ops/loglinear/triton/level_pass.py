@@ -60,10 +60,10 @@ def bit_length(x):
 
 
 @triton.jit
-def intra_levels(C: tl.constexpr, LOG_C: tl.constexpr):
-    """The [C, C] level table of in-chunk offsets, `bit_length(i ^ j)` (symmetric; causality is the
-    segment-sum mask's)."""
-    o_t = tl.arange(0, C)
+def intra_levels(C: tl.constexpr, LOG_C: tl.constexpr, off):
+    """The [C, C] level table of in-chunk offsets `off + i`, `bit_length((off + i) ^ (off + j))`
+    (symmetric; causality is the segment-sum mask's; rows past the chunk are masked by the caller)."""
+    o_t = off + tl.arange(0, C)
     x = o_t[:, None] ^ o_t[None, :]
     lev = tl.zeros([C, C], dtype=tl.int32)
     for b in tl.static_range(LOG_C):
@@ -104,7 +104,7 @@ def level_pass_kernel(
     o_a, o_c, m_a, m_c, m_s = state_tile(i_c, DA, DC, BA, BC)
     o_t = tl.arange(0, C)
     o_l = tl.arange(0, BL)
-    lut = intra_levels(C, LOG_C)  # [C, C]
+    lut = intra_levels(C, LOG_C, 0)  # [C, C]
     p_base = state + ((i_n * H + i_h) * NLC * DA).to(tl.int64) * DC + o_a[:, None] * DC + o_c[None, :]  # [BA, BC]
     if USE_H0:
         b_p = tl.zeros([BL], dtype=tl.float32)
