@@ -130,6 +130,21 @@ def loglinear_prefix_state(make_inputs, positions: list[int], L: int, shape: tup
     return LogLinearState(torch.cat(levels), torch.tensor(positions, device=device))
 
 
+def loglinear_occupied_only(form):
+    """A log-linear `form` that reads only the levels an initial state can occupy at its position (as
+    the Triton form does), the others zeroed."""
+    from polyattn.ops.loglinear import LogLinearState
+    from polyattn.ops.loglinear.state import occupied_levels
+
+    def run(*tensors, initial_state=None, **kwargs):
+        if initial_state is not None:
+            occupied = occupied_levels(initial_state.position, initial_state.levels.shape[2])[:, None, :, None, None]
+            initial_state = LogLinearState(torch.where(occupied, initial_state.levels, 0.0), initial_state.position)
+        return form(*tensors, initial_state=initial_state, **kwargs)
+
+    return run
+
+
 def dtype_id(dtype: torch.dtype) -> str:
     """A short parametrize id for a dtype."""
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}[dtype]

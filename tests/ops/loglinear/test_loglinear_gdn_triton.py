@@ -16,11 +16,11 @@ import torch
 
 from polyattn import ops
 from polyattn.ops.common import num_levels
-from polyattn.ops.loglinear import LogLinearState, loglinear_attn_chunk, loglinear_attn_naive
-from polyattn.ops.loglinear.state import occupied_levels
+from polyattn.ops.loglinear import loglinear_attn_chunk, loglinear_attn_naive
 from polyattn.ops.loglinear.triton import loglinear_attn_triton
 from polyattn.testing import (
-    assert_close_rel, assert_low_precision_matches, dtype_id, loglinear_prefix_state, rel_err, seeded_inputs,
+    assert_close_rel, assert_low_precision_matches, dtype_id, loglinear_occupied_only, loglinear_prefix_state, rel_err,
+    seeded_inputs,
 )
 
 CUDA = torch.cuda.is_available()
@@ -43,21 +43,18 @@ def _state(positions, L, seed=1):
     return loglinear_prefix_state(lambda P, s, L: _inputs(1, P, seed=s, L=L), positions, L, (H, K, V), device=DEVICE, seed=seed)
 
 
-def _gdn(form, occupied_only=False):
-    """`form` with beta passed by name (the positional order of `low_precision_errors` is the dict's),
-    reading only the levels an initial state can occupy at its position (as the Triton form does)."""
+def _gdn(form):
+    """`form` with beta passed by name (the positional order of `low_precision_errors` is the dict's)."""
 
-    def run(q, k, v, lam, g, beta, initial_state=None, **kwargs):
-        if occupied_only and initial_state is not None:
-            occupied = occupied_levels(initial_state.position, initial_state.levels.shape[2])[:, None, :, None, None]
-            initial_state = LogLinearState(torch.where(occupied, initial_state.levels, 0.0), initial_state.position)
-        return form(q, k, v, lam, g, beta=beta, initial_state=initial_state, **kwargs)
+    def run(q, k, v, lam, g, beta, **kwargs):
+        return form(q, k, v, lam, g, beta=beta, **kwargs)
 
     run.native_varlen = getattr(form, "native_varlen", False)
     return run
 
 
-NAIVE, CHUNK, TRITON = _gdn(loglinear_attn_naive, True), _gdn(loglinear_attn_chunk, True), _gdn(loglinear_attn_triton)
+NAIVE, CHUNK = _gdn(loglinear_occupied_only(loglinear_attn_naive)), _gdn(loglinear_occupied_only(loglinear_attn_chunk))
+TRITON = _gdn(loglinear_attn_triton)
 
 
 def _check(x, dtype, lengths=None, state=None):

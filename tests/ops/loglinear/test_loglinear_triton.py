@@ -18,11 +18,11 @@ import torch
 from polyattn import ops
 from polyattn.ops.common import num_levels
 from polyattn.ops.loglinear import LogLinearState, loglinear_attn_chunk, loglinear_attn_naive
-from polyattn.ops.loglinear.state import occupied_levels
 from polyattn.ops.loglinear.triton import loglinear_attn_triton
 from polyattn.ops.triton.plan import KernelConfig, get_config, use_config
 from polyattn.testing import (
-    assert_close_rel, assert_low_precision_matches, dtype_id, loglinear_prefix_state, rel_err, seeded_inputs,
+    assert_close_rel, assert_low_precision_matches, dtype_id, loglinear_occupied_only, loglinear_prefix_state, rel_err,
+    seeded_inputs,
 )
 
 CUDA = torch.cuda.is_available()
@@ -54,18 +54,7 @@ def _state(positions, L, seed=1):
     return loglinear_prefix_state(lambda P, s, L: _inputs(1, P, seed=s, L=L), positions, L, (H, K, V), device=DEVICE, seed=seed)
 
 
-def _occupied_only(form):
-    """`form` reading only the levels a state can occupy at its position (as the Triton form does)."""
-
-    def run(*tensors, initial_state, **kwargs):
-        occupied = occupied_levels(initial_state.position, initial_state.levels.shape[2])[:, None, :, None, None]
-        levels = torch.where(occupied, initial_state.levels, 0.0)
-        return form(*tensors, initial_state=LogLinearState(levels, initial_state.position), **kwargs)
-
-    return run
-
-
-NAIVE, CHUNK = _occupied_only(loglinear_attn_naive), _occupied_only(loglinear_attn_chunk)
+NAIVE, CHUNK = loglinear_occupied_only(loglinear_attn_naive), loglinear_occupied_only(loglinear_attn_chunk)
 
 
 def _triton(*tensors, **kwargs):

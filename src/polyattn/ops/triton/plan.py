@@ -173,25 +173,36 @@ def chunk_table(seq_lens: tuple, chunk_size: int, device):
     return segment_table(seq_lens, triton.cdiv(longest, chunk_size), chunk_size, device)
 
 
+def _grid_rows(seq_lens: tuple, chunk_size: int, device):
+    """The position-free part of `grid_chunk_table`, cached like the tables: per row its sequence's
+    first token, its length, the row's index within the sequence (`[NC]` int64 each), `cu_chunks`
+    [N + 1] int32 and NC."""
+    key = ("grid", seq_lens, chunk_size, str(device))
+    if key not in _TABLES:
+        rows = [triton.cdiv(n, chunk_size) + 1 for n in seq_lens]
+        cu = torch.tensor([0, *itertools.accumulate(rows)])  # [N + 1]
+        lengths = torch.tensor(seq_lens)  # [N]
+        seq = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(rows))  # [NC]: each row's sequence
+        starts = lengths.cumsum(0) - lengths  # [N]
+        parts = (seq, starts[seq], lengths[seq], torch.arange(len(seq)) - cu[seq])
+        if len(_TABLES) > 256:
+            _TABLES.clear()
+        _TABLES[key] = (*(x.to(device) for x in parts), cu.to(torch.int32).to(device), len(seq))
+    return _TABLES[key]
+
+
 def grid_chunk_table(seq_lens: tuple, position: torch.Tensor, chunk_size: int):
     """Chunks on the absolute grid of sequences that start at `position [N]` (device int64, never read
     on the host): `(table [NC, 4] int32 (bos, eos, offset of bos in its chunk, 0), cu_chunks [N + 1]
     int32, NC)`. Sequence n owns `cdiv(length, C) + 1` rows, enough at any offset: its first chunk is
     cut at the grid line after its start, and a row past its end is empty (bos = eos)."""
-    C, device = chunk_size, position.device
-    rows = [triton.cdiv(n, C) + 1 for n in seq_lens]
-    NC = sum(rows)
-    cu = torch.tensor([0, *itertools.accumulate(rows)], device=device)  # [N + 1]
-    lengths = torch.tensor(seq_lens, device=device)  # [N]
-    seq = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), torch.tensor(rows, device=device), output_size=NC)
-    j = torch.arange(NC, device=device) - cu[seq]  # [NC]: the row within its sequence
-    r = (position % C)[seq]  # [NC]
-    n = lengths[seq]
-    starts = (lengths.cumsum(0) - lengths)[seq]
+    C = chunk_size
+    seq, start, n, j, cu, NC = _grid_rows(seq_lens, C, position.device)
+    r = (position % C)[seq]  # [NC]: the sequence's offset in its first chunk
     lo = (j * C - r).clamp(min=0).minimum(n)
     hi = ((j + 1) * C - r).clamp(min=0).minimum(n)
-    table = torch.stack([starts + lo, starts + hi, torch.where(j == 0, r, 0), torch.zeros_like(j)], 1)  # [NC, 4]
-    return table.to(torch.int32), cu.to(torch.int32), NC
+    table = torch.stack([start + lo, start + hi, torch.where(j == 0, r, 0), torch.zeros_like(j)], 1)  # [NC, 4]
+    return table.to(torch.int32), cu, NC
 
 
 def plan_segments(seq_lens: tuple, H: int, DC: int, config: KernelConfig, device) -> int:
