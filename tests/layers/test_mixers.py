@@ -238,9 +238,10 @@ def test_mixer_form_names_the_form_a_call_runs():
 @pytest.mark.parametrize("name", ["kata-m2", "deltakata-m1", "loglinear-gdn", "loglinear-mamba2"])
 def test_mixer_form_auto_offers_what_the_op_offers(name, T, monkeypatch):
     """With "auto", mixer_form resolves among exactly the forms that the op's own "auto" offers on the
-    mixer's real call (recorded from a forward without gradients; one token is a decoding call): the
-    Triton forms always for decoding (the fused steps), for longer calls only for KATA (the quadratic
-    kernel) and log-linear Mamba-2, not for DeltaKATA or the log-linear Gated DeltaNet base."""
+    mixer's real call (recorded from a training forward, with gradients, for more than one token; one
+    token is a decoding call, without): the Triton forms always for decoding (the fused steps), for
+    training calls only for KATA (the quadratic kernel) and log-linear Mamba-2, not for DeltaKATA or the
+    log-linear Gated DeltaNet base."""
     import importlib
 
     import polyattn.layers as layers
@@ -255,7 +256,7 @@ def test_mixer_form_auto_offers_what_the_op_offers(name, T, monkeypatch):
     for module in map(importlib.import_module, ("polyattn.ops.kata", "polyattn.ops.loglinear")):  # the modules, not the ops
         monkeypatch.setattr(module, "resolve_impl", recording(module, "op"))
     mixer = build_mixer(name, 16, num_heads=2)
-    with torch.no_grad():
+    with torch.set_grad_enabled(T != 1):
         mixer(torch.randn(1, T, 16))
     mixer_form(name, "auto", T)
     assert offered["mixer_form"] == offered["op"], name

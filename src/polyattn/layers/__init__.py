@@ -75,7 +75,8 @@ OP_FORMS = {"linear_attn": LINEAR_ATTN_FORMS, "delta_rule": DELTA_RULE_FORMS, "h
 
 def mixer_form(name, impl, T=2, device="cpu", dtype=torch.float32):
     """The form of its op that mixer `name` runs on a call of T tokens with ``impl`` (``"auto"`` resolved
-    for inputs on `device` in `dtype`; one token: the ``decode_impl``); ``"sdpa"`` for softmax."""
+    for inputs on `device` in `dtype`: more than one token as in training, with gradients; one token: the
+    ``decode_impl``); ``"sdpa"`` for softmax."""
     if name not in MIXERS:
         raise ValueError(f"unknown mixer {name!r}: expected one of {list(MIXERS)}")
     if name not in MIXER_OPS:
@@ -87,7 +88,7 @@ def mixer_form(name, impl, T=2, device="cpu", dtype=torch.float32):
         if op in ("kata", "DeltaKATA"):
             forms = kata_auto_forms("psd", T == 1, delta=op == "DeltaKATA")
         elif issubclass(MIXERS[name], LogLinearGatedDeltaNet):
-            forms = loglinear_auto_forms(True, T == 1)
+            forms = loglinear_auto_forms(True, grad=T != 1)
     chosen = resolve_impl(op, impl, forms, torch.empty(1, T, 1, 1, device=device, dtype=dtype))  # [B, T, H, K]
     return impl if forms.get(impl) is chosen else next(form for form, fn in forms.items() if fn is chosen)
 

@@ -210,15 +210,20 @@ def test_decoding_step_touches_only_the_levels_it_changes(base):
     assert bool(after[~touched].isnan().all())
 
 
-def test_auto_takes_the_kernels_for_the_mamba2_base_only(monkeypatch):
-    """`impl="auto"` offers the Triton form to the dispatcher without `beta` (it picks it for CUDA inputs)
-    and keeps it out with `beta` (the Gated DeltaNet base's forward kernel has not run on the H200)."""
+def test_auto_takes_the_kernels_unless_gated_delta_gradients_are_wanted(monkeypatch):
+    """`impl="auto"` offers the Triton form to the dispatcher (it picks it for CUDA inputs) for the Mamba-2
+    base, and for the Gated DeltaNet base only where no gradient is wanted (its kernels have no backward)."""
     import polyattn.ops.loglinear as loglinear
 
     offered = []
     resolve = loglinear.resolve_impl
     monkeypatch.setattr(loglinear, "resolve_impl", lambda name, impl, forms, q: offered.append(set(forms)) or resolve(name, impl, forms, q))
     x = {n: t.float() for n, t in _inputs(1, 8).items()}
+    beta = torch.rand(1, 8, H, device=DEVICE)
     ops.loglinear_attn(**x, impl="auto")
-    ops.loglinear_attn(**x, beta=torch.rand(1, 8, H, device=DEVICE), impl="auto")
-    assert "triton" in offered[0] and "triton" not in offered[1] and "chunk" in offered[1]
+    ops.loglinear_attn(**x, beta=beta, impl="auto")
+    ops.loglinear_attn(**x, beta=beta.requires_grad_(), impl="auto")
+    with torch.no_grad():
+        ops.loglinear_attn(**x, beta=beta, impl="auto")
+    assert ["triton" in forms for forms in offered] == [True, True, False, True]
+    assert "chunk" in offered[2]

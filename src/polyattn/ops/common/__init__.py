@@ -2,7 +2,7 @@
 
 from polyattn.ops.common.causal import causal_matmul
 from polyattn.ops.common.chunking import heads_chunks, heads_unchunk, pad_time, to_chunks
-from polyattn.ops.common.dispatch import FORMS, one_token_step, resolve_impl
+from polyattn.ops.common.dispatch import FORMS, one_token_step, resolve_impl, wants_grad
 from polyattn.ops.common.dtypes import compute_dtype
 from polyattn.ops.common.fenwick import level, level_matrix, level_table, num_levels
 from polyattn.ops.common.scan import associative_reduce, associative_scan, carry_decayed, combine_decayed
@@ -53,6 +53,7 @@ __all__ = [
     "level_table",
     "num_levels",
     "one_token_step",
+    "wants_grad",
     "pad_time",
     "resolve_impl",
     "resolve_scale",

@@ -39,7 +39,10 @@ def one_token_step(q: torch.Tensor, cu_seqlens, tensors) -> bool:
     `cu_seqlens`) and no gradient wanted from any of `tensors` (the call's tensors and states, a
     state a tensor or a NamedTuple of them; None skipped). The step kernel then replaces the chunk
     kernels: one read and one write of the state instead of a chunk's worth of work on a padded chunk."""
-    if q.shape[1] != 1 or cu_seqlens is not None:
-        return False
+    return q.shape[1] == 1 and cu_seqlens is None and not wants_grad(tensors)
+
+
+def wants_grad(tensors) -> bool:
+    """Whether autograd would record a call on `tensors` (tensors, or NamedTuples of them; None skipped)."""
     flat = (x for t in tensors if t is not None for x in (t if isinstance(t, tuple) else (t,)))
-    return not (torch.is_grad_enabled() and any(x.requires_grad for x in flat))
+    return torch.is_grad_enabled() and any(x.requires_grad for x in flat)

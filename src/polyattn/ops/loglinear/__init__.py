@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import check_inputs, check_per_token, one_token_step, resolve_impl, resolve_scale, run_varlen
+from polyattn.ops.common import check_inputs, check_per_token, resolve_impl, resolve_scale, run_varlen, wants_grad
 from polyattn.ops.loglinear.chunk import loglinear_attn_chunk
 from polyattn.ops.loglinear.naive import loglinear_attn_naive
 from polyattn.ops.loglinear.recurrent import loglinear_attn_recurrent, loglinear_attn_step
@@ -21,11 +21,11 @@ LOGLINEAR_ATTN_FORMS = {
 }
 
 
-def loglinear_auto_forms(gated_delta: bool, decoding: bool) -> dict:
+def loglinear_auto_forms(gated_delta: bool, grad: bool) -> dict:
     """The forms ``impl="auto"`` picks from (on CUDA it takes ``"triton"`` where that is among them): all of
-    them, but without ``"triton"`` for a Gated DeltaNet base call that is not decoding (its Triton forward,
-    without gradients, has run only under the interpreter so far)."""
-    if gated_delta and not decoding:
+    them, but without ``"triton"`` for a Gated DeltaNet base call that wants gradients (its Triton form
+    has the forward and the decoding step only)."""
+    if gated_delta and grad:
         return {n: f for n, f in LOGLINEAR_ATTN_FORMS.items() if n != "triton"}
     return LOGLINEAR_ATTN_FORMS
 
@@ -72,7 +72,8 @@ def loglinear_attn(
         cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1); positions restart per sequence.
         impl: ``"naive" | "recurrent" | "chunk" | "scan" | "triton" | "auto"`` (chunk size 64; ``"triton"`` has the
             Mamba-2 base in full, and with ``beta`` the forward without gradients and the decoding
-            step (ValueError for other calls); ``"auto"`` picks it for CUDA inputs without ``beta``, and for decoding).
+            step (ValueError for calls that want gradients); ``"auto"`` picks it for CUDA inputs, with ``beta`` only
+            where no gradient is wanted).
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, LogLinearState or None)``.
@@ -83,8 +84,8 @@ def loglinear_attn(
     if initial_state is not None:
         check_loglinear_state(initial_state, N, H, L, K, V, q)
     check_lam_levels(L, initial_state, T if cu_seqlens is None else torch.diff(cu_seqlens))
-    decoding = one_token_step(q, cu_seqlens, (q, k, v, lam, g, beta, initial_state))
-    forms = LOGLINEAR_ATTN_FORMS if impl != "auto" else loglinear_auto_forms(beta is not None, decoding)
+    grad = wants_grad((q, k, v, lam, g, beta, initial_state))
+    forms = LOGLINEAR_ATTN_FORMS if impl != "auto" else loglinear_auto_forms(beta is not None, grad)
     fn = resolve_impl("loglinear_attn", impl, forms, q)
     scale = resolve_scale(scale, K)
     return run_varlen(_per_sequence(fn), (q, k, v, lam, g, beta), cu_seqlens, initial_state, output_final_state, scale=scale)
