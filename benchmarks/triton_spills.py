@@ -3,7 +3,7 @@
 python benchmarks/triton_spills.py
 Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel`) and the delta rule's
 (`wy_kernel`, `wy_factors_kernel`, the two recurrences, the per-chunk output and gradient kernels) and log-linear
-Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`) for sm_90a with the installed Triton
+Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_backward_kernel`) for sm_90a with the installed Triton
 and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
 The installed Triton may differ from the GPU machine's, so read the numbers as indications.
 """
@@ -21,7 +21,7 @@ from polyattn.ops.delta.triton.forward import delta_outputs_kernel, delta_states
 from polyattn.ops.delta.triton.wy import wy_factors_kernel, wy_kernel
 from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
-from polyattn.ops.loglinear.triton.gdn import gdn_chunk_kernel, gdn_levels_kernel
+from polyattn.ops.loglinear.triton.gdn import gdn_chunk_kernel, gdn_levels_backward_kernel, gdn_levels_kernel
 
 POINTERS = {
     "a": "*bf16", "b": "*bf16", "c": "*bf16", "g": "*fp32", "out": "*bf16", "seg": "*i32", "s_in": "*fp32",
@@ -45,7 +45,7 @@ def ptxas() -> Path:
 
 def resources(fn, constexprs: dict, warps: int, stages: int) -> str:
     names = fn.arg_names
-    scalars = {"scale": "fp32", "H": "i32", "K": "i32", "V": "i32", "N_tok": "i32", "DA": "i32", "DC": "i32", "L": "i32", "NLC": "i32"}
+    scalars = {"scale": "fp32", "H": "i32", "K": "i32", "V": "i32", "N_tok": "i32", "DA": "i32", "DC": "i32", "L": "i32", "NLC": "i32", "NC": "i32"}
     signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, scalars.get(n, "*fp32")) for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
@@ -88,7 +88,8 @@ def main() -> None:
     gdn = dict(C=64, LOG_C=6, BK=128, USE_G=True, F32=False, FP32_DOT=0)
     for BV in (16, 32, 64):
         for warps in (4, 8):
-            print(f"log-linear GDN levels BV{BV} warps{warps}: {resources(gdn_levels_kernel, dict(gdn, BV=BV), warps, 2)}")
+            print(f"log-linear GDN levels BV{BV} warps{warps}: {resources(gdn_levels_kernel, dict(gdn, BV=BV, STORE_HS=False), warps, 2)}")
+            print(f"log-linear GDN levels backward BV{BV} warps{warps}: {resources(gdn_levels_backward_kernel, dict(gdn, BV=BV), warps, 2)}")
             print(f"log-linear GDN chunk  BV{BV} warps{warps}: {resources(gdn_chunk_kernel, dict(gdn, BV=BV), warps, 2)}")
 
 

@@ -114,22 +114,11 @@ def test_gdn_kernels_match_their_twin():
     NLC = x["lam"].shape[-1] - 7
     r0 = torch.randn(len(lengths), H, NLC, K, V, generator=torch.Generator().manual_seed(10)).to(DEVICE)
     position = torch.tensor(positions, device=DEVICE)
-    o, R, t_inv, w, _ = gdn_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["lam"], lengths, position, scale=0.5, r0=r0)
-    u_bar = _pseudo_values(x, lengths, position, t_inv)
+    o, R, t_inv, w, u_bar, _, _ = gdn_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["lam"], lengths, position, scale=0.5, r0=r0)
     o_ref, R_ref = gdn_forward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], x["lam"], w, u_bar, t_inv, lengths, positions,
                                    scale=0.5, chunk_size=64, r0=r0)
     assert rel_err(o, o_ref) <= 1e-5, f"o: {rel_err(o, o_ref):.2e}"
     assert rel_err(R, R_ref) <= 1e-5, f"states: {rel_err(R, R_ref):.2e}"
-
-
-def _pseudo_values(x, lengths, position, t_inv):
-    """Ū of the WY stage on the grid's chunks (the twin's input)."""
-    from polyattn.ops.delta.triton.wy import wy_factors, wy_solve
-    from polyattn.ops.triton.plan import grid_chunk_table
-
-    chunks = grid_chunk_table(lengths, position, 64)
-    _, firsts = wy_solve(x["k"], x["beta"], x["g"], chunk_size=64, chunks=chunks)
-    return wy_factors(x["k"], x["v"], x["beta"], x["g"], t_inv, firsts, chunks=chunks)[1]
 
 
 @pytest.mark.parametrize("split", [63, 64, 65, 129])
@@ -160,3 +149,82 @@ def test_gdn_triton_rejects_what_it_lacks():
     x = {n: t.float() for n, t in _inputs(1, 70).items()}
     with pytest.raises(ValueError, match="without gradients"):
         ops.loglinear_attn(**{**x, "q": x["q"].clone().requires_grad_()}, impl="triton")
+
+
+def _grid_chunks(lengths, positions, C=64):
+    """(s, e, row) of every chunk on the absolute grid, rows numbered as `plan.grid_chunk_table`'s."""
+    out, bos, row0 = [], 0, 0
+    for length, P in zip(lengths, positions):
+        for i, a in enumerate(range(P // C, (P + length - 1) // C + 1)):
+            out.append((bos + max(a * C - P, 0), bos + min((a + 1) * C - P, length), row0 + i))
+        bos += length
+        row0 += -(-length // C) + 1
+    return out
+
+
+def _levels_inputs(lengths, dtype=torch.float64, seed=21):
+    gen = torch.Generator().manual_seed(seed)
+    N_tok, NLC = sum(lengths), 4
+    L = NLC + 7
+    x = {
+        "qt": torch.randn(N_tok, H, K, generator=gen), "w": 0.2 * torch.randn(N_tok, H, K, generator=gen),
+        "u_bar": torch.randn(N_tok, H, V, generator=gen),
+        "k": torch.nn.functional.normalize(torch.randn(N_tok, H, K, generator=gen), dim=-1),
+        "g": -0.1 * torch.rand(N_tok, H, generator=gen), "lam": torch.rand(N_tok, H, L, generator=gen) + 0.5,
+    }
+    r0 = torch.randn(len(lengths), H, NLC, K, V, generator=gen)
+    do, dR = torch.randn(N_tok, H, V, generator=gen), torch.randn(len(lengths), H, NLC, K, V, generator=gen)
+    return {n: t.to(dtype) for n, t in x.items()}, r0.to(dtype), do.to(dtype), dR.to(dtype)
+
+
+LEVELS_CASE = ((300, 1, 130), [0, 5, 70])  # packed; one sequence from an odd position, one within a chunk
+
+
+def test_gdn_levels_backward_twin_matches_autograd():
+    """`gdn_levels_backward_ref` against autograd of `gdn_levels_ref` (float64): q̃, W, Ū, lam and the
+    entering states directly, the keys and log-decays through K̃ = diag(exp(gc_last - gc)) K and the
+    chunk's state factor exp(gc_last) (dK̃ and dlast chained here by hand)."""
+    from polyattn.ops.loglinear.triton.gdn import gdn_levels_backward_ref, gdn_levels_ref
+
+    lengths, positions = LEVELS_CASE
+    x, r0, do, dR = _levels_inputs(lengths)
+    leaves = {n: t.clone().requires_grad_() for n, t in {**x, "r0": r0}.items()}
+    o, R = gdn_levels_ref(*(leaves[n] for n in x), lengths, positions, chunk_size=64, r0=leaves["r0"])
+    grads = dict(zip(leaves, torch.autograd.grad((o * do).sum() + (R * dR).sum(), list(leaves.values()))))
+    dqt, dw, dkt, du, dlast, dlam, dr0 = gdn_levels_backward_ref(*x.values(), do, dR, lengths, positions, chunk_size=64, r0=r0)
+    dk, dg = torch.zeros_like(x["k"]), torch.zeros_like(x["g"])
+    for s, e, row in _grid_chunks(lengths, positions):
+        gc = torch.cumsum(x["g"][s:e], 0)  # [m, H]
+        wk = torch.exp(gc[-1:] - gc)  # [m, H]
+        dk[s:e] = wk[..., None] * dkt[s:e]
+        z = wk * (x["k"][s:e] * dkt[s:e]).sum(-1)  # [m, H]: gradient of log wk
+        dgc = -z
+        dgc[-1] += z.sum(0) + dlast[row]
+        dg[s:e] = dgc.flip(0).cumsum(0).flip(0)
+    for name, got in {"qt": dqt, "w": dw, "u_bar": du, "lam": dlam, "r0": dr0, "k": dk, "g": dg}.items():
+        assert rel_err(got, grads[name]) <= 1e-12, f"{name}: {rel_err(got, grads[name]):.2e}"
+
+
+@pytest.mark.parametrize("decay", [True, False])
+def test_gdn_levels_backward_kernel_matches_its_twin(decay):
+    """`gdn_levels_backward_kernel` (after `gdn_levels_kernel` stored every chunk's entering level states)
+    against `gdn_levels_backward_ref` on the same fp32 q̃, W, Ū: every gradient, packed sequences from
+    entering states. The decay is weak (a chunk keeps about 0.6 of a state) so that gradients cross chunks."""
+    from polyattn.ops.loglinear.triton.gdn import gdn_forward, gdn_levels_backward, gdn_levels_backward_ref
+
+    lengths, positions = LEVELS_CASE
+    x = {n: None if t is None else t.float().reshape(sum(lengths), *t.shape[2:]).contiguous()
+         for n, t in _inputs(1, sum(lengths), decay, seed=9).items()}
+    if decay:
+        x["g"] = 0.05 * x["g"]
+    NLC = x["lam"].shape[-1] - 7
+    gen = torch.Generator().manual_seed(10)
+    r0 = torch.randn(len(lengths), H, NLC, K, V, generator=gen).to(DEVICE)
+    do = torch.randn(sum(lengths), H, V, generator=gen).to(DEVICE)
+    dR = torch.randn(len(lengths), H, NLC, K, V, generator=gen).to(DEVICE)
+    position = torch.tensor(positions, device=DEVICE)
+    fwd = gdn_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["lam"], lengths, position, scale=0.5, r0=r0, store_hs=True)
+    got = gdn_levels_backward(x["k"], x["g"], x["lam"], fwd, do, dR, lengths, position)
+    want = gdn_levels_backward_ref(fwd.qt, fwd.w, fwd.u_bar, x["k"], x["g"], x["lam"], do, dR, lengths, positions, chunk_size=64, r0=r0)
+    for name, a, b in zip(("dqt", "dw", "dkt", "du", "dlast", "dlam", "dr0"), got, want):
+        assert rel_err(a, b) <= 1e-5, f"{name}: {rel_err(a, b):.2e}"

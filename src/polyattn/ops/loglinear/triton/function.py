@@ -431,7 +431,7 @@ def loglinear_gdn_forward(
     C = get_config().chunk_size
     qf, kf, vf, lamf, gf, bf = _flatten((q, k, v, lam, g, beta), B, T)
     layout = _layout(position, seq_lens, C, q.device)
-    o, R, t_inv, w, qt = gdn_forward(
+    o, R, t_inv, w, _, qt, _ = gdn_forward(
         qf, kf, vf, gf, bf, lamf, tuple(seq_lens), position, scale=scale, r0=r0,
         out_dtype=torch.float32 if low is not None else None,
     )

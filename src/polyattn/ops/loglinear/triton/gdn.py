@@ -30,6 +30,8 @@ A NaN or Inf in a token's k, v, β or g (the WY stage's `firsts`) makes every la
 earlier one (the intra rows from it on are NaN, the states after its chunk are NaN); one in q reaches
 only its own row. `gdn_forward_ref` is the PyTorch twin of both kernels.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -87,9 +89,9 @@ def gdn_chunk_kernel(
 
 @triton.jit
 def gdn_levels_kernel(
-    k, g, w, u_bar, qt, lam, firsts, o_intra, out, state, seqs, chunks, cu_chunks, pos, H, K, V, L, NLC,
+    k, g, w, u_bar, qt, lam, firsts, o_intra, out, state, hs, seqs, chunks, cu_chunks, pos, H, K, V, L, NLC,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
+    USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr, STORE_HS: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). One sequence, head and value tile, the sequence starting at the
     absolute position `pos[n]`, its chunks the rows `cu_chunks[n]..` of the grid table `chunks`: per
@@ -97,7 +99,9 @@ def gdn_levels_kernel(
     (`ell < bit_length(last chunk index)`), the products `W h` [C, BK] @ [BK, BV], the read `q̃ h`
     where bit ell of `a` is set and the carry `K̃^T (.)` [BK, C] @ [C, BV]; the level's state tile
     [BK, BV] is loaded from and stored to `state` (which enters holding the initial states; zero at
-    a block's first chunk after the sequence's first), the output tile (intra block + reads) stored once."""
+    a block's first chunk after the sequence's first), the output tile (intra block + reads) stored once.
+    STORE_HS: every level's entering state tile as the chunk used it, to `hs [NC, H, NLC, K, V]` at the
+    chunk's row of `chunks` (for the backward)."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     o_t = tl.arange(0, C)
     P = tl.load(pos + i_n).to(tl.int32)  # positions below 2^31
@@ -127,6 +131,8 @@ def gdn_levels_kernel(
             # (an initial state's keys in that chunk join its writes: function.py, fenwick_to_blocks)
             m_h = m_s & (((o_k[:, None] * 0 + a) % (2 << ell) != 0) | (i == 0))
             b_h = tl.load(p_s, mask=m_h, other=0.0)  # [BK, BV]
+            if STORE_HS:
+                tl.store(hs + (((c0 + i) * H + i_h) * NLC + ell).to(tl.int64) * K * V + state_tile, b_h, mask=m_s)
             b_x = mma_fp32(b_w, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV] -> [C, BV]
             if ((a >> ell) & 1) == 1:  # second half: read
                 b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
@@ -140,61 +146,242 @@ def gdn_levels_kernel(
         tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
 
 
+@triton.jit
+def gdn_levels_backward_kernel(
+    k, g, w, u_bar, qt, lam, do, hs, dstate, dqt, dw, dkt, du, dlast, dlam,
+    seqs, chunks, cu_chunks, pos, N_tok, NC, H, K, V, L, NLC,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """grid: (cdiv(V, BV), N, H). `gdn_levels_kernel`'s walk in reverse, chunks last to first, every
+    level in turn: the gradient `dh'` of the level's state leaving the chunk (`dstate`, entering as the
+    gradient of the leaving states R and leaving as that of the entering ones r0), the entering state h
+    from `hs`, then (dx = K̃ dh', x = [write] Ū - W h)
+
+        dŪ += [write] dx        dW -= dx h^T        dK̃ += x dh'^T        dlast += exp(gc_last) <h, dh'>
+        read: dq̃ += diag(lam) dO h^T,   dlam[t, c + 1 + ell] = <dO_t, (q̃ h)_t>
+        dh = exp(gc_last) dh' - W^T dx [+ q̃^T diag(lam) dO],   zero into the chunk before a block's first
+
+    The [C, K] gradients and dlast, dlam are this value tile's shares (`[n_v, ...]`, summed by the
+    launcher); dŪ is complete per tile."""
+    i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
+    i_v = tl.program_id(0)
+    o_t = tl.arange(0, C)
+    P = tl.load(pos + i_n).to(tl.int32)  # positions below 2^31
+    n0 = P // C
+    n1 = (P + (eos - bos) - 1) // C  # the last chunk's absolute index
+    NL = tl.minimum(bit_length(n1), NLC)
+    p_level = dstate + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
+    n_ch = n1 - n0 + 1
+    for j in range(0, n_ch):
+        i = n_ch - 1 - j
+        a = n0 + i
+        row = c0 + i
+        t = tl.load(chunks + row * 4) + o_t
+        m_t = t < tl.load(chunks + row * 4 + 1)
+        row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+        m_tk = m_t[:, None] & m_k[None, :]
+        row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_w = tl.load(w + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
+        b_qt = tl.load(qt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
+        b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
+        b_u = tl.load(u_bar + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
+        b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
+        b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+        b_wk = tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: exp(gc_last - gc)
+        b_e = tl.exp2(b_last)
+        b_dqt = tl.zeros([C, BK], dtype=tl.float32)
+        b_dw = tl.zeros([C, BK], dtype=tl.float32)
+        b_dkt = tl.zeros([C, BK], dtype=tl.float32)
+        b_du = tl.zeros([C, BV], dtype=tl.float32)
+        b_dl = tl.sum(tl.zeros([BV], dtype=tl.float32), axis=0)
+        p_hs = hs + ((row * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
+        for ell in range(0, NL):
+            p_s = p_level + ell * K * V
+            b_dh = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV]: dh' of the leaving state
+            b_h = tl.load(p_hs + ell * K * V, mask=m_s, other=0.0)  # [BK, BV]: the entering state
+            b_dx = mma_right_fp32(b_k, b_dh, F32) * b_wk[:, None]  # [C, BK] @ [BK, BV]: K̃ dh'
+            b_x = -mma_fp32(b_w, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]: -W h
+            b_dw -= mma_fp32(b_dx, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
+            b_dl += tl.sum(tl.sum(b_h * b_dh, axis=1), axis=0)
+            b_dn = b_dh * b_e - mma_fp32(tl.trans(b_w), b_dx, b_k.dtype, F32, FP32_DOT)  # [BK, C] @ [C, BV]
+            if ((a >> ell) & 1) == 1:  # second half: read
+                b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
+                b_dol = b_do * b_lam[:, None]  # [C, BV]
+                b_dqt += mma_fp32(b_dol, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
+                b_r = mma_fp32(b_qt, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]: q̃ h
+                tl.store(dlam + ((i_v * N_tok + t) * H + i_h) * L + (LOG_C + 1 + ell), tl.sum(b_do * b_r, axis=1), mask=m_t)
+                b_dn += mma_fp32(tl.trans(b_qt), b_dol, b_k.dtype, F32, FP32_DOT)  # [BK, C] @ [C, BV]
+            else:  # first half: write
+                b_x += b_u
+                b_du += b_dx
+            b_dkt += mma_fp32(b_x, tl.trans(b_dh), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
+            keep = ((a % (2 << ell)) != 0) | (i == 0)  # else the state entered as zero: nothing flows further back
+            tl.store(p_s, tl.where(keep, b_dn, 0.0), mask=m_s)
+        part_k = ((i_v * N_tok + t) * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK] of this tile's share
+        tl.store(dqt + part_k, b_dqt, mask=m_tk)
+        tl.store(dw + part_k, b_dw, mask=m_tk)
+        tl.store(dkt + part_k, b_dkt, mask=m_tk)
+        tl.store(du + row_v, b_du, mask=m_tv)
+        tl.store(dlast + (i_v * NC + row) * H + i_h, b_dl * b_e)
+
+
+def gdn_levels_ref(qt, w, u_bar, k, g, lam, seq_lens: tuple, positions: list, *, chunk_size, r0=None):
+    """The chunk-levels of the walk in PyTorch (float64, differentiable): `(o [N_tok, H, V], R [N, H, NLC,
+    K, V])`, the levels' reads and every chunk-level's state after the last chunk, from q̃, W [N_tok, H,
+    K], Ū [N_tok, H, V], the keys, log-decays (or None) and level weights, sequence n starting at the
+    absolute position `positions[n]` with the entering chunk-level states `r0` (or zero)."""
+    N_tok, H, K = k.shape
+    V, L, C = u_bar.shape[-1], lam.shape[-1], chunk_size
+    c = C.bit_length() - 1
+    NLC = max(L - c - 1, 1)
+    qt, w, u_bar, k, lam = (x.double() for x in (qt, w, u_bar, k, lam))
+    g = torch.zeros(N_tok, H, dtype=torch.float64, device=k.device) if g is None else g.double()
+    outs, states, bos = [], [], 0
+    for n, (length, P) in enumerate(zip(seq_lens, positions)):
+        n0, n1 = P // C, (P + length - 1) // C
+        NL = min(n1.bit_length(), NLC)
+        zero = torch.zeros(H, K, V, dtype=torch.float64, device=k.device)
+        h = [zero] * NLC if r0 is None else list(r0[n].double().unbind(1))  # NLC x [H, K, V]
+        for a in range(n0, n1 + 1):
+            s, e = bos + max(a * C - P, 0), bos + min((a + 1) * C - P, length)
+            qc, wc, uc = (x[s:e].transpose(0, 1) for x in (qt, w, u_bar))  # [H, m, D]
+            gc = torch.cumsum(g[s:e].t(), -1)  # [H, m]
+            kd = torch.exp(gc[:, -1:] - gc)[..., None] * k[s:e].transpose(0, 1)  # [H, m, K]: K̃
+            oc = torch.zeros(H, e - s, V, dtype=torch.float64, device=k.device)
+            for ell in range(NL):
+                hin = zero if a % (2 << ell) == 0 and a > n0 else h[ell]
+                x = wc @ hin  # [H, m, V]
+                if (a >> ell) & 1:
+                    oc = oc + lam[s:e, :, c + 1 + ell].t()[..., None] * (qc @ hin)
+                    x = -x
+                else:
+                    x = uc - x
+                h[ell] = torch.exp(gc[:, -1])[:, None, None] * hin + kd.transpose(-1, -2) @ x
+            outs.append(oc.transpose(0, 1))
+        states.append(torch.stack(h, 1))  # [H, NLC, K, V]
+        bos += length
+    return torch.cat(outs), torch.stack(states)
+
+
+def gdn_levels_backward_ref(qt, w, u_bar, k, g, lam, do, dR, seq_lens: tuple, positions: list, *, chunk_size, r0=None):
+    """PyTorch twin of `gdn_levels_backward_kernel` (float64): the gradients of `gdn_levels_ref`'s
+    `(o, R)` given `do [N_tok, H, V]` and `dR [N, H, NLC, K, V]` (or None), as `(dq̃, dW, dK̃ [N_tok, H,
+    K], dŪ [N_tok, H, V], dlast [NC, H] (per row of the grid chunk table: the gradient of the chunk's
+    total log-decay through its state factor exp(gc_last)), dlam [N_tok, H, L], dr0 [N, H, NLC, K, V])`,
+    with K̃ = diag(exp(gc_last - gc)) K. The forward's entering states are recomputed."""
+    N_tok, H, K = k.shape
+    V, L, C = u_bar.shape[-1], lam.shape[-1], chunk_size
+    c = C.bit_length() - 1
+    NLC = max(L - c - 1, 1)
+    qt, w, u_bar, k, lam, do = (x.double() for x in (qt, w, u_bar, k, lam, do))
+    g = torch.zeros(N_tok, H, dtype=torch.float64, device=k.device) if g is None else g.double()
+    dqt, dw, dkt = (torch.zeros(N_tok, H, K, dtype=torch.float64, device=k.device) for _ in range(3))
+    du = torch.zeros(N_tok, H, V, dtype=torch.float64, device=k.device)
+    dlam = torch.zeros(N_tok, H, L, dtype=torch.float64, device=k.device)
+    NC = sum(-(-length // C) + 1 for length in seq_lens)
+    dlast = torch.zeros(NC, H, dtype=torch.float64, device=k.device)
+    dr0 = torch.zeros(len(seq_lens), H, NLC, K, V, dtype=torch.float64, device=k.device)
+    bos, row0 = 0, 0
+    for n, (length, P) in enumerate(zip(seq_lens, positions)):
+        n0, n1 = P // C, (P + length - 1) // C
+        NL = min(n1.bit_length(), NLC)
+        zero = torch.zeros(H, K, V, dtype=torch.float64, device=k.device)
+        h = [zero] * NLC if r0 is None else list(r0[n].double().unbind(1))
+        chunks = []  # per chunk: (rows, entering states, gc)
+        for a in range(n0, n1 + 1):
+            s, e = bos + max(a * C - P, 0), bos + min((a + 1) * C - P, length)
+            gc = torch.cumsum(g[s:e].t(), -1)  # [H, m]
+            kd = torch.exp(gc[:, -1:] - gc)[..., None] * k[s:e].transpose(0, 1)  # [H, m, K]
+            wc, uc = w[s:e].transpose(0, 1), u_bar[s:e].transpose(0, 1)
+            entering = []
+            for ell in range(NL):
+                hin = zero if a % (2 << ell) == 0 and a > n0 else h[ell]
+                entering.append(hin)
+                x = -(wc @ hin) if (a >> ell) & 1 else uc - wc @ hin
+                h[ell] = torch.exp(gc[:, -1])[:, None, None] * hin + kd.transpose(-1, -2) @ x
+            chunks.append((s, e, entering, gc, kd))
+        dh = [zero] * NLC if dR is None else list(dR[n].double().unbind(1))
+        for i in reversed(range(n1 - n0 + 1)):
+            a = n0 + i
+            s, e, entering, gc, kd = chunks[i]
+            qc, wc, uc, doc = (x[s:e].transpose(0, 1) for x in (qt, w, u_bar, do))  # [H, m, D]
+            el = torch.exp(gc[:, -1])[:, None, None]  # [H, 1, 1]
+            for ell in range(NL):
+                hin, dhp = entering[ell], dh[ell]
+                dx = kd @ dhp  # [H, m, V]
+                read = (a >> ell) & 1
+                x = -(wc @ hin) if read else uc - wc @ hin
+                dw[s:e] -= (dx @ hin.transpose(-1, -2)).transpose(0, 1)
+                dkt[s:e] += (x @ dhp.transpose(-1, -2)).transpose(0, 1)
+                dlast[row0 + i] += (el[:, 0, 0] * (hin * dhp).sum((-1, -2)))
+                dn = el * dhp - wc.transpose(-1, -2) @ dx
+                if read:
+                    dol = lam[s:e, :, c + 1 + ell].t()[..., None] * doc  # [H, m, V]
+                    dqt[s:e] += (dol @ hin.transpose(-1, -2)).transpose(0, 1)
+                    dlam[s:e, :, c + 1 + ell] = (doc * (qc @ hin)).sum(-1).t()
+                    dn = dn + qc.transpose(-1, -2) @ dol
+                else:
+                    du[s:e] += dx.transpose(0, 1)
+                dh[ell] = zero if a % (2 << ell) == 0 and a > n0 else dn
+        dr0[n] = torch.stack(dh, 1)
+        bos += length
+        row0 += -(-length // C) + 1
+    return dqt, dw, dkt, du, dlast, dlam, dr0
+
+
 def gdn_forward_ref(q, k, v, g, beta, lam, w, u_bar, t_inv, seq_lens: tuple, positions: list, *, scale, chunk_size, r0=None):
     """PyTorch twin of `gdn_chunk_kernel` and `gdn_levels_kernel` (float64, finite inputs): `(o [N_tok, H, V],
     state [N, H, NLC, K, V])` from the kernels' inputs (`w, u_bar, t_inv` of the WY stage on the grid's
     chunks), sequence n starting at the absolute position `positions[n]` (host ints) with the entering
     chunk-level states `r0 [N, H, NLC, K, V]` (or none); the state's levels that no chunk reads stay as
-    they entered."""
+    they entered. The chunk-levels are `gdn_levels_ref`."""
     N_tok, H, K = q.shape
-    V, L, C = v.shape[-1], lam.shape[-1], chunk_size
-    c = C.bit_length() - 1
-    NLC = max(L - c - 1, 1)
-    q, k, v, beta, lam, w, u_bar, t_inv = (x.double() for x in (q, k, v, beta, lam, w, u_bar, t_inv))
-    g = torch.zeros_like(beta) if g is None else g.double()
+    V, C = v.shape[-1], chunk_size
+    q, k, v, beta, lam, w, t_inv = (x.double() for x in (q, k, v, beta, lam, w, t_inv))
+    g64 = torch.zeros_like(beta) if g is None else g.double()
     lut = level_table(C, device=q.device)  # [C, C], -1 above the diagonal
     o = torch.zeros(N_tok, H, V, dtype=torch.float64, device=q.device)
-    states, bos = [], 0
-    for n, (length, P) in enumerate(zip(seq_lens, positions)):
-        n0, n1 = P // C, (P + length - 1) // C
-        NL = min(n1.bit_length(), NLC)
-        h = torch.zeros(NLC, H, K, V, dtype=torch.float64, device=q.device) if r0 is None else r0[n].double().transpose(0, 1).clone()
-        for a in range(n0, n1 + 1):
+    qt = torch.zeros(N_tok, H, K, dtype=torch.float64, device=q.device)
+    bos = 0
+    for length, P in zip(seq_lens, positions):
+        for a in range(P // C, (P + length - 1) // C + 1):
             s, e = bos + max(a * C - P, 0), bos + min((a + 1) * C - P, length)
-            m, off = e - s, (P % C if a == n0 else 0)
-            qc, kc, vc, wc, uc = (x[s:e].transpose(0, 1) for x in (q, k, v, w, u_bar))  # [H, m, D]
-            gc = torch.cumsum(g[s:e].t(), -1)  # [H, m]
+            m, off = e - s, (P % C if a == P // C else 0)
+            qc, kc, vc, wc = (x[s:e].transpose(0, 1) for x in (q, k, v, w))  # [H, m, D]
+            gc = torch.cumsum(g64[s:e].t(), -1)  # [H, m]
             att = scale * (qc @ kc.transpose(-1, -2)) * torch.exp(gc[:, :, None] - gc[:, None, :]).tril()  # [H, m, m]
-            qt = scale * torch.exp(gc)[..., None] * qc - att @ wc  # [H, m, K]
+            qt[s:e] = (scale * torch.exp(gc)[..., None] * qc - att @ wc).transpose(0, 1)  # q̃
             tinv = t_inv[s:e, :, :m].transpose(0, 1)  # [H, m, m]
-            lam_c = lam[s:e].transpose(0, 1)  # [H, m, L]
             lut_c = lut[off : off + m, off : off + m]  # [m, m]: levels of the rows' offsets on the grid
-            lam_in = torch.gather(lam_c, -1, lut_c.clamp(min=0).expand(H, m, m)) * (lut_c >= 0)  # [H, m, m]
-            oc = ((att @ tinv) * beta[s:e].t()[:, None, :] * lam_in) @ vc  # [H, m, V]
-            kd = torch.exp(gc[:, -1:] - gc)[..., None] * kc  # [H, m, K]: K̃
-            for ell in range(NL):
-                if a % (2 << ell) == 0 and a > n0:
-                    h[ell] = 0
-                x = wc @ h[ell]  # [H, m, V]
-                if (a >> ell) & 1:
-                    oc = oc + lam_c[:, :, c + 1 + ell, None] * (qt @ h[ell])
-                    x = -x
-                else:
-                    x = uc - x
-                h[ell] = torch.exp(gc[:, -1])[:, None, None] * h[ell] + kd.transpose(-1, -2) @ x
-            o[s:e] = oc.transpose(0, 1)
-        states.append(h.transpose(0, 1))  # [NLC, H, K, V] -> [H, NLC, K, V]
+            lam_in = torch.gather(lam[s:e].transpose(0, 1), -1, lut_c.clamp(min=0).expand(H, m, m)) * (lut_c >= 0)  # [H, m, m]
+            o[s:e] = (((att @ tinv) * beta[s:e].t()[:, None, :] * lam_in) @ vc).transpose(0, 1)
         bos += length
-    return o, torch.stack(states)
+    o_levels, states = gdn_levels_ref(qt, w, u_bar, k, g, lam, seq_lens, positions, chunk_size=C, r0=r0)
+    return o + o_levels, states
 
 
-def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=None, out_dtype=None):
+class GdnForward(NamedTuple):
+    """What `gdn_forward` returns: `o [N_tok, H, V]` in the output dtype and, fp32, `R [N, H, NLC, K, V]`
+    (each chunk-level's state after the last chunk), the WY stage's `t_inv [N_tok, H, C]`, `w [N_tok, H,
+    K]`, `u_bar [N_tok, H, V]`, `qt [N_tok, H, K]` (q̃), and `hs [NC, H, NLC, K, V]` (every chunk's
+    entering level states, for the backward; None unless asked for)."""
+
+    o: torch.Tensor
+    R: torch.Tensor
+    t_inv: torch.Tensor
+    w: torch.Tensor
+    u_bar: torch.Tensor
+    qt: torch.Tensor
+    hs: torch.Tensor | None
+
+
+def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=None, out_dtype=None, store_hs=False) -> GdnForward:
     """The forward from flattened tokens (q, k: [N_tok, H, K]; v: [N_tok, H, V]; g, beta: [N_tok, H], g
     may be None; lam: [N_tok, H, L]; all contiguous), sequence n starting at the absolute position
     `position[n]` (device int64) with the entering chunk-level states `r0 [N, H, NLC, K, V]` fp32 (or
-    none). Returns `(o [N_tok, H, V] in out_dtype (default q's), R [N, H, NLC, K, V] fp32 (each
-    chunk-level's state after the last chunk), t_inv [N_tok, H, C], w [N_tok, H, K], qt [N_tok, H, K],
-    fp32: the WY stage's inverses and factor and q̃, for the edge terms of function.py)`."""
+    none); `out_dtype` default q's."""
     config = get_config()
     N_tok, H, K = q.shape
     V, L, C = v.shape[-1], lam.shape[-1], config.chunk_size
@@ -213,11 +400,41 @@ def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=N
         FP32_DOT=FP32_DOT, num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
     )
     R = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=q.device) if r0 is None else r0.float().contiguous().clone()
+    hs = torch.empty(chunks[2], H, NLC, K, V, dtype=torch.float32, device=q.device) if store_hs else None
     out = torch.empty(N_tok, H, V, dtype=out_dtype or q.dtype, device=q.device)
     BV = min(block(V), config.gdn_block_v)
     gdn_levels_kernel[(triton.cdiv(V, BV), N, H)](
-        k, g, w, u_bar, qt, lam, firsts, o_intra, out, R, seqs, chunks[0], chunks[1], position, H, K, V, L, NLC,
-        C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT,
+        k, g, w, u_bar, qt, lam, firsts, o_intra, out, R, hs, seqs, chunks[0], chunks[1], position, H, K, V, L, NLC,
+        C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT, STORE_HS=store_hs,
         num_warps=config.gdn_num_warps, num_stages=config.num_stages,
     )
-    return out, R, t_inv, w, qt
+    return GdnForward(out, R, t_inv, w, u_bar, qt, hs)
+
+
+def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, position):
+    """The chunk-levels' backward (`gdn_levels_backward_kernel`) from flattened tokens as `gdn_forward` took
+    them, its result `fwd` (with `hs`), the output gradient `do [N_tok, H, V]` and that of the leaving
+    states `dR [N, H, NLC, K, V]` (or None): `(dq̃, dW, dK̃ [N_tok, H, K], dŪ [N_tok, H, V], dlast [NC, H],
+    dlam [N_tok, H, L] (the chunk-level columns), dr0 [N, H, NLC, K, V])`, all fp32, as
+    `gdn_levels_backward_ref` defines them."""
+    config = get_config()
+    N_tok, H, K = k.shape
+    V, L, C = do.shape[-1], lam.shape[-1], config.chunk_size
+    LOG_C = C.bit_length() - 1
+    N, NLC = len(seq_lens), max(L - LOG_C - 1, 1)
+    chunks = grid_chunk_table(seq_lens, position, C)
+    seqs = segment_table(seq_lens, 1, C, k.device)[0]
+    BK, BV = block(K), min(block(V), config.gdn_block_v)
+    n_v, NC = triton.cdiv(V, BV), chunks[2]
+    dstate = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=k.device) if dR is None else dR.float().contiguous().clone()
+    dqt, dw, dkt = (torch.empty(n_v, N_tok, H, K, dtype=torch.float32, device=k.device) for _ in range(3))
+    du = torch.empty(N_tok, H, V, dtype=torch.float32, device=k.device)
+    dlast = torch.zeros(n_v, NC, H, dtype=torch.float32, device=k.device)
+    dlam = torch.zeros(n_v, N_tok, H, L, dtype=torch.float32, device=k.device)
+    gdn_levels_backward_kernel[(n_v, N, H)](
+        k, g, fwd.w, fwd.u_bar, fwd.qt, lam, do.contiguous(), fwd.hs, dstate, dqt, dw, dkt, du, dlast, dlam,
+        seqs, chunks[0], chunks[1], position, N_tok, NC, H, K, V, L, NLC,
+        C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=dot_f32(k.dtype), FP32_DOT=fp32_dot(config),
+        num_warps=config.gdn_num_warps, num_stages=config.num_stages,
+    )
+    return dqt.sum(0), dw.sum(0), dkt.sum(0), du, dlast.sum(0), dlam.sum(0), dstate
