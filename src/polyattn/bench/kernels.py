@@ -18,8 +18,8 @@ reads about half of its `NL = log2(T / C)` chunk-levels per token: forward FLOPs
 `2KV NL`; bytes add lam (and dlam) at `2L` bytes per token. First-order KATA and DeltaKATA
 (`kata_lorentz`, `deltakata_lorentz`: the Lorentz map, P = K, on the linear and delta-rule kernels in
 fp32) count as linear attention and the delta rule (the normaliser column and the lift not counted).
-Log-linear Gated DeltaNet (`loglinear_gdn`, the forward only: its Triton form has no backward yet)
-counts the delta rule's forward, the chunk's `A Tinv` (`2C^2`) and per chunk-level `W h` and the carry
+Log-linear Gated DeltaNet (`loglinear_gdn`; fwd+bwd counted as three forwards, the backward's rerun
+of the forward walk not counted) counts the delta rule's forward, the chunk's `A Tinv` (`2C^2`) and per chunk-level `W h` and the carry
 (`4KV`), half of the levels also a read (`2KV`): `2 (2C(K+V) + 3KV) + 2C^2 + 5KV NL`; bytes as
 log-linear Mamba-2's.
 """
@@ -112,7 +112,7 @@ def cases() -> list[Case]:
         Case("hla2_decay", "polyattn-triton", lambda q, k, v, g, b: lambda: ops.hla(q, k, v, g, impl="triton")[0]),
         Case("loglinear_mamba2", "polyattn-triton",
              _with_levels(lambda q, k, v, g, lam, b: ops.loglinear_attn(q, k, v, lam, g, scale=1.0, impl="triton")[0])),
-        Case("loglinear_gdn", "polyattn-triton",  # the forward only: fwd+bwd raises (a table entry)
+        Case("loglinear_gdn", "polyattn-triton",
              _with_levels(lambda q, k, v, g, lam, b: ops.loglinear_attn(q, k, v, lam, g, beta=b, scale=1.0, impl="triton")[0])),
     ]
     out += [

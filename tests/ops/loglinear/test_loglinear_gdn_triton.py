@@ -1,9 +1,9 @@
-"""Triton `loglinear_attn` over Gated DeltaNet (`beta` given; the forward, without gradients) against
-the float64 naive spec (ops/README.md, "Tests: a ladder of equivalences", rung 3).
+"""Triton `loglinear_attn` over Gated DeltaNet (`beta` given) against the float64 naive spec (ops/README.md,
+"Tests: a ladder of equivalences", rung 3), and each kernel stage against its PyTorch twin.
 
-The bound per tensor is `polyattn.testing.assert_low_precision_matches`'s (`backward=False`): at most
-twice the error of the PyTorch chunk form on the same low-precision inputs (or one rounding floor), and
-always under a hard ceiling, for o and the final state's levels. Keys are unit vectors (the delta rule's
+The bound per tensor is `polyattn.testing.assert_low_precision_matches`'s: at most twice the error of the
+PyTorch chunk form on the same low-precision inputs (or one rounding floor), and always under a hard
+ceiling, for o, the final state's levels and every gradient (q, k, v, lam, g, beta, the initial state). Keys are unit vectors (the delta rule's
 contractive regime). Initial states are real states at their position (naive on a random prefix); the
 references read only the levels such a state can occupy, as the Triton form does. The delta rule's WY
 stage fixes the chunk at 64 tokens, so on a CPU-only machine (CI, TRITON_INTERPRET=1) 300 tokens cross
@@ -58,7 +58,7 @@ TRITON = _gdn(loglinear_attn_triton)
 
 
 def _check(x, dtype, lengths=None, state=None):
-    assert_low_precision_matches(NAIVE, CHUNK, TRITON, x, state, dtype, lengths=lengths, backward=False)
+    assert_low_precision_matches(NAIVE, CHUNK, TRITON, x, state, dtype, lengths=lengths)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -105,20 +105,25 @@ def test_gdn_triton_reset_gates():
 
 
 def test_gdn_kernels_match_their_twin():
-    """`gdn_chunk_kernel` and `gdn_levels_kernel` against `gdn_forward_ref` (float64) on the same WY
-    factors: the outputs and every chunk-level's leaving state, packed sequences."""
-    from polyattn.ops.loglinear.triton.gdn import gdn_forward, gdn_forward_ref
+    """The WY stage, `gdn_chunk_kernel` and `gdn_levels_kernel` against their twins `gdn_chunk_locals` and
+    `gdn_levels_ref` (float64): Tinv, W, Ū, q̃, the outputs and every chunk-level's leaving state, packed
+    sequences from odd positions with entering states."""
+    from polyattn.ops.loglinear.triton.gdn import gdn_chunk_locals, gdn_forward, gdn_levels_ref
+    from polyattn.ops.triton.plan import grid_chunk_table
 
     lengths, positions = (300, 1, 130), [0, 5, 70]
     x = {n: t.float().reshape(sum(lengths), *t.shape[2:]).contiguous() for n, t in _inputs(1, sum(lengths), seed=9).items()}
     NLC = x["lam"].shape[-1] - 7
     r0 = torch.randn(len(lengths), H, NLC, K, V, generator=torch.Generator().manual_seed(10)).to(DEVICE)
     position = torch.tensor(positions, device=DEVICE)
-    o, R, t_inv, w, u_bar, _, _ = gdn_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["lam"], lengths, position, scale=0.5, r0=r0)
-    o_ref, R_ref = gdn_forward_ref(x["q"], x["k"], x["v"], x["g"], x["beta"], x["lam"], w, u_bar, t_inv, lengths, positions,
-                                   scale=0.5, chunk_size=64, r0=r0)
-    assert rel_err(o, o_ref) <= 1e-5, f"o: {rel_err(o, o_ref):.2e}"
-    assert rel_err(R, R_ref) <= 1e-5, f"states: {rel_err(R, R_ref):.2e}"
+    fwd = gdn_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["lam"], lengths, position, scale=0.5, r0=r0)
+    x64 = {n: t.double() for n, t in x.items()}
+    loc = gdn_chunk_locals(*(x64[n] for n in ("q", "k", "v", "g", "beta", "lam")), grid_chunk_table(lengths, position, 64)[0], scale=0.5, C=64)
+    for name in ("t_inv", "w", "u_bar", "qt"):
+        assert rel_err(getattr(fwd, name), getattr(loc, name)) <= 1e-5, name
+    o_levels, R_ref = gdn_levels_ref(loc.qt, loc.w, loc.u_bar, x64["k"], x64["g"], x64["lam"], lengths, positions, chunk_size=64, r0=r0)
+    assert rel_err(fwd.o, loc.o_intra + o_levels) <= 1e-5, f"o: {rel_err(fwd.o, loc.o_intra + o_levels):.2e}"
+    assert rel_err(fwd.R, R_ref) <= 1e-5, f"states: {rel_err(fwd.R, R_ref):.2e}"
 
 
 @pytest.mark.parametrize("split", [63, 64, 65, 129])
@@ -143,12 +148,6 @@ def test_gdn_triton_prefill_then_continue(split, then):
         _, s_ref = ops.loglinear_attn(**{n: t[:, : split + 1] for n, t in x.items()}, scale=0.5, output_final_state=True, impl="chunk")
         assert_close_rel(o3[:, 0], o[:, split], 1e-5, "decoded output")
         assert_close_rel(s3.levels, s_ref.levels, 1e-5, "decoded state")
-
-
-def test_gdn_triton_rejects_what_it_lacks():
-    x = {n: t.float() for n, t in _inputs(1, 70).items()}
-    with pytest.raises(ValueError, match="without gradients"):
-        ops.loglinear_attn(**{**x, "q": x["q"].clone().requires_grad_()}, impl="triton")
 
 
 def _grid_chunks(lengths, positions, C=64):
@@ -228,3 +227,26 @@ def test_gdn_levels_backward_kernel_matches_its_twin(decay):
     want = gdn_levels_backward_ref(fwd.qt, fwd.w, fwd.u_bar, x["k"], x["g"], x["lam"], do, dR, lengths, positions, chunk_size=64, r0=r0)
     for name, a, b in zip(("dqt", "dw", "dkt", "du", "dlast", "dlam", "dr0"), got, want):
         assert rel_err(a, b) <= 1e-5, f"{name}: {rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize("decay", [True, False])
+def test_gdn_chunk_locals_backward_matches_autograd(decay):
+    """`gdn_chunk_locals_backward` against autograd of `gdn_chunk_locals` in float64, every cotangent at
+    once, packed sequences from odd positions (first chunks cut at the grid line)."""
+    from polyattn.ops.loglinear.triton.gdn import ChunkLocals, gdn_chunk_locals, gdn_chunk_locals_backward
+    from polyattn.ops.triton.plan import grid_chunk_table
+
+    lengths, positions = LEVELS_CASE
+    x = {n: None if t is None else t.reshape(sum(lengths), *t.shape[2:]).double().cpu() for n, t in _inputs(1, sum(lengths), decay, seed=9).items()}
+    table = grid_chunk_table(lengths, torch.tensor(positions), 64)[0]
+    names = [n for n in ("q", "k", "v", "g", "beta", "lam") if x[n] is not None]
+    leaves = {n: x[n].clone().requires_grad_() for n in names}
+    out = gdn_chunk_locals(*(leaves.get(n) for n in ("q", "k", "v", "g", "beta", "lam")), table, scale=0.5, C=64)
+    gen = torch.Generator().manual_seed(5)
+    cot = ChunkLocals(*(torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in out))
+    pairs = [(o, c) for o, c in zip(out, cot) if o.requires_grad]  # without decay gc_last is a constant
+    outs, cots = zip(*pairs)
+    want = dict(zip(names, torch.autograd.grad(outs, list(leaves.values()), cots)))
+    got = dict(zip(("q", "k", "v", "g", "beta", "lam"), gdn_chunk_locals_backward(*(x[n] for n in ("q", "k", "v", "g", "beta", "lam")), table, cot, scale=0.5, C=64)))
+    for n in names:
+        assert rel_err(got[n], want[n]) <= 1e-10, f"{n}: {rel_err(got[n], want[n]):.2e}"

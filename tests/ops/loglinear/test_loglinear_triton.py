@@ -212,7 +212,8 @@ def test_decoding_step_touches_only_the_levels_it_changes(base):
 
 def test_auto_takes_the_kernels_unless_gated_delta_gradients_are_wanted(monkeypatch):
     """`impl="auto"` offers the Triton form to the dispatcher (it picks it for CUDA inputs) for the Mamba-2
-    base, and for the Gated DeltaNet base only where no gradient is wanted (its kernels have no backward)."""
+    base, and for the Gated DeltaNet base only where no gradient is wanted (its backward has run only
+    under the interpreter)."""
     import polyattn.ops.loglinear as loglinear
 
     offered = []

@@ -55,31 +55,39 @@ def test_triton_forms_compile_as_one_graph(op):
         assert_close_rel(a, b, 1e-6, f"{op} gradient {i}")
 
 
-def test_loglinear_gdn_forward_compiles_as_one_graph():
-    """The Gated DeltaNet base's forward (no gradients) traces as one opaque call, equal to eager,
-    and opcheck accepts its schema and fake."""
-    from polyattn.ops.loglinear.triton.function import loglinear_gdn_forward
+def test_loglinear_gdn_compiles_as_one_graph():
+    """The Gated DeltaNet base (its forward and backward ops) traces as opaque calls from a state off
+    the chunk grid, forward and gradients (the state's too) equal to eager, and opcheck accepts both
+    ops' schemas and fakes."""
+    from polyattn.ops.loglinear.triton.function import loglinear_gdn_backward, loglinear_gdn_forward
 
     x = seeded_inputs(1, 70, 2, 8, 12, decay=True, beta=True, seed=0, device=DEVICE, dtype=torch.float32)
     x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
     lam = torch.rand(1, 70, 2, 8, generator=torch.Generator().manual_seed(3)).to(DEVICE)
 
-    def run(q, k, v, lam, g, beta):
-        o, s = ops.loglinear_attn(q, k, v, lam, g, beta=beta, impl="triton", output_final_state=True)
-        return o, s.levels
+    def loss(q, k, v, lam, g, beta, levels):
+        state = LogLinearState(levels, torch.tensor([21], device=DEVICE))
+        o, s = ops.loglinear_attn(q, k, v, lam, g, beta=beta, impl="triton", initial_state=state, output_final_state=True)
+        return o.square().sum() + s.levels.sum()
 
-    args = (x["q"], x["k"], x["v"], lam, x["g"], x["beta"])
+    leaves = [t.clone().requires_grad_() for t in (x["q"], x["k"], x["v"], lam, x["g"], x["beta"], _loglinear_state().levels)]
     torch._dynamo.reset()
-    with torch.no_grad():
-        got = torch.compile(run, fullgraph=True, backend="aot_eager")(*args)
-        want = run(*args)
-    for name, a, b in zip(("o", "final state"), got, want):
-        assert_close_rel(a, b, 1e-6, name)
+    got = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(*leaves), leaves)
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close_rel(a, b, 1e-6, f"gradient {i}")
+    q, k, v, lam, g, beta = (t.detach() for t in leaves[:6])
     position = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    torch.library.opcheck(loglinear_gdn_forward, (*args, None, None, position, 0.5, [70], True), test_utils=("test_schema", "test_faketensor"))
+    r0 = torch.randn(1, 2, 1, 8, 12, device=DEVICE)
+    for args in [(q, k, v, lam, g, beta, r0, position + 21, 0.5, [70], True, True), (q, k, v, lam, None, beta, None, position, 0.5, [70], False, False)]:
+        torch.library.opcheck(loglinear_gdn_forward, args, test_utils=("test_schema", "test_faketensor"))
+    rows = (torch.randn(1, 64, 2, 8, device=DEVICE), torch.randn(1, 64, 2, 64, device=DEVICE), torch.randn(1, 64, 2, 8, device=DEVICE))
+    for args in [(torch.randn_like(v), torch.randn_like(r0), *rows, q, k, v, lam, g, beta, r0, position + 21, 0.5, [70]),
+                 (torch.randn_like(v), None, None, None, None, q, k, v, lam, None, beta, None, position, 0.5, [70])]:
+        torch.library.opcheck(loglinear_gdn_backward, args, test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.parametrize("name", ["linear", "gdn", "loglinear-mamba2"])
+@pytest.mark.parametrize("name", ["linear", "gdn", "loglinear-mamba2", "loglinear-gdn"])
 def test_mixer_training_step_compiles_with_triton_forms(name):
     mixer = build_mixer(name, 16, num_heads=2, impl="triton").to(DEVICE)
     x = torch.randn(2, 19, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)

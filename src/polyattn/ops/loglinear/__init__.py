@@ -23,8 +23,8 @@ LOGLINEAR_ATTN_FORMS = {
 
 def loglinear_auto_forms(gated_delta: bool, grad: bool) -> dict:
     """The forms ``impl="auto"`` picks from (on CUDA it takes ``"triton"`` where that is among them): all of
-    them, but without ``"triton"`` for a Gated DeltaNet base call that wants gradients (its Triton form
-    has the forward and the decoding step only)."""
+    them, but without ``"triton"`` for a Gated DeltaNet base call that wants gradients (its backward has
+    run only under the interpreter)."""
     if gated_delta and grad:
         return {n: f for n, f in LOGLINEAR_ATTN_FORMS.items() if n != "triton"}
     return LOGLINEAR_ATTN_FORMS
@@ -71,9 +71,8 @@ def loglinear_attn(
         output_final_state: also return the :class:`LogLinearState` after the last token.
         cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1); positions restart per sequence.
         impl: ``"naive" | "recurrent" | "chunk" | "scan" | "triton" | "auto"`` (chunk size 64; ``"triton"`` has the
-            Mamba-2 base in full, and with ``beta`` the forward without gradients and the decoding
-            step (ValueError for calls that want gradients); ``"auto"`` picks it for CUDA inputs, with ``beta`` only
-            where no gradient is wanted).
+            both bases with gradients and the decoding step; ``"auto"`` picks it for CUDA inputs, with
+            ``beta`` only where no gradient is wanted).
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, LogLinearState or None)``.

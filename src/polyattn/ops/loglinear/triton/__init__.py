@@ -16,9 +16,8 @@ from __future__ import annotations
 def loglinear_attn_triton(q, k, v, lam, g=None, *, beta=None, scale, initial_state=None, output_final_state=False, cu_seqlens=None):
     """Triton form of `loglinear_attn` (handles `cu_seqlens` natively); see function.py.
 
-    The Mamba-2 base in full. With `beta` (log-linear Gated DeltaNet) the forward without gradients
-    (any initial state, the final state on request) and the one-token decoding step: a call that
-    needs gradients raises ValueError (use `impl="chunk"`).
+    Both bases in full (log-linear Mamba-2; with `beta` log-linear Gated DeltaNet): any initial state,
+    the final state on request, gradients through all of them, and the one-token decoding step.
     """
     from .function import loglinear_attn_fused
 

@@ -1,6 +1,6 @@
-"""Custom ops and form function of the Triton `loglinear_attn` (Mamba-2 base, `beta=None`; the forward of
-the Gated DeltaNet base, gdn.py, whose chunk-level states leave like the level pass's and give the final
-state the same way, with `gdn_last_chunk_levels` for the last chunk's keys; the one-token step of both).
+"""Custom ops and form function of the Triton `loglinear_attn` (Mamba-2 base, `beta=None`; the Gated
+DeltaNet base, gdn.py, whose chunk-level states leave like the level pass's and give the final state the
+same way, with `gdn_last_chunk_levels` for the last chunk's keys; the one-token step of both).
 
 The kernels (level_pass.py) run on per-chunk-level states `R [N, H, NLC, K, V]`, the level pass's
 block-rule states; a `LogLinearState` holds Fenwick levels of the last query. `fenwick_to_blocks`
@@ -29,10 +29,10 @@ import torch.nn.functional as F
 
 from polyattn.ops.common import one_token_step
 from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, fenwick_carry, occupied_levels
-from polyattn.ops.triton.plan import get_config, no_output, reverse_cumsum, sequence_lengths
+from polyattn.ops.triton.plan import get_config, grid_chunk_table, no_output, reverse_cumsum, sequence_lengths
 from polyattn.ops.triton.precision import check_kernel_inputs
 
-from .gdn import gdn_forward
+from .gdn import ChunkLocals, gdn_chunk_locals_backward, gdn_forward, gdn_levels_backward
 from .level_pass import level_pass
 from .step import loglinear_attn_step_inplace
 
@@ -364,8 +364,7 @@ def blocks_to_fenwick(R: torch.Tensor, low_levels: torch.Tensor, position: torch
 
 def loglinear_attn_fused(q, k, v, lam, g=None, *, beta=None, scale, initial_state=None, output_final_state=False, cu_seqlens=None):
     """Triton form of `loglinear_attn` (inputs already validated, scale resolved): the Mamba-2 base, and
-    with `beta` (Gated DeltaNet) the forward without gradients (gdn.py) and the
-    one-token step (ValueError for other calls).
+    with `beta` the Gated DeltaNet base (gdn.py), both with gradients, and the one-token step.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; lam: [B, T, H, L]; g: [B, T, H] or None; initial_state:
     `LogLinearState` with levels [N, H, L, K, V] (only the levels a state can occupy at its position
@@ -395,11 +394,6 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
             beta=None if beta is None else beta[:, 0],
         )
         return o[:, None], (LogLinearState(state, position + 1) if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
-    if beta is not None and torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, lam, g, beta)):
-        raise ValueError(
-            "loglinear_attn: impl='triton' runs the log-linear Gated DeltaNet (beta given) forward without gradients "
-            "(and its one-token decoding step); use impl='chunk' for a call that needs gradients"
-        )
     if q.numel() == 0:
         o = v.new_zeros(B, T, H, V, dtype=q.dtype)
         if not output_final_state:
@@ -408,7 +402,7 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
         return o, LogLinearState(final, position + lengths)
     r0, low = (None, None) if initial_state is None else fenwick_to_blocks(levels, position, C, _levels_dim(L, C))
     if beta is not None:
-        o, R, F_low = loglinear_gdn_forward(q, k, v, lam, g, beta, r0, low, position, scale, list(seq_lens), output_final_state)
+        o, R, F_low = _gdn_with_edges(q, k, v, lam, g, beta, r0, low, position, scale, seq_lens, output_final_state)
     else:
         o, R, F_low = loglinear_attn_forward(q, k, v, lam, g, r0, low, position, scale, list(seq_lens), C, output_final_state)
     if not output_final_state:
@@ -416,45 +410,130 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
     return o, LogLinearState(blocks_to_fenwick(R, F_low, position, lengths, C, L), position + lengths)
 
 
+def _gdn_with_edges(q, k, v, lam, g, beta, r0, low, position, scale, seq_lens, store_final):
+    """The Gated DeltaNet base: the kernels' custom op, then in PyTorch (differentiable) the reads of an
+    initial state's in-chunk groups `low` by the rest of their chunk, through q̃, and the final state's
+    in-chunk levels (`gdn_last_chunk_levels`, from the last chunk's rows of Tinv and W). Returns `(o,
+    R, F_low or None)`."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = get_config().chunk_size
+    layout = _layout(position, seq_lens, C, q.device)
+    o, R, qt_first, t_inv_last, w_last = loglinear_gdn_forward(
+        q, k, v, lam, g, beta, r0, position, scale, list(seq_lens), low is not None, store_final,
+    )
+    if low is not None:
+        rows, real = layout.first
+        qf, lamf, gf = _flatten((q, lam, g), B, T)
+        weights = first_chunk_weights(_rows(qf, rows), _rows(gf, rows), _rows(lamf, rows), position, real, scale=scale, C=C)[0]
+        reads = torch.einsum("njhl,njhk,nhlkv->njhv", weights, qt_first, low)  # [N, C, H, V]
+        o = o.view(B * T, H, V).index_add(0, rows[real], reads[real]).to(q.dtype).view(B, T, H, V)
+    if not store_final:
+        return o, R, None
+    rows, real = layout.last
+    kf, vf, gf, bf = _flatten((k, v, g, beta), B, T)
+    F_low = gdn_last_chunk_levels(
+        _rows(kf, rows), _rows(vf, rows), _rows(gf, rows), _rows(bf, rows), t_inv_last, w_last, low, position, layout.lengths, real, C,
+    )
+    return o, R, F_low
+
+
 @torch.library.custom_op("polyattn::loglinear_gdn_forward", mutates_args=())
 def loglinear_gdn_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor,
-    r0: torch.Tensor | None, low: torch.Tensor | None, position: torch.Tensor, scale: float, seq_lens: list[int],
-    store_final: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The Gated DeltaNet base's forward (gdn.py) as a custom op, no autograd: `(o [B, T, H, V], R [N, H,
-    NLC, K, V] fp32 (the chunk-level states leaving the walk), F [N, H, c + 1, K, V] fp32 (the final
-    state's in-chunk levels; empty [0] without store_final))`. With an initial state (`r0` its
-    per-chunk-level states, `low` its in-chunk groups) the reads of `low` by the rest of its chunk,
-    through q̃, are added to o in fp32 before the one rounding."""
+    r0: torch.Tensor | None, position: torch.Tensor, scale: float, seq_lens: list[int], first_reads: bool, store_final: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Gated DeltaNet base's kernels (gdn.py) as a custom op: `(o [B, T, H, V] (fp32 with first_reads,
+    else q's dtype), R [N, H, NLC, K, V] fp32 (the chunk-level states leaving the walk), q̃ at the rows
+    of `first_chunk_rows` [N, C, H, K] (with first_reads), Tinv [N, C, H, C] and W [N, C, H, K] at the
+    rows of `last_chunk_rows` (with store_final))`, fp32, the rows' pieces empty [0] tensors otherwise."""
     B, T, H, K = q.shape
     C = get_config().chunk_size
     qf, kf, vf, lamf, gf, bf = _flatten((q, k, v, lam, g, beta), B, T)
     layout = _layout(position, seq_lens, C, q.device)
     o, R, t_inv, w, _, qt, _ = gdn_forward(
         qf, kf, vf, gf, bf, lamf, tuple(seq_lens), position, scale=scale, r0=r0,
-        out_dtype=torch.float32 if low is not None else None,
+        out_dtype=torch.float32 if first_reads else None,
     )
-    if low is not None:
-        rows, real = layout.first
-        weights, _, _, _ = first_chunk_weights(_rows(qf, rows), _rows(gf, rows), _rows(lamf, rows), position, real, scale=scale, C=C)
-        reads = torch.einsum("njhl,njhk,nhlkv->njhv", weights, qt[rows], low)  # [N, C, H, V]
-        o = o.index_add(0, rows[real], reads[real]).to(q.dtype)  # [B*T, H, V]
-    F_low = no_output(q)
-    if store_final:
-        rows, real = layout.last
-        F_low = gdn_last_chunk_levels(
-            _rows(kf, rows), _rows(vf, rows), _rows(gf, rows), _rows(bf, rows), t_inv[rows], w[rows], low, position,
-            layout.lengths, real, C,
-        )
-    return o.view(B, T, H, v.shape[-1]), R, F_low  # [B*T, H, V] -> [B, T, H, V]
+    qt_first = qt[layout.first[0]] if first_reads else no_output(q)
+    t_inv_last, w_last = (t_inv[layout.last[0]], w[layout.last[0]]) if store_final else (no_output(q), no_output(q))
+    return o.view(B, T, H, v.shape[-1]), R, qt_first, t_inv_last, w_last  # [B*T, H, V] -> [B, T, H, V]
 
 
 @loglinear_gdn_forward.register_fake
-def _(q, k, v, lam, g, beta, r0, low, position, scale, seq_lens, store_final):
+def _(q, k, v, lam, g, beta, r0, position, scale, seq_lens, first_reads, store_final):
     B, T, H, K = q.shape
     C = get_config().chunk_size
     N, V = len(seq_lens), v.shape[-1]
     R = q.new_empty(N, H, _levels_dim(lam.shape[-1], C), K, V, dtype=torch.float32)
-    F_low = q.new_empty(N, H, C.bit_length(), K, V, dtype=torch.float32) if store_final else no_output(q)
-    return q.new_empty(B, T, H, V), R, F_low
+    o = q.new_empty(B, T, H, V, dtype=torch.float32 if first_reads else q.dtype)
+    qt_first = q.new_empty(N, C, H, K, dtype=torch.float32) if first_reads else no_output(q)
+    last = (q.new_empty(N, C, H, C, dtype=torch.float32), q.new_empty(N, C, H, K, dtype=torch.float32)) if store_final else (no_output(q), no_output(q))
+    return o, R, qt_first, *last
+
+
+@torch.library.custom_op("polyattn::loglinear_gdn_backward", mutates_args=())
+def loglinear_gdn_backward(
+    do: torch.Tensor, dR: torch.Tensor | None, dqt_first: torch.Tensor | None, dt_inv_last: torch.Tensor | None,
+    dw_last: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
+    g: torch.Tensor | None, beta: torch.Tensor, r0: torch.Tensor | None, position: torch.Tensor, scale: float,
+    seq_lens: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Gated DeltaNet base's backward as a custom op: `(dq, dk, dv, dlam, dg, dbeta, dr0)` (dg without
+    g and dr0 without r0 are empty [0] tensors). The forward's levels rerun, storing every chunk's
+    entering level states, `gdn_levels_backward_kernel` walks them in reverse (dq̃, dW, dŪ, dK̃, the
+    chunk state factors' and the levels' lam gradients, dr0), and `gdn_chunk_locals_backward` takes
+    those, with the gradients of the edge rows' q̃, Tinv and W, through the chunk-local stage."""
+    B, T, H, K = q.shape
+    C = get_config().chunk_size
+    seq_lens = tuple(seq_lens)
+    qf, kf, vf, lamf, gf, bf, dof = _flatten((q, k, v, lam, g, beta, do), B, T)
+    layout = _layout(position, seq_lens, C, q.device)
+    fwd = gdn_forward(qf, kf, vf, gf, bf, lamf, seq_lens, position, scale=scale, r0=r0, store_hs=True)
+    dqt, dw, dkt, du, dlast, dlam_levels, dr0 = gdn_levels_backward(kf, gf, lamf, fwd, dof, dR, seq_lens, position)
+    del fwd
+    dt_inv = None
+    if dqt_first is not None:
+        rows, real = layout.first
+        dqt = dqt.index_add(0, rows[real], dqt_first[real])
+    if dt_inv_last is not None or dw_last is not None:
+        rows, real = layout.last
+        if dt_inv_last is not None:
+            dt_inv = torch.zeros(B * T, H, C, dtype=torch.float32, device=q.device).index_add(0, rows[real], dt_inv_last[real])
+        if dw_last is not None:
+            dw = dw.index_add(0, rows[real], dw_last[real])
+    table = grid_chunk_table(seq_lens, position, C)[0]
+    grads = ChunkLocals(dof, dqt, dw, du, dkt, dt_inv, dlast)
+    dq, dk, dv, dg, dbeta, dlam = gdn_chunk_locals_backward(qf, kf, vf, gf, bf, lamf, table, grads, scale=scale, C=C)
+    dlam = dlam + dlam_levels
+    return (
+        dq.to(q.dtype).view(q.shape), dk.to(k.dtype).view(k.shape), dv.to(v.dtype).view(v.shape),
+        dlam.to(lam.dtype).view(lam.shape), dg.to(g.dtype).view(g.shape) if g is not None else no_output(q),
+        dbeta.to(beta.dtype).view(beta.shape), dr0 if r0 is not None else no_output(q),
+    )
+
+
+@loglinear_gdn_backward.register_fake
+def _(do, dR, dqt_first, dt_inv_last, dw_last, q, k, v, lam, g, beta, r0, position, scale, seq_lens):
+    dg = g.new_empty(g.shape) if g is not None else no_output(q)
+    dr0 = r0.new_empty(r0.shape, dtype=torch.float32) if r0 is not None else no_output(q)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), lam.new_empty(lam.shape), dg, beta.new_empty(beta.shape), dr0
+
+
+def _gdn_setup_context(ctx, inputs, output):
+    q, k, v, lam, g, beta, r0, position, scale, seq_lens, first_reads, store_final = inputs
+    ctx.save_for_backward(q, k, v, lam, g, beta, r0, position)
+    ctx.scale, ctx.seq_lens = scale, seq_lens
+
+
+def _gdn_backward(ctx, do, dR, dqt_first, dt_inv_last, dw_last):
+    q, k, v, lam, g, beta, r0, position = ctx.saved_tensors
+    present = lambda x: x if x is not None and x.numel() else None  # noqa: E731  (the rows' pieces may be empty)
+    dq, dk, dv, dlam, dg, dbeta, dr0 = loglinear_gdn_backward(
+        do.contiguous(), dR, present(dqt_first), present(dt_inv_last), present(dw_last), q, k, v, lam, g, beta, r0, position,
+        ctx.scale, ctx.seq_lens,
+    )
+    return dq, dk, dv, dlam, dg if g is not None else None, dbeta, dr0 if r0 is not None else None, None, None, None, None, None
+
+
+loglinear_gdn_forward.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)

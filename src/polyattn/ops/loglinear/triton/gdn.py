@@ -28,15 +28,25 @@ grid of each sequence's start position (`plan.grid_chunk_table`).
 
 A NaN or Inf in a token's k, v, β or g (the WY stage's `firsts`) makes every later output NaN and no
 earlier one (the intra rows from it on are NaN, the states after its chunk are NaN); one in q reaches
-only its own row. `gdn_forward_ref` is the PyTorch twin of both kernels.
+only its own row. The PyTorch twins: `gdn_chunk_locals` (the WY stage and `gdn_chunk_kernel`, every chunk at
+once) and `gdn_levels_ref` (the walk).
+
+The backward (function.py) reruns the walk storing each chunk's entering level states, walks the
+chunks in reverse (`gdn_levels_backward_kernel`, twin `gdn_levels_backward_ref`): per level the delta
+rule's adjoint `dh = exp(gc_last) dh' - W^T K̃ dh' [+ q̃^T diag(lam) dO]`, zero into the chunk before a
+block's first, and the gradients of q̃, W, Ū, K̃ and the chunk's state factor `exp(gc_last)`; then
+`gdn_chunk_locals_backward` takes those through the chunk-local stage in PyTorch.
 """
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from polyattn.ops.chunked import delta_rule_system
 from polyattn.ops.common.fenwick import level_table
+from polyattn.ops.common.segsum import causal_scores, suffix_sum
 from polyattn.ops.delta.triton.forward import chunk_program, chunk_scores, sequence_tile
 from polyattn.ops.delta.triton.function import fp32_dot
 from polyattn.ops.delta.triton.wy import wy_factors, wy_solve
@@ -227,6 +237,151 @@ def gdn_levels_backward_kernel(
         tl.store(dlast + (i_v * NC + row) * H + i_h, b_dl * b_e)
 
 
+class ChunkLocals(NamedTuple):
+    """`gdn_chunk_locals`' result, token rows `[N_tok, H, *]` fp32 but `gc_last [NC, H]`."""
+
+    o_intra: torch.Tensor  # [N_tok, H, V]: the level-masked chunk block
+    qt: torch.Tensor  # [N_tok, H, K]: q̃
+    w: torch.Tensor  # [N_tok, H, K]: W
+    u_bar: torch.Tensor  # [N_tok, H, V]: Ū
+    kt: torch.Tensor  # [N_tok, H, K]: K̃
+    t_inv: torch.Tensor  # [N_tok, H, C]: the rows of Tinv, columns from the chunk's first token
+    gc_last: torch.Tensor  # [NC, H]: each grid chunk's total log-decay
+
+
+class _ChunkLayout(NamedTuple):
+    """Token rows of every grid chunk: `rows [NC, C]`, `real [NC, C]` (inside the chunk), `idx` (rows, 0
+    outside) and the offsets `at [NC, C]` on the grid (clamped to C - 1)."""
+
+    rows: torch.Tensor
+    real: torch.Tensor
+    idx: torch.Tensor
+    at: torch.Tensor
+
+    def chunked(self, x):
+        """`[N_tok, H, ...]` -> `[NC, H, C, ...]` in fp32 (float64 stays), rows past the chunk zero."""
+        y = x[self.idx].to(torch.promote_types(x.dtype, torch.float32))  # [NC, C, H, ...]
+        return torch.where(self.real.view(*self.real.shape, *[1] * (y.dim() - 2)), y, 0.0).transpose(1, 2)
+
+    def tokens(self, x, N_tok):
+        """`[NC, H, C, D]` -> `[N_tok, H, D]` (each token's row of its chunk)."""
+        x = x.transpose(1, 2)[self.real]  # [n_real, H, D]
+        return x.new_zeros(N_tok, *x.shape[1:]).index_put((self.rows[self.real],), x)
+
+
+def _chunk_layout(table, C) -> _ChunkLayout:
+    j = torch.arange(C, device=table.device)
+    rows = table[:, :1].long() + j  # [NC, C]
+    real = rows < table[:, 1:2].long()
+    return _ChunkLayout(rows, real, torch.where(real, rows, 0), (table[:, 2:3].long() + j).clamp(max=C - 1))
+
+
+def _chunk_parts(q, k, v, g, beta, lam, layout: _ChunkLayout, scale, C):
+    """The padded pieces of `gdn_chunk_locals` (`[NC, H, C, *]`), shared with its backward."""
+    qc, kc, vc, bc = layout.chunked(q) * scale, layout.chunked(k), layout.chunked(v), layout.chunked(beta)
+    gl = layout.chunked(g) if g is not None else torch.zeros_like(bc)  # [NC, H, C]
+    D, M = delta_rule_system(kc, bc, gl)  # [NC, H, C, C] each: exp of the segment sums (lower), I + strict(diag(β) KK^T ⊙ D)
+    eye = torch.eye(C, dtype=qc.dtype, device=q.device)
+    t_inv = torch.linalg.solve_triangular(M, eye.expand_as(M), upper=False, unitriangular=True)  # [NC, H, C, C]
+    NC, H = qc.shape[:2]
+    lut = level_table(C, device=q.device)[layout.at[:, :, None], layout.at[:, None, :]][:, None].expand(NC, H, C, C)  # -1 above the diagonal
+    lamc = layout.chunked(lam)  # [NC, H, C, L]
+    L = lamc.shape[-1]
+    m_lam = (lut >= 0) & (lut < L)
+    lam_in = torch.where(m_lam, torch.gather(lamc, -1, lut.clamp(0, L - 1)), 0.0)  # [NC, H, C, C]: lam[t, level(t, s)]
+    return dict(qc=qc, kc=kc, vc=vc, bc=bc, gl=gl, gc=torch.cumsum(gl, -1), D=D, t_inv=t_inv, lut=lut.clamp(0, L - 1), m_lam=m_lam, lam_in=lam_in)
+
+
+def gdn_chunk_locals(q, k, v, g, beta, lam, table, *, scale, C) -> ChunkLocals:
+    """Everything of a chunk that needs no state, in PyTorch for every chunk of the grid table `table`
+    ([NC, 4]: bos, eos, offset on the grid) at once (`[NC, H, C, *]` fp32, rows past a chunk zero): the
+    WY stage, q̃, the level-masked block and K̃, as `gdn_chunk_kernel` and the WY kernels form them.
+    `gdn_chunk_locals_backward` is its backward."""
+    N_tok = q.shape[0]
+    layout = _chunk_layout(table, C)
+    p = _chunk_parts(q, k, v, g, beta, lam, layout, scale, C)
+    qc, kc, vc, bc, gc, t_inv = p["qc"], p["kc"], p["vc"], p["bc"], p["gc"], p["t_inv"]
+    A = causal_scores(qc @ kc.transpose(-1, -2), p["D"])  # [NC, H, C, C]
+    w = t_inv @ ((bc * torch.exp(gc))[..., None] * kc)  # [NC, H, C, K]
+    u_bar = t_inv @ (bc[..., None] * vc)  # [NC, H, C, V]
+    qt = torch.exp(gc)[..., None] * qc - A @ w  # [NC, H, C, K]
+    kt = torch.exp(suffix_sum(p["gl"]))[..., None] * kc  # [NC, H, C, K]
+    o_intra = (A @ t_inv * bc[..., None, :] * p["lam_in"]) @ vc  # [NC, H, C, V]
+    tokens = lambda x: layout.tokens(x, N_tok)  # noqa: E731
+    return ChunkLocals(tokens(o_intra), tokens(qt), tokens(w), tokens(u_bar), tokens(kt), tokens(t_inv), gc[..., -1])
+
+
+def gdn_chunk_locals_backward(q, k, v, g, beta, lam, table, grads: ChunkLocals, *, scale, C):
+    """The vector-Jacobian product of `gdn_chunk_locals` for the cotangents `grads` (a `ChunkLocals` of
+    gradients, any of them None): `(dq, dk, dv, dg (None without g), dbeta, dlam)`, fp32 token rows.
+    With `P = A Tinv diag(β)`, `B = P ⊙ lam_in`, `Y = diag(β exp(gc)) K`, `Z = diag(β) V`:
+
+        dB = dO V^T,  dV = B^T dO,  dP = dB ⊙ lam_in,  dlam_in = dB ⊙ P
+        dA = dP diag(β) Tinv^T - dq̃ W^T,  dTinv = A^T dP diag(β) + dW Y^T + dŪ Z^T (+ the given dTinv)
+        dW' = dW - A^T dq̃,  dM = -Tinv^T dTinv Tinv^T (strictly lower part)
+        dq = scale (diag(exp(gc)) dq̃ + (dA ⊙ D) K),  dk from Y, K̃ = diag(exp(gc_last - gc)) K, K K^T, Q K^T
+
+    and every log-decay term as `dgc` (the gradient of the in-chunk prefix sums), `dg = reverse cumsum`."""
+    N_tok = q.shape[0]
+    layout = _chunk_layout(table, C)
+    p = _chunk_parts(q, k, v, g, beta, lam, layout, scale, C)
+    qc, kc, vc, bc, gc, D, t_inv = p["qc"], p["kc"], p["vc"], p["bc"], p["gc"], p["D"], p["t_inv"]
+    NC, H = qc.shape[:2]
+    width = dict(o_intra=vc.shape[-1], qt=qc.shape[-1], w=qc.shape[-1], u_bar=vc.shape[-1], kt=qc.shape[-1], t_inv=C)
+    cot = {n: qc.new_zeros(NC, H, C, d) if getattr(grads, n) is None else layout.chunked(getattr(grads, n)) for n, d in width.items()}
+    cot["gc_last"] = None if grads.gc_last is None else grads.gc_last.to(qc.dtype)
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
+    S = qc @ kc.transpose(-1, -2)  # [NC, H, C, C]
+    A = torch.where(lower, S * D, 0.0)
+    E = torch.exp(gc)  # [NC, H, C]
+    Y = (bc * E)[..., None] * kc  # [NC, H, C, K]
+    Z = bc[..., None] * vc  # [NC, H, C, V]
+    w = t_inv @ Y
+    AT = A @ t_inv  # [NC, H, C, C]
+    P = AT * bc[..., None, :]
+    dB = torch.where(lower, cot["o_intra"] @ vc.transpose(-1, -2), 0.0)  # [NC, H, C, C]
+    dv = (P * p["lam_in"]).transpose(-1, -2) @ cot["o_intra"]  # [NC, H, C, V]
+    dP = dB * p["lam_in"]
+    dlam = torch.zeros_like(layout.chunked(lam)).scatter_add(-1, p["lut"], torch.where(p["m_lam"], dB * P, 0.0))  # [NC, H, C, L]
+    dAT = dP * bc[..., None, :]
+    dbeta = (dP * AT).sum(-2)  # [NC, H, C]: column sums
+    dq_t, dw_t = cot["qt"], cot["w"]
+    dA = dAT @ t_inv.transpose(-1, -2) - dq_t @ w.transpose(-1, -2)
+    dT = cot["t_inv"] + A.transpose(-1, -2) @ dAT
+    dW = dw_t - A.transpose(-1, -2) @ dq_t  # [NC, H, C, K]
+    dQ = E[..., None] * dq_t
+    dE = (dq_t * qc).sum(-1)  # [NC, H, C]
+    dT = dT + dW @ Y.transpose(-1, -2) + cot["u_bar"] @ Z.transpose(-1, -2)
+    dY = t_inv.transpose(-1, -2) @ dW
+    dZ = t_inv.transpose(-1, -2) @ cot["u_bar"]
+    dk = (bc * E)[..., None] * dY
+    dYK = (dY * kc).sum(-1)  # [NC, H, C]
+    dbeta = dbeta + E * dYK + (dZ * vc).sum(-1)
+    dE = dE + bc * dYK
+    dv = dv + bc[..., None] * dZ
+    s = torch.exp(suffix_sum(p["gl"]))  # [NC, H, C]
+    dk = dk + s[..., None] * cot["kt"]
+    ds = (cot["kt"] * kc).sum(-1) * s  # [NC, H, C]: gradient of log s
+    dM = torch.where(strict, -(t_inv.transpose(-1, -2) @ dT @ t_inv.transpose(-1, -2)), 0.0)  # [NC, H, C, C]
+    KK = kc @ kc.transpose(-1, -2)
+    dbeta = dbeta + (dM * KK * D).sum(-1)
+    dKK = bc[..., None] * dM * D
+    dD = bc[..., None] * dM * KK
+    dS = torch.where(lower, dA * D, 0.0)
+    dD = dD + torch.where(lower, dA * S, 0.0)
+    dQ = dQ + dS @ kc
+    dk = dk + dS.transpose(-1, -2) @ qc + (dKK + dKK.transpose(-1, -2)) @ kc
+    dDD = dD * D  # [NC, H, C, C]: gradient of the segment sums gc_i - gc_j
+    dgc = dDD.sum(-1) - dDD.sum(-2) + dE * E - ds
+    dlast = ds.sum(-1) + (cot["gc_last"] if cot["gc_last"] is not None else 0.0)  # [NC, H]
+    dgc = dgc + F.pad(dlast[..., None], [C - 1, 0])  # gc_last is the chunk's last prefix sum
+    dgl = torch.flip(torch.cumsum(torch.flip(dgc, [-1]), -1), [-1])  # [NC, H, C]
+    tokens = lambda x: layout.tokens(x, N_tok)  # noqa: E731
+    per_token = lambda x: tokens(x[..., None])[..., 0]  # noqa: E731  [NC, H, C] -> [N_tok, H]
+    return (tokens(dQ * scale), tokens(dk), tokens(dv), per_token(dgl) if g is not None else None, per_token(dbeta), tokens(dlam))
+
+
 def gdn_levels_ref(qt, w, u_bar, k, g, lam, seq_lens: tuple, positions: list, *, chunk_size, r0=None):
     """The chunk-levels of the walk in PyTorch (float64, differentiable): `(o [N_tok, H, V], R [N, H, NLC,
     K, V])`, the levels' reads and every chunk-level's state after the last chunk, from q̃, W [N_tok, H,
@@ -329,37 +484,6 @@ def gdn_levels_backward_ref(qt, w, u_bar, k, g, lam, do, dR, seq_lens: tuple, po
         bos += length
         row0 += -(-length // C) + 1
     return dqt, dw, dkt, du, dlast, dlam, dr0
-
-
-def gdn_forward_ref(q, k, v, g, beta, lam, w, u_bar, t_inv, seq_lens: tuple, positions: list, *, scale, chunk_size, r0=None):
-    """PyTorch twin of `gdn_chunk_kernel` and `gdn_levels_kernel` (float64, finite inputs): `(o [N_tok, H, V],
-    state [N, H, NLC, K, V])` from the kernels' inputs (`w, u_bar, t_inv` of the WY stage on the grid's
-    chunks), sequence n starting at the absolute position `positions[n]` (host ints) with the entering
-    chunk-level states `r0 [N, H, NLC, K, V]` (or none); the state's levels that no chunk reads stay as
-    they entered. The chunk-levels are `gdn_levels_ref`."""
-    N_tok, H, K = q.shape
-    V, C = v.shape[-1], chunk_size
-    q, k, v, beta, lam, w, t_inv = (x.double() for x in (q, k, v, beta, lam, w, t_inv))
-    g64 = torch.zeros_like(beta) if g is None else g.double()
-    lut = level_table(C, device=q.device)  # [C, C], -1 above the diagonal
-    o = torch.zeros(N_tok, H, V, dtype=torch.float64, device=q.device)
-    qt = torch.zeros(N_tok, H, K, dtype=torch.float64, device=q.device)
-    bos = 0
-    for length, P in zip(seq_lens, positions):
-        for a in range(P // C, (P + length - 1) // C + 1):
-            s, e = bos + max(a * C - P, 0), bos + min((a + 1) * C - P, length)
-            m, off = e - s, (P % C if a == P // C else 0)
-            qc, kc, vc, wc = (x[s:e].transpose(0, 1) for x in (q, k, v, w))  # [H, m, D]
-            gc = torch.cumsum(g64[s:e].t(), -1)  # [H, m]
-            att = scale * (qc @ kc.transpose(-1, -2)) * torch.exp(gc[:, :, None] - gc[:, None, :]).tril()  # [H, m, m]
-            qt[s:e] = (scale * torch.exp(gc)[..., None] * qc - att @ wc).transpose(0, 1)  # q̃
-            tinv = t_inv[s:e, :, :m].transpose(0, 1)  # [H, m, m]
-            lut_c = lut[off : off + m, off : off + m]  # [m, m]: levels of the rows' offsets on the grid
-            lam_in = torch.gather(lam[s:e].transpose(0, 1), -1, lut_c.clamp(min=0).expand(H, m, m)) * (lut_c >= 0)  # [H, m, m]
-            o[s:e] = (((att @ tinv) * beta[s:e].t()[:, None, :] * lam_in) @ vc).transpose(0, 1)
-        bos += length
-    o_levels, states = gdn_levels_ref(qt, w, u_bar, k, g, lam, seq_lens, positions, chunk_size=C, r0=r0)
-    return o + o_levels, states
 
 
 class GdnForward(NamedTuple):
