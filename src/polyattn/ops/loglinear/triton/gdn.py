@@ -98,6 +98,27 @@ def gdn_chunk_kernel(
 
 
 @triton.jit
+def level_chunk(chunks, row, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V,
+                C: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr):
+    """What both level walks load for the chunk at row `row` of the grid table: `(t, m_t, row_v, m_tv)` and
+    the tiles W, q̃ [C, BK] fp32, K [C, BK], Ū [C, BV] fp32, with K̃'s row weights `exp(gc_last - gc)` [C]
+    and the chunk's total log2-decay."""
+    t = tl.load(chunks + row * 4) + tl.arange(0, C)
+    m_t = t < tl.load(chunks + row * 4 + 1)
+    row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+    m_tk = m_t[:, None] & m_k[None, :]
+    row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_w = tl.load(w + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
+    b_qt = tl.load(qt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
+    b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_u = tl.load(u_bar + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
+    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+    b_wk = tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: exp(gc_last - gc)
+    return t, m_t, row_v, m_tv, b_w, b_qt, b_k, b_u, b_wk, b_last
+
+
+@triton.jit
 def gdn_levels_kernel(
     k, g, w, u_bar, qt, lam, firsts, o_intra, out, state, hs, seqs, chunks, cu_chunks, pos, H, K, V, L, NLC,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -113,7 +134,6 @@ def gdn_levels_kernel(
     STORE_HS: every level's entering state tile as the chunk used it, to `hs [NC, H, NLC, K, V]` at the
     chunk's row of `chunks` (for the backward)."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
-    o_t = tl.arange(0, C)
     P = tl.load(pos + i_n).to(tl.int32)  # positions below 2^31
     n0 = P // C
     n1 = (P + (eos - bos) - 1) // C  # the last chunk's absolute index
@@ -121,19 +141,10 @@ def gdn_levels_kernel(
     p_level = state + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
     for i in range(0, n1 - n0 + 1):
         a = n0 + i
-        t = tl.load(chunks + (c0 + i) * 4) + o_t
-        m_t = t < tl.load(chunks + (c0 + i) * 4 + 1)
-        row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
-        m_tk = m_t[:, None] & m_k[None, :]
-        row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
-        m_tv = m_t[:, None] & m_v[None, :]
-        b_w = tl.load(w + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
-        b_qt = tl.load(qt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
-        b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
-        b_u = tl.load(u_bar + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
+        t, m_t, row_v, m_tv, b_w, b_qt, b_k, b_u, b_wk, b_last = level_chunk(
+            chunks, c0 + i, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
+        )
         b_o = tl.load(o_intra + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
-        b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-        b_wk = tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: exp(gc_last - gc)
         bad = tl.load(firsts + (c0 + i) * H + i_h) < C  # a non-finite token in the chunk
         for ell in range(0, NL):
             p_s = p_level + ell * K * V
@@ -176,7 +187,6 @@ def gdn_levels_backward_kernel(
     launcher); dŪ is complete per tile."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     i_v = tl.program_id(0)
-    o_t = tl.arange(0, C)
     P = tl.load(pos + i_n).to(tl.int32)  # positions below 2^31
     n0 = P // C
     n1 = (P + (eos - bos) - 1) // C  # the last chunk's absolute index
@@ -187,19 +197,11 @@ def gdn_levels_backward_kernel(
         i = n_ch - 1 - j
         a = n0 + i
         row = c0 + i
-        t = tl.load(chunks + row * 4) + o_t
-        m_t = t < tl.load(chunks + row * 4 + 1)
-        row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
-        m_tk = m_t[:, None] & m_k[None, :]
-        row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
-        m_tv = m_t[:, None] & m_v[None, :]
-        b_w = tl.load(w + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
-        b_qt = tl.load(qt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
-        b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
-        b_u = tl.load(u_bar + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
+        t, m_t, row_v, m_tv, b_w, b_qt, b_k, b_u, b_wk, b_last = level_chunk(
+            chunks, row, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
+        )
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
-        b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-        b_wk = tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: exp(gc_last - gc)
+        m_tk = m_t[:, None] & m_k[None, :]
         b_e = tl.exp2(b_last)
         b_dqt = tl.zeros([C, BK], dtype=tl.float32)
         b_dw = tl.zeros([C, BK], dtype=tl.float32)
@@ -501,18 +503,23 @@ class GdnForward(NamedTuple):
     hs: torch.Tensor | None
 
 
+def _walk_plan(seq_lens: tuple, position, L: int):
+    """`(config, C, log2 C, N, NLC, grid chunk table, sequence table)` of a walk over `seq_lens` from `position`."""
+    config = get_config()
+    C = config.chunk_size
+    LOG_C = C.bit_length() - 1
+    chunks = grid_chunk_table(seq_lens, position, C)
+    return config, C, LOG_C, len(seq_lens), max(L - LOG_C - 1, 1), chunks, segment_table(seq_lens, 1, C, position.device)[0]
+
+
 def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=None, out_dtype=None, store_hs=False) -> GdnForward:
     """The forward from flattened tokens (q, k: [N_tok, H, K]; v: [N_tok, H, V]; g, beta: [N_tok, H], g
     may be None; lam: [N_tok, H, L]; all contiguous), sequence n starting at the absolute position
     `position[n]` (device int64) with the entering chunk-level states `r0 [N, H, NLC, K, V]` fp32 (or
     none); `out_dtype` default q's."""
-    config = get_config()
     N_tok, H, K = q.shape
-    V, L, C = v.shape[-1], lam.shape[-1], config.chunk_size
-    LOG_C = C.bit_length() - 1
-    N, NLC = len(seq_lens), max(L - LOG_C - 1, 1)
-    chunks = grid_chunk_table(seq_lens, position, C)
-    seqs = segment_table(seq_lens, 1, C, q.device)[0]
+    V, L = v.shape[-1], lam.shape[-1]
+    config, C, LOG_C, N, NLC, chunks, seqs = _walk_plan(seq_lens, position, L)
     t_inv, firsts = wy_solve(k, beta, g, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
     w, u_bar = wy_factors(k, v, beta, g, t_inv, firsts, chunks=chunks, num_warps=config.num_warps)
     BK, F32, FP32_DOT = block(K), dot_f32(q.dtype), fp32_dot(config)
@@ -541,13 +548,9 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     states `dR [N, H, NLC, K, V]` (or None): `(dq̃, dW, dK̃ [N_tok, H, K], dŪ [N_tok, H, V], dlast [NC, H],
     dlam [N_tok, H, L] (the chunk-level columns), dr0 [N, H, NLC, K, V])`, all fp32, as
     `gdn_levels_backward_ref` defines them."""
-    config = get_config()
     N_tok, H, K = k.shape
-    V, L, C = do.shape[-1], lam.shape[-1], config.chunk_size
-    LOG_C = C.bit_length() - 1
-    N, NLC = len(seq_lens), max(L - LOG_C - 1, 1)
-    chunks = grid_chunk_table(seq_lens, position, C)
-    seqs = segment_table(seq_lens, 1, C, k.device)[0]
+    V, L = do.shape[-1], lam.shape[-1]
+    config, C, LOG_C, N, NLC, chunks, seqs = _walk_plan(seq_lens, position, L)
     BK, BV = block(K), min(block(V), config.gdn_block_v)
     n_v, NC = triton.cdiv(V, BV), chunks[2]
     dstate = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=k.device) if dR is None else dR.float().contiguous().clone()
