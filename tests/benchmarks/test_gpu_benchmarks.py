@@ -150,3 +150,21 @@ def test_profile_kernels_refuses_without_a_gpu(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         load("profile_kernels").main(["--ops", "kata_m1"])
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_kernel_tables_give_time_and_peak_memory_ratios():
+    """The markdown's ratio rows: time for every measured pair, peak memory where both rows recorded it,
+    nothing for a failed anchor."""
+    from polyattn.bench import kernels
+
+    rows = [dict(op="loglinear_gdn", impl="polyattn-triton", T=2048, K=128, mode="fwdbwd", ms=30.0, peak_gib=6.0),
+            dict(op="delta_rule", impl="polyattn-triton", T=2048, K=128, mode="fwdbwd", ms=10.0, peak_gib=2.0),
+            dict(op="softmax", impl="sdpa-cudnn", T=2048, K=128, mode="fwdbwd", ms="error: X", peak_gib=None)]
+    text = kernels.ratio_table(rows, "device")
+    assert "| loglinear_gdn / polyattn-triton | delta_rule / polyattn-triton | fwdbwd | 3.00x |" in text
+    assert "| loglinear_gdn / polyattn-triton | delta_rule / polyattn-triton | peak memory, fwdbwd | 3.00x |" in text
+    assert "softmax / sdpa-cudnn | fwdbwd" not in text
+    if torch.cuda.is_available():
+        assert kernels.peak_bytes(lambda: torch.empty(2**20, dtype=torch.uint8, device="cuda")) >= 2**20
+    else:
+        assert kernels.peak_bytes(lambda: None) is None

@@ -2,7 +2,8 @@
 KATA against SDPA and fla.
 
 Standard shape: bf16, H = 16, K = V in {128, 64}, B = 65,536 // T sequences (B = 1 at 128K),
-T from 2K to 128K; forward and forward + backward. FLOP and byte counts follow the formulas of
+T from 2K to 128K; forward and forward + backward, each row with its time and its peak memory (what
+one more call allocates above its inputs, `peak_gib`). FLOP and byte counts follow the formulas of
 ops/linear/README.md ("Triton kernels"): per token and head, forward FLOPs `2C(K+V) + 4KV`
 (chunk C = 64), minimum forward bytes `(2K + 2V) * 2` (read q, k, v, write o), fwd+bwd FLOPs 3x
 forward and bytes `(5K + 6V) * 2` (forward, then read q, k, v, do and write dq, dk, dv).
@@ -197,21 +198,44 @@ def leaves(case: Case, fn, q, k, v, g, beta) -> list:
 
 
 def measure(case: Case, B: int, T: int, D: int, mode: str, timed: bool = True) -> float | str:
+    """ms of one call (fwd, or fwd+bwd), or the error entry of a case that cannot run."""
+    return measure_row(case, B, T, D, mode, timed)[0]
+
+
+def measure_row(case: Case, B: int, T: int, D: int, mode: str, timed: bool = True) -> tuple[float | str, int | None]:
+    """`(ms or an error entry, peak bytes)`: the peak is what one more call allocates above what was
+    allocated before it (inputs, `do`), None off CUDA or when the case cannot run."""
     q, k, v, g, beta = inputs(B, T, D, requires_grad=mode == "fwdbwd")
     bench = try_bench if timed else (lambda fn: fn())
     try:
         fn = case.make(q, k, v, g, beta)
         if mode == "fwd":
-            with torch.no_grad():
-                return bench(fn)
-        grad_leaves = leaves(case, fn, q, k, v, g, beta)
-        do = torch.randn_like(fn())
-        return bench(lambda: torch.autograd.grad(fn(), grad_leaves, do))
+            def call():
+                with torch.no_grad():
+                    return fn()
+        else:
+            grad_leaves = leaves(case, fn, q, k, v, g, beta)
+            do = torch.randn_like(fn())
+            call = lambda: torch.autograd.grad(fn(), grad_leaves, do)  # noqa: E731
+        ms = bench(call)
+        return ms, peak_bytes(call) if isinstance(ms, float) else None
     except Exception as exc:  # noqa: BLE001 -- an anchor that cannot run is a table entry
-        return error_entry(exc)
+        return error_entry(exc), None
     finally:
         del q, k, v, g, beta
         torch.cuda.empty_cache()
+
+
+def peak_bytes(call) -> int | None:
+    """Bytes `call()` allocates at its peak above what is allocated before it (CUDA; else None)."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
 
 
 def compile_only(dims=(128, 64), t_grid=T_GRID, ops=None) -> None:
@@ -240,8 +264,9 @@ def run(out: Path, dims=(128, 64), t_grid=T_GRID, modes=("fwd", "fwdbwd"), impls
                 for case in all_cases:
                     if (case.impl, D) in skip:
                         continue
-                    ms = measure(case, B, T, D, mode)
-                    row = dict(op=case.op, impl=case.impl, T=T, B=B, H=H, K=D, V=D, mode=mode, ms=ms)
+                    ms, peak = measure_row(case, B, T, D, mode)
+                    row = dict(op=case.op, impl=case.impl, T=T, B=B, H=H, K=D, V=D, mode=mode, ms=ms,
+                               peak_gib=None if peak is None else peak / 2**30)
                     if isinstance(ms, float):
                         flops, bytes_ = flops_bytes(case.op, mode, B * T, D, D, T=T)
                         row.update(tokens_per_s=B * T / ms * 1e3)
@@ -262,10 +287,11 @@ def report(rows: list[dict], out: Path, device: str) -> None:
     plot(rows, out / "kernels.png")
 
 
-def _ms(rows, **key):
+def _ms(rows, field="ms", **key):
+    """`field` of the measured row matching `key` (None when absent, failed or not recorded)."""
     for r in rows:
         if all(r[k] == v for k, v in key.items()) and isinstance(r["ms"], float):
-            return r["ms"]
+            return r.get(field)
     return None
 
 
@@ -287,29 +313,32 @@ RATIOS = (  # (our op, our impl, anchor op, anchor impl)
     ("loglinear_mamba2", "polyattn-triton", "softmax", "sdpa-cudnn"),
     ("loglinear_gdn", "polyattn-triton", "delta_rule", "polyattn-triton"),
     ("loglinear_gdn", "polyattn-triton", "softmax", "sdpa-cudnn"),
+    ("loglinear_gdn", "polyattn-triton", "linear_attn_decay", "polyattn-triton"),
     ("kata_lorentz", "polyattn-triton", "linear_attn_decay", "polyattn-triton"),
     ("deltakata_lorentz", "polyattn-triton", "delta_rule", "polyattn-triton"),
 )
 
 
 def ratio_table(rows: list[dict], device: str) -> str:
-    """Markdown: ratio ours / anchor per T (< 1: ours is faster), then every measured ms."""
+    """Markdown: ratio ours / anchor per T (< 1: ours is faster) of the time and of the peak memory
+    (rows that recorded it), then every measured ms."""
     lines = [f"# kernels ({device})", ""]
     for D in sorted({r["K"] for r in rows}, reverse=True):
         ts = sorted({r["T"] for r in rows if r["K"] == D})
         head = " | ".join(f"{t // 1024}K" for t in ts)
         lines += [f"## K = V = {D}, H = {H}, bf16, B*T = {TOKENS}", "", f"| ours | anchor | mode | {head} |",
                   "|---|---|---|" + "---|" * len(ts)]
-        for ours, our_impl, anchor_op, anchor in RATIOS:
-            for mode in ("fwd", "fwdbwd"):
-                cells = []
-                for t in ts:
-                    a = _ms(rows, op=ours, impl=our_impl, T=t, K=D, mode=mode)
-                    b = _ms(rows, op=anchor_op, impl=anchor, T=t, K=D, mode=mode)
-                    cells.append(f"{a / b:.2f}x" if a and b else "-")
-                if set(cells) == {"-"}:
-                    continue  # neither side measured at this D
-                lines.append(f"| {ours} / {our_impl} | {anchor_op} / {anchor} | {mode} | " + " | ".join(cells) + " |")
+        for field, what in (("ms", ""), ("peak_gib", "peak memory, ")):
+            for ours, our_impl, anchor_op, anchor in RATIOS:
+                for mode in ("fwd", "fwdbwd"):
+                    cells = []
+                    for t in ts:
+                        a = _ms(rows, field, op=ours, impl=our_impl, T=t, K=D, mode=mode)
+                        b = _ms(rows, field, op=anchor_op, impl=anchor, T=t, K=D, mode=mode)
+                        cells.append(f"{a / b:.2f}x" if a and b else "-")
+                    if set(cells) == {"-"}:
+                        continue  # neither side measured at this D
+                    lines.append(f"| {ours} / {our_impl} | {anchor_op} / {anchor} | {what}{mode} | " + " | ".join(cells) + " |")
         lines += ["", f"| op | impl | mode | {head} |", "|---|---|---|" + "---|" * len(ts)]
         for op, impl in sorted({(r["op"], r["impl"]) for r in rows if r["K"] == D}):
             for mode in ("fwd", "fwdbwd"):
