@@ -3,7 +3,7 @@
 python benchmarks/triton_spills.py
 Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel`) and the delta rule's
 (`wy_kernel`, `wy_factors_kernel`, the two recurrences, the per-chunk output and gradient kernels) and log-linear
-Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_backward_kernel`) for sm_90a with the installed Triton
+Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_backward_kernel`, `gdn_chunk_grads_kernel`) for sm_90a with the installed Triton
 and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
 The installed Triton may differ from the GPU machine's, so read the numbers as indications.
 """
@@ -21,7 +21,7 @@ from polyattn.ops.delta.triton.forward import delta_outputs_kernel, delta_states
 from polyattn.ops.delta.triton.wy import wy_factors_kernel, wy_kernel
 from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
-from polyattn.ops.loglinear.triton.gdn import gdn_chunk_kernel, gdn_levels_backward_kernel, gdn_levels_kernel
+from polyattn.ops.loglinear.triton.gdn import gdn_chunk_grads_kernel, gdn_chunk_kernel, gdn_levels_backward_kernel, gdn_levels_kernel
 
 POINTERS = {
     "a": "*bf16", "b": "*bf16", "c": "*bf16", "g": "*fp32", "out": "*bf16", "seg": "*i32", "s_in": "*fp32",
@@ -91,6 +91,7 @@ def main() -> None:
             print(f"log-linear GDN levels BV{BV} warps{warps}: {resources(gdn_levels_kernel, dict(gdn, BV=BV, STORE_HS=False), warps, 2)}")
             print(f"log-linear GDN levels backward BV{BV} warps{warps}: {resources(gdn_levels_backward_kernel, dict(gdn, BV=BV), warps, 2)}")
             print(f"log-linear GDN chunk  BV{BV} warps{warps}: {resources(gdn_chunk_kernel, dict(gdn, BV=BV), warps, 2)}")
+            print(f"log-linear GDN chunk grads BV{BV} warps{warps}: {resources(gdn_chunk_grads_kernel, dict(gdn, BV=BV, USE_DT=False), warps, 2)}")
 
 
 if __name__ == "__main__":

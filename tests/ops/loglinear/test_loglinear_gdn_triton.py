@@ -250,3 +250,29 @@ def test_gdn_chunk_locals_backward_matches_autograd(decay):
     got = dict(zip(("q", "k", "v", "g", "beta", "lam"), gdn_chunk_locals_backward(*(x[n] for n in ("q", "k", "v", "g", "beta", "lam")), table, cot, scale=0.5, C=64)))
     for n in names:
         assert rel_err(got[n], want[n]) <= 1e-10, f"{n}: {rel_err(got[n], want[n]):.2e}"
+
+
+@pytest.mark.parametrize("decay", [True, False])
+def test_gdn_chunk_grads_kernel_matches_its_twin(decay):
+    """`gdn_chunk_grads_kernel` against `gdn_chunk_locals_backward` (float64) on the same inputs and
+    cotangents, Tinv's included, packed sequences from odd positions."""
+    from polyattn.ops.loglinear.triton.gdn import ChunkLocals, gdn_chunk_backward, gdn_chunk_locals_backward, gdn_forward
+    from polyattn.ops.triton.plan import grid_chunk_table
+
+    lengths, positions = LEVELS_CASE
+    x = {n: None if t is None else t.float().reshape(sum(lengths), *t.shape[2:]).contiguous()
+         for n, t in _inputs(1, sum(lengths), decay, seed=9).items()}
+    position = torch.tensor(positions, device=DEVICE)
+    fwd = gdn_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["lam"], lengths, position, scale=0.5)
+    table = grid_chunk_table(lengths, position, 64)
+    gen = torch.Generator().manual_seed(5)
+    shapes = dict(o_intra=x["v"].shape, qt=x["k"].shape, w=x["k"].shape, u_bar=x["v"].shape, kt=x["k"].shape,
+                  t_inv=fwd.t_inv.shape, gc_last=(table[2], H))
+    cot = ChunkLocals(**{n: torch.randn(shape, generator=gen).to(DEVICE) for n, shape in shapes.items()})
+    got = gdn_chunk_backward(*(x[n] for n in ("q", "k", "v", "g", "beta", "lam")), fwd.t_inv, fwd.w, cot, lengths, position, scale=0.5)
+    x64 = {n: None if t is None else t.double() for n, t in x.items()}
+    want = gdn_chunk_locals_backward(*(x64[n] for n in ("q", "k", "v", "g", "beta", "lam")), table[0],
+                                     ChunkLocals(*(c.double() for c in cot)), scale=0.5, C=64)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dlam"), got, want):
+        if b is not None:
+            assert rel_err(a, b) <= 1e-5, f"{name}: {rel_err(a, b):.2e}"

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 
 from polyattn.ops.common import one_token_step
 from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, fenwick_carry, occupied_levels
-from polyattn.ops.triton.plan import get_config, grid_chunk_table, no_output, reverse_cumsum, sequence_lengths
+from polyattn.ops.triton.plan import get_config, no_output, reverse_cumsum, sequence_lengths
 from polyattn.ops.triton.precision import check_kernel_inputs
 
-from .gdn import ChunkLocals, gdn_chunk_locals_backward, gdn_forward, gdn_levels_backward
+from .gdn import ChunkLocals, gdn_chunk_backward, gdn_forward, gdn_levels_backward
 from .level_pass import level_pass
 from .step import loglinear_attn_step_inplace
 
@@ -482,7 +482,7 @@ def loglinear_gdn_backward(
     """The Gated DeltaNet base's backward as a custom op: `(dq, dk, dv, dlam, dg, dbeta, dr0)` (dg without
     g and dr0 without r0 are empty [0] tensors). The forward's levels rerun, storing every chunk's
     entering level states, `gdn_levels_backward_kernel` walks them in reverse (dq̃, dW, dŪ, dK̃, the
-    chunk state factors' and the levels' lam gradients, dr0), and `gdn_chunk_locals_backward` takes
+    chunk state factors' and the levels' lam gradients, dr0), and `gdn_chunk_grads_kernel` takes
     those, with the gradients of the edge rows' q̃, Tinv and W, through the chunk-local stage."""
     B, T, H, K = q.shape
     C = get_config().chunk_size
@@ -491,7 +491,8 @@ def loglinear_gdn_backward(
     layout = _layout(position, seq_lens, C, q.device)
     fwd = gdn_forward(qf, kf, vf, gf, bf, lamf, seq_lens, position, scale=scale, r0=r0, store_hs=True)
     dqt, dw, dkt, du, dlast, dlam_levels, dr0 = gdn_levels_backward(kf, gf, lamf, fwd, dof, dR, seq_lens, position)
-    del fwd
+    t_inv, w = fwd.t_inv, fwd.w
+    del fwd  # the entering states
     dt_inv = None
     if dqt_first is not None:
         rows, real = layout.first
@@ -502,12 +503,11 @@ def loglinear_gdn_backward(
             dt_inv = torch.zeros(B * T, H, C, dtype=torch.float32, device=q.device).index_add(0, rows[real], dt_inv_last[real])
         if dw_last is not None:
             dw = dw.index_add(0, rows[real], dw_last[real])
-    table = grid_chunk_table(seq_lens, position, C)[0]
     grads = ChunkLocals(dof, dqt, dw, du, dkt, dt_inv, dlast)
-    dq, dk, dv, dg, dbeta, dlam = gdn_chunk_locals_backward(qf, kf, vf, gf, bf, lamf, table, grads, scale=scale, C=C)
+    dq, dk, dv, dg, dbeta, dlam = gdn_chunk_backward(qf, kf, vf, gf, bf, lamf, t_inv, w, grads, seq_lens, position, scale=scale)
     dlam = dlam + dlam_levels
     return (
-        dq.to(q.dtype).view(q.shape), dk.to(k.dtype).view(k.shape), dv.to(v.dtype).view(v.shape),
+        dq.view(q.shape), dk.view(k.shape), dv.view(v.shape),
         dlam.to(lam.dtype).view(lam.shape), dg.to(g.dtype).view(g.shape) if g is not None else no_output(q),
         dbeta.to(beta.dtype).view(beta.shape), dr0 if r0 is not None else no_output(q),
     )

@@ -35,7 +35,8 @@ The backward (function.py) reruns the walk storing each chunk's entering level s
 chunks in reverse (`gdn_levels_backward_kernel`, twin `gdn_levels_backward_ref`): per level the delta
 rule's adjoint `dh = exp(gc_last) dh' - W^T K̃ dh' [+ q̃^T diag(lam) dO]`, zero into the chunk before a
 block's first, and the gradients of q̃, W, Ū, K̃ and the chunk's state factor `exp(gc_last)`; then
-`gdn_chunk_locals_backward` takes those through the chunk-local stage in PyTorch.
+`gdn_chunk_grads_kernel` (twin `gdn_chunk_locals_backward`, the vector-Jacobian product of
+`gdn_chunk_locals`) takes those through the chunk-local stage, every chunk in parallel.
 """
 from typing import NamedTuple
 
@@ -50,10 +51,10 @@ from polyattn.ops.common.segsum import causal_scores, suffix_sum
 from polyattn.ops.delta.triton.forward import chunk_program, chunk_scores, sequence_tile
 from polyattn.ops.delta.triton.function import fp32_dot
 from polyattn.ops.delta.triton.wy import wy_factors, wy_solve
-from polyattn.ops.triton.decay import chunk_decay, chunk_suffix
+from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.plan import block, get_config, grid_chunk_table, segment_table
 from polyattn.ops.triton.precision import (
-    dot_f32, mma_fp32, mma_left_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
+    dot_f32, mma, mma_fp32, mma_left_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
 )
 
 from .level_pass import bit_length, intra_levels
@@ -237,6 +238,99 @@ def gdn_levels_backward_kernel(
         tl.store(dkt + part_k, b_dkt, mask=m_tk)
         tl.store(du + row_v, b_du, mask=m_tv)
         tl.store(dlast + (i_v * NC + row) * H + i_h, b_dl * b_e)
+
+
+@triton.jit
+def gdn_chunk_grads_kernel(
+    q, k, v, g, beta, lam, t_inv, w, do, dqt, dw, dkt, du, dt_inv, dlast, dq, dk, dv, dbeta, dg, dlam,
+    chunks, scale, H, K, V, L,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+    USE_DT: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """grid: (num_chunks, H). The chunk-local backward of one chunk and head (`gdn_chunk_locals_backward`,
+    its twin, has the formulas) from the forward's Tinv and W and the cotangents of the block's output
+    (`do`), q̃, W, Ū, K̃, Tinv (USE_DT: the final state's edge rows) and the chunk's total log-decay
+    (`dlast`): dq, dk, dv (input dtype), dbeta, dg (fp32) and the in-chunk level columns of dlam (fp32).
+    The [C, C] pieces stay in registers, the value side runs in [C, BV] tiles."""
+    i_ch, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
+    o_k = tl.arange(0, BK)
+    row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    lower = o_t[:, None] >= o_t[None, :]
+    strict = o_t[:, None] > o_t[None, :]
+    b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+    b_d = tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32))  # [C, C]: D, 0 above the diagonal
+    b_e = tl.exp2(b_gc)  # [C]: exp(gc)
+    b_sfx = tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: exp(gc_last - gc)
+    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+    b_s = mma(b_q, tl.trans(b_k), F32) * scale  # [C, BK] @ [BK, C]: S = scale Q K^T
+    b_a = tl.where(lower, b_s * b_d, 0.0)  # [C, C]: A
+    b_kk = mma(b_k, tl.trans(b_k), F32)  # [C, BK] @ [BK, C]: K K^T
+    b_ti = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C] fp32
+    b_at = mma_fp32(b_a, b_ti, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, C]: A Tinv
+    b_p = b_at * b_beta[None, :]  # [C, C]: P
+    lut = intra_levels(C, LOG_C, tl.load(chunks + i_ch * 4 + 2))  # [C, C]
+    m_lam = m_t[:, None] & lower & (lut < L)
+    b_lam = tl.load(lam + (t * H + i_h)[:, None] * L + lut, mask=m_lam, other=0.0).to(tl.float32)  # [C, C]: lam_in
+    b_blk = tl.where(m_lam, b_p * b_lam, 0.0)  # [C, C]: B
+    b_db = tl.zeros([C, C], dtype=tl.float32)  # dO V^T
+    b_dt = tl.zeros([C, C], dtype=tl.float32)  # dTinv
+    b_dbeta = tl.zeros([C], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(v + row_v, mask=m_tv, other=0.0)  # [C, BV]
+        b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(b_v.dtype)  # [C, BV]
+        b_du = tl.load(du + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
+        b_db += mma(b_do, tl.trans(b_v), F32)  # [C, BV] @ [BV, C]
+        b_dz = mma_fp32(tl.trans(b_ti), b_du, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV]: Tinv^T dŪ
+        b_dv = mma_left_fp32(tl.trans(b_blk), b_do, F32) + b_beta[:, None] * b_dz  # [C, C] @ [C, BV]
+        tl.store(dv + row_v, to_output(b_dv, dv.dtype.element_ty, F32), mask=m_tv)  # downcast: input dtype
+        b_z = b_v.to(tl.float32) * b_beta[:, None]  # [C, BV]: diag(β) V
+        b_dt += mma_fp32(b_du, tl.trans(b_z), b_q.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, C]: dŪ Z^T
+        b_dbeta += tl.sum(b_dz * b_v.to(tl.float32), axis=1)
+    b_db = tl.where(lower, b_db, 0.0)
+    b_dp = tl.where(m_lam, b_db * b_lam, 0.0)  # [C, C]
+    b_dlam = tl.where(m_lam, b_db * b_p, 0.0)  # [C, C]: dlam_in
+    for lev in tl.static_range(LOG_C + 1):  # the in-chunk level columns 0..c of each row
+        tl.store(dlam + (t * H + i_h) * L + lev, tl.sum(tl.where(lut == lev, b_dlam, 0.0), axis=1), mask=m_t & (o_t * 0 + lev < L))
+    b_dat = b_dp * b_beta[None, :]  # [C, C]: d(A Tinv)
+    b_dbeta += tl.sum(b_dp * b_at, axis=0)
+    b_w = tl.load(w + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
+    b_dqt = tl.load(dqt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
+    b_da = mma_fp32(b_dat, tl.trans(b_ti), b_q.dtype, F32, FP32_DOT) - mma_fp32(b_dqt, tl.trans(b_w), b_q.dtype, F32, FP32_DOT)  # [C, C]
+    b_dw = tl.load(dw + row_k, mask=m_tk, other=0.0) - mma_fp32(tl.trans(b_a), b_dqt, b_q.dtype, F32, FP32_DOT)  # [C, BK]: dW'
+    b_y = b_k.to(tl.float32) * (b_beta * b_e)[:, None]  # [C, BK]: diag(β exp(gc)) K
+    b_dt += mma_fp32(tl.trans(b_a), b_dat, b_q.dtype, F32, FP32_DOT) + mma_fp32(b_dw, tl.trans(b_y), b_q.dtype, F32, FP32_DOT)
+    if USE_DT:
+        b_dt += tl.load(dt_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)
+    b_dy = mma_fp32(tl.trans(b_ti), b_dw, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BK]: Tinv^T dW'
+    b_dyk = tl.sum(b_dy * b_k.to(tl.float32), axis=1)  # [C]
+    b_dbeta += b_e * b_dyk
+    b_de = tl.sum(b_dqt * b_q.to(tl.float32), axis=1) * scale + b_beta * b_dyk  # [C]: d exp(gc)
+    b_dkt = tl.load(dkt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
+    b_ds = tl.sum(b_dkt * b_k.to(tl.float32), axis=1) * b_sfx  # [C]: d log of exp(gc_last - gc)
+    b_dm = mma_fp32(mma_fp32(tl.trans(b_ti), b_dt, b_q.dtype, F32, FP32_DOT), tl.trans(b_ti), b_q.dtype, F32, FP32_DOT)
+    b_dm = tl.where(strict, -b_dm, 0.0)  # [C, C]: dM, strictly lower
+    b_dbeta += tl.sum(b_dm * b_kk * b_d, axis=1)
+    b_dkk = b_dm * b_d * b_beta[:, None]  # [C, C]
+    b_dd = b_dm * b_kk * b_beta[:, None] + tl.where(lower, b_da * b_s, 0.0)  # [C, C]: dD
+    b_dsc = tl.where(lower, b_da * b_d, 0.0)  # [C, C]: dS
+    b_dq = (mma_left_fp32(b_dsc, b_k, F32) + b_dqt * b_e[:, None]) * scale  # [C, C] @ [C, BK]
+    b_dk = b_dy * (b_beta * b_e)[:, None] + b_dkt * b_sfx[:, None]
+    b_dk += mma_left_fp32(tl.trans(b_dsc), b_q, F32) * scale + mma_left_fp32(b_dkk + tl.trans(b_dkk), b_k, F32)  # [C, C] @ [C, BK]
+    tl.store(dq + row_k, to_output(b_dq, dq.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
+    tl.store(dk + row_k, to_output(b_dk, dk.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
+    tl.store(dbeta + t * H + i_h, b_dbeta, mask=m_t)
+    if USE_G:
+        b_ddd = b_dd * b_d
+        b_dgc = tl.where(m_t, tl.sum(b_ddd, axis=1) - tl.sum(b_ddd, axis=0) + b_de * b_e - b_ds, 0.0)  # [C]
+        b_dl = tl.sum(b_ds, axis=0) + tl.load(dlast + i_ch * H + i_h)  # the chunk's total log-decay
+        b_dg = tl.sum(tl.where(o_t[None, :] >= o_t[:, None], b_dgc[None, :], 0.0), axis=1) + b_dl  # [C]: reverse cumsum
+        tl.store(dg + t * H + i_h, b_dg, mask=m_t)
 
 
 class ChunkLocals(NamedTuple):
@@ -565,3 +659,25 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
         num_warps=config.gdn_num_warps, num_stages=config.num_stages,
     )
     return dqt.sum(0), dw.sum(0), dkt.sum(0), du, dlast.sum(0), dlam.sum(0), dstate
+
+
+def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, seq_lens: tuple, position, *, scale):
+    """`gdn_chunk_grads_kernel` over every grid chunk: `gdn_chunk_locals_backward`'s result `(dq, dk, dv
+    (input dtypes), dg (fp32, None without g), dbeta, dlam (fp32; the in-chunk level columns))` from
+    flattened tokens, the forward's `t_inv` and `w`, and the cotangents `grads` (`o_intra` the output's
+    gradient; `t_inv` may be None, the others not)."""
+    N_tok, H, K = q.shape
+    V, L = v.shape[-1], lam.shape[-1]
+    config, C, LOG_C, _, _, chunks, _ = _walk_plan(seq_lens, position, L)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dbeta = torch.empty(N_tok, H, dtype=torch.float32, device=q.device)
+    dg = torch.empty(N_tok, H, dtype=torch.float32, device=q.device) if g is not None else None
+    dlam = torch.zeros(N_tok, H, L, dtype=torch.float32, device=q.device)
+    gdn_chunk_grads_kernel[(chunks[2], H)](
+        q, k, v, g, beta, lam, t_inv, w, grads.o_intra.contiguous(), grads.qt, grads.w, grads.kt, grads.u_bar,
+        grads.t_inv, grads.gc_last, dq, dk, dv, dbeta, dg, dlam, chunks[0], scale, H, K, V, L,
+        C=C, LOG_C=LOG_C, BK=block(K), BV=min(block(V), config.gdn_block_v), USE_G=g is not None,
+        USE_DT=grads.t_inv is not None, F32=dot_f32(q.dtype), FP32_DOT=fp32_dot(config),
+        num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
+    )
+    return dq, dk, dv, dg, dbeta, dlam
