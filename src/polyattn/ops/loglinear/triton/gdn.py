@@ -106,9 +106,10 @@ def level_chunk(chunks, row, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, 
     and the chunk's total log2-decay."""
     t = tl.load(chunks + row * 4) + tl.arange(0, C)
     m_t = t < tl.load(chunks + row * 4 + 1)
-    row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+    th = (t * H + i_h).to(tl.int64)  # [C]: token-head rows (int64: offsets past 2^31 elements)
+    row_k = th[:, None] * K + o_k[None, :]  # [C, BK]
     m_tk = m_t[:, None] & m_k[None, :]
-    row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
+    row_v = th[:, None] * V + o_v[None, :]  # [C, BV]
     m_tv = m_t[:, None] & m_v[None, :]
     b_w = tl.load(w + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
     b_qt = tl.load(qt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
@@ -224,7 +225,7 @@ def gdn_levels_backward_kernel(
                 b_dol = b_do * b_lam[:, None]  # [C, BV]
                 b_dqt += mma_fp32(b_dol, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
                 b_r = mma_fp32(b_qt, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]: q̃ h
-                tl.store(dlam + ((i_v * N_tok + t) * H + i_h) * L + (LOG_C + 1 + ell), tl.sum(b_do * b_r, axis=1), mask=m_t)
+                tl.store(dlam + ((i_v * N_tok + t).to(tl.int64) * H + i_h) * L + (LOG_C + 1 + ell), tl.sum(b_do * b_r, axis=1), mask=m_t)
                 b_dn += mma_fp32(tl.trans(b_qt), b_dol, b_k.dtype, F32, FP32_DOT)  # [BK, C] @ [C, BV]
             else:  # first half: write
                 b_x += b_u
@@ -232,7 +233,7 @@ def gdn_levels_backward_kernel(
             b_dkt += mma_fp32(b_x, tl.trans(b_dh), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
             keep = ((a % (2 << ell)) != 0) | (i == 0)  # else the state entered as zero: nothing flows further back
             tl.store(p_s, tl.where(keep, b_dn, 0.0), mask=m_s)
-        part_k = ((i_v * N_tok + t) * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK] of this tile's share
+        part_k = ((i_v * N_tok + t).to(tl.int64) * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK] of this tile's share (int64)
         tl.store(dqt + part_k, b_dqt, mask=m_tk)
         tl.store(dw + part_k, b_dw, mask=m_tk)
         tl.store(dkt + part_k, b_dkt, mask=m_tk)
