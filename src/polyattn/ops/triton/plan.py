@@ -46,8 +46,9 @@ class KernelConfig:
     the tests' error bound) in two halves, precision.mma_left_fp32, two products with ~16
     mantissa bits; "rounded" one product of the rounded tile (flash attention's precision).
     gdn_block_v and gdn_num_warps are the value tile and warps of log-linear Gated DeltaNet's level
-    walk (ops/loglinear/triton/gdn.py; ptxas for sm_90a at K = 128: 164 bytes of spills per thread at
-    32 and 8 warps, 1.3 KB at 4 warps); its per-chunk kernel runs like the delta rule's output kernel.
+    walks, forward and backward (ops/loglinear/triton/gdn.py; ptxas for sm_90a at K = 128, a 32-column
+    tile: the forward walk spills 408 bytes per thread at 8 warps, 2.2 KB at 4); its per-chunk kernels
+    run with the delta rule's chunk warps.
     """
 
     chunk_size: int = 64
