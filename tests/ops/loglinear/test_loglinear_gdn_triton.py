@@ -269,7 +269,7 @@ def test_gdn_chunk_grads_kernel_matches_its_twin(decay):
     shapes = dict(o_intra=x["v"].shape, qt=x["k"].shape, w=x["k"].shape, u_bar=x["v"].shape, kt=x["k"].shape,
                   t_inv=fwd.t_inv.shape, gc_last=(table[2], H))
     cot = ChunkLocals(**{n: torch.randn(shape, generator=gen).to(DEVICE) for n, shape in shapes.items()})
-    got = gdn_chunk_backward(*(x[n] for n in ("q", "k", "v", "g", "beta", "lam")), fwd.t_inv, fwd.w, cot, lengths, position, scale=0.5)
+    got = gdn_chunk_backward(*(x[n] for n in ("q", "k", "v", "g", "beta", "lam")), fwd.t_inv, fwd.w, cot, fwd.chunks, scale=0.5)
     x64 = {n: None if t is None else t.double() for n, t in x.items()}
     want = gdn_chunk_locals_backward(*(x64[n] for n in ("q", "k", "v", "g", "beta", "lam")), table[0],
                                      ChunkLocals(*(c.double() for c in cot)), scale=0.5, C=64)

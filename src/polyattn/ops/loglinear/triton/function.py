@@ -418,20 +418,21 @@ def _gdn_with_edges(q, k, v, lam, g, beta, r0, low, position, scale, seq_lens, s
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = get_config().chunk_size
-    layout = _layout(position, seq_lens, C, q.device)
     o, R, qt_first, t_inv_last, w_last = loglinear_gdn_forward(
         q, k, v, lam, g, beta, r0, position, scale, list(seq_lens), low is not None, store_final,
     )
+    if low is None and not store_final:
+        return o, R, None
+    layout = _layout(position, seq_lens, C, q.device)
+    qf, kf, vf, lamf, gf, bf = _flatten((q, k, v, lam, g, beta), B, T)
     if low is not None:
         rows, real = layout.first
-        qf, lamf, gf = _flatten((q, lam, g), B, T)
         weights = first_chunk_weights(_rows(qf, rows), _rows(gf, rows), _rows(lamf, rows), position, real, scale=scale, C=C)[0]
         reads = torch.einsum("njhl,njhk,nhlkv->njhv", weights, qt_first, low)  # [N, C, H, V]
         o = o.view(B * T, H, V).index_add(0, rows[real], reads[real]).to(q.dtype).view(B, T, H, V)
     if not store_final:
         return o, R, None
     rows, real = layout.last
-    kf, vf, gf, bf = _flatten((k, v, g, beta), B, T)
     F_low = gdn_last_chunk_levels(
         _rows(kf, rows), _rows(vf, rows), _rows(gf, rows), _rows(bf, rows), t_inv_last, w_last, low, position, layout.lengths, real, C,
     )
@@ -450,13 +451,17 @@ def loglinear_gdn_forward(
     B, T, H, K = q.shape
     C = get_config().chunk_size
     qf, kf, vf, lamf, gf, bf = _flatten((q, k, v, lam, g, beta), B, T)
-    layout = _layout(position, seq_lens, C, q.device)
-    o, R, t_inv, w, _, qt, _ = gdn_forward(
+    fwd = gdn_forward(
         qf, kf, vf, gf, bf, lamf, tuple(seq_lens), position, scale=scale, r0=r0,
         out_dtype=torch.float32 if first_reads else None,
     )
-    qt_first = qt[layout.first[0]] if first_reads else no_output(q)
-    t_inv_last, w_last = (t_inv[layout.last[0]], w[layout.last[0]]) if store_final else (no_output(q), no_output(q))
+    o, R, qt_first, t_inv_last, w_last = fwd.o, fwd.R, no_output(q), no_output(q), no_output(q)
+    if first_reads or store_final:
+        layout = _layout(position, seq_lens, C, q.device)
+        if first_reads:
+            qt_first = fwd.qt[layout.first[0]]
+        if store_final:
+            t_inv_last, w_last = fwd.t_inv[layout.last[0]], fwd.w[layout.last[0]]
     return o.view(B, T, H, v.shape[-1]), R, qt_first, t_inv_last, w_last  # [B*T, H, V] -> [B, T, H, V]
 
 
@@ -488,12 +493,12 @@ def loglinear_gdn_backward(
     C = get_config().chunk_size
     seq_lens = tuple(seq_lens)
     qf, kf, vf, lamf, gf, bf, dof = _flatten((q, k, v, lam, g, beta, do), B, T)
-    layout = _layout(position, seq_lens, C, q.device)
     fwd = gdn_forward(qf, kf, vf, gf, bf, lamf, seq_lens, position, scale=scale, r0=r0, store_hs=True)
     dqt, dw, dkt, du, dlast, dlam_levels, dr0 = gdn_levels_backward(kf, gf, lamf, fwd, dof, dR, seq_lens, position)
-    t_inv, w = fwd.t_inv, fwd.w
+    t_inv, w, chunks = fwd.t_inv, fwd.w, fwd.chunks
     del fwd  # the entering states
     dt_inv = None
+    layout = _layout(position, seq_lens, C, q.device) if dqt_first is not None or dt_inv_last is not None or dw_last is not None else None
     if dqt_first is not None:
         rows, real = layout.first
         dqt = dqt.index_add(0, rows[real], dqt_first[real])
@@ -504,7 +509,7 @@ def loglinear_gdn_backward(
         if dw_last is not None:
             dw = dw.index_add(0, rows[real], dw_last[real])
     grads = ChunkLocals(dof, dqt, dw, du, dkt, dt_inv, dlast)
-    dq, dk, dv, dg, dbeta, dlam = gdn_chunk_backward(qf, kf, vf, gf, bf, lamf, t_inv, w, grads, seq_lens, position, scale=scale)
+    dq, dk, dv, dg, dbeta, dlam = gdn_chunk_backward(qf, kf, vf, gf, bf, lamf, t_inv, w, grads, chunks, scale=scale)
     dlam = dlam + dlam_levels
     return (
         dq.view(q.shape), dk.view(k.shape), dv.view(v.shape),

@@ -586,8 +586,9 @@ def gdn_levels_backward_ref(qt, w, u_bar, k, g, lam, do, dR, seq_lens: tuple, po
 class GdnForward(NamedTuple):
     """What `gdn_forward` returns: `o [N_tok, H, V]` in the output dtype and, fp32, `R [N, H, NLC, K, V]`
     (each chunk-level's state after the last chunk), the WY stage's `t_inv [N_tok, H, C]`, `w [N_tok, H,
-    K]`, `u_bar [N_tok, H, V]`, `qt [N_tok, H, K]` (q̃), and `hs [NC, H, NLC, K, V]` (every chunk's
-    entering level states, for the backward; None unless asked for)."""
+    K]`, `u_bar [N_tok, H, V]`, `qt [N_tok, H, K]` (q̃), `hs [NC, H, NLC, K, V]` (every chunk's
+    entering level states, for the backward; None unless asked for) and the grid chunk table it ran on
+    (`plan.grid_chunk_table`'s triple, which the backward stages reuse)."""
 
     o: torch.Tensor
     R: torch.Tensor
@@ -596,14 +597,16 @@ class GdnForward(NamedTuple):
     u_bar: torch.Tensor
     qt: torch.Tensor
     hs: torch.Tensor | None
+    chunks: tuple
 
 
-def _walk_plan(seq_lens: tuple, position, L: int):
-    """`(config, C, log2 C, N, NLC, grid chunk table, sequence table)` of a walk over `seq_lens` from `position`."""
+def _walk_plan(seq_lens: tuple, position, L: int, chunks=None):
+    """`(config, C, log2 C, N, NLC, grid chunk table, sequence table)` of a walk over `seq_lens` from `position`
+    (the grid chunk table formed unless given)."""
     config = get_config()
     C = config.chunk_size
     LOG_C = C.bit_length() - 1
-    chunks = grid_chunk_table(seq_lens, position, C)
+    chunks = grid_chunk_table(seq_lens, position, C) if chunks is None else chunks
     return config, C, LOG_C, len(seq_lens), max(L - LOG_C - 1, 1), chunks, segment_table(seq_lens, 1, C, position.device)[0]
 
 
@@ -634,7 +637,7 @@ def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=N
         C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT, STORE_HS=store_hs,
         num_warps=config.gdn_num_warps, num_stages=config.num_stages,
     )
-    return GdnForward(out, R, t_inv, w, u_bar, qt, hs)
+    return GdnForward(out, R, t_inv, w, u_bar, qt, hs, chunks)
 
 
 def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, position):
@@ -645,7 +648,7 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     `gdn_levels_backward_ref` defines them."""
     N_tok, H, K = k.shape
     V, L = do.shape[-1], lam.shape[-1]
-    config, C, LOG_C, N, NLC, chunks, seqs = _walk_plan(seq_lens, position, L)
+    config, C, LOG_C, N, NLC, chunks, seqs = _walk_plan(seq_lens, position, L, fwd.chunks)
     BK, BV = block(K), min(block(V), config.gdn_block_v)
     n_v, NC = triton.cdiv(V, BV), chunks[2]
     dstate = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=k.device) if dR is None else dR.float().contiguous().clone()
@@ -662,14 +665,16 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     return dqt.sum(0), dw.sum(0), dkt.sum(0), du, dlast.sum(0), dlam.sum(0), dstate
 
 
-def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, seq_lens: tuple, position, *, scale):
-    """`gdn_chunk_grads_kernel` over every grid chunk: `gdn_chunk_locals_backward`'s result `(dq, dk, dv
-    (input dtypes), dg (fp32, None without g), dbeta, dlam (fp32; the in-chunk level columns))` from
-    flattened tokens, the forward's `t_inv` and `w`, and the cotangents `grads` (`o_intra` the output's
-    gradient; `t_inv` may be None, the others not)."""
+def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chunks: tuple, *, scale):
+    """`gdn_chunk_grads_kernel` over every grid chunk (`chunks`, the forward's table): `gdn_chunk_locals_backward`'s
+    result `(dq, dk, dv (input dtypes), dg (fp32, None without g), dbeta, dlam (fp32; the in-chunk level
+    columns))` from flattened tokens, the forward's `t_inv` and `w`, and the cotangents `grads` (`o_intra`
+    the output's gradient; `t_inv` may be None, the others not)."""
     N_tok, H, K = q.shape
     V, L = v.shape[-1], lam.shape[-1]
-    config, C, LOG_C, _, _, chunks, _ = _walk_plan(seq_lens, position, L)
+    config = get_config()
+    C = config.chunk_size
+    LOG_C = C.bit_length() - 1
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbeta = torch.empty(N_tok, H, dtype=torch.float32, device=q.device)
     dg = torch.empty(N_tok, H, dtype=torch.float32, device=q.device) if g is not None else None
