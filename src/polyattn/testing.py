@@ -113,6 +113,34 @@ LOW_PRECISION_FLOOR = {torch.float32: 5e-6, torch.bfloat16: 2.0**-8, torch.float
 LOW_PRECISION_CEILING = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
+def random_kata_state(N: int, H: int, P: int, V: int, *, seed: int, device):
+    """A seeded `KataState` for tests: `S [N, H, P, V]` of either sign (0.5 · normal), `z [N, H, P]` a
+    normaliser of nonnegative weights (uniform), float64."""
+    from polyattn.ops.kata import KataState
+
+    gen = torch.Generator().manual_seed(seed)
+    S = 0.5 * torch.randn(N, H, P, V, generator=gen, dtype=torch.float64)
+    z = torch.rand(N, H, P, generator=gen, dtype=torch.float64)
+    return KataState(S.to(device), z.to(device))
+
+
+def kata_gpu_cases(t_grid, variants) -> list:
+    """The KATA kernels' GPU test grid of cases `(T, dtype, groups, combine, decay, normalize, with_state)`:
+    KATA-M1 over `t_grid`, fp32 and bf16 and every flag, then each of the other `(groups, combine)`
+    `variants` at T = 65 and 1000 in both dtypes with two opposite sets of flags."""
+    dtypes = (torch.float32, torch.bfloat16)
+    cases = [(T, dt, 1, "concat", d, n, s) for T in t_grid for dt in dtypes for d in (False, True) for n in (False, True)
+             for s in (False, True)]
+    return cases + [(T, dt, G, c, d, d, d) for T in (65, 1000) for dt in dtypes for G, c in variants if G > 1 for d in (False, True)]
+
+
+def kata_case_id(case) -> str:
+    """A parametrize id of a KATA test case, e.g. `T65-bf16-concat-G2-g-norm-h0`."""
+    T, dtype, groups, combine, decay, normalize, with_state = case
+    flags = f"{'g' if decay else 'nog'}-{'norm' if normalize else 'unnorm'}-{'h0' if with_state else 'noh0'}"
+    return f"T{T}-{dtype_id(dtype)}-{combine}-G{groups}-{flags}"
+
+
 def loglinear_prefix_state(make_inputs, positions: list[int], L: int, shape: tuple, *, device, seed: int = 1):
     """A `LogLinearState` reached by the naive log-linear form after a random prefix, per sequence at its
     own position: `make_inputs(P, seed, L)` gives a prefix's inputs (a dict of `loglinear_attn`'s

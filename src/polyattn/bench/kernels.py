@@ -11,7 +11,9 @@ The delta rule (ops/delta/README.md, "Cost") adds the `K K^T` of the solve and t
 forward FLOPs `2 (2C(K+V) + 3KV)`, the same minimum bytes. KATA's quadratic kernel
 (ops/kata/README.md, "Triton kernel") counts its products per causal pair, `T/2` pairs per token:
 forward `T (K' + V)`, fwd+bwd `T (5K' + 4V)` FLOPs per token and head, `K' = K` for KATA-Mg and
-`groups·K` for KATA-Σg (the split halves of fp32 tiles not counted); the same minimum bytes.
+`groups·K` for KATA-Σg (the split halves of fp32 tiles not counted); the same minimum bytes. Its chunked
+form (`polyattn-triton-chunk`, forward only) counts the pairs inside a chunk, `min(T, CS) (K' + V)`, and
+the lifted write and read, `4 P (V + 1)` (P lifted features, ops/kata/README.md, "Chunked Triton kernel").
 Log-linear Mamba-2 (ops/loglinear/README.md,
 "Triton kernels"; `scale = 1`, lam = softplus of a normal draw, `num_levels(T)` columns, differentiated)
 reads about half of its `NL = log2(T / C)` chunk-levels per token: forward FLOPs
@@ -121,6 +123,11 @@ def cases() -> list[Case]:
              lambda q, k, v, g, b, G=G, c=c: lambda: ops.kata(q, k, v, groups=G, combine=c, impl="triton_parallel")[0])
         for op, (G, c) in KATA.items()
     ]
+    out += [  # the chunked lifted-state form: forward only (no backward yet)
+        Case(op, "polyattn-triton-chunk",
+             lambda q, k, v, g, b, G=G, c=c: lambda: ops.kata(q, k, v, groups=G, combine=c, impl="triton_chunk")[0])
+        for op, (G, c) in KATA.items()
+    ]
     out += [  # first-order KATA and DeltaKATA (P = K) on the linear and delta-rule kernels, in fp32
         Case("kata_lorentz", "polyattn-triton",
              lambda q, k, v, g, b: lambda: ops.kata(q, k, v, g, feature="lorentz", impl="triton")[0]),
@@ -148,13 +155,21 @@ def cases() -> list[Case]:
     return out
 
 
-def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int, T: int | None = None) -> tuple[float, float]:
+def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int, T: int | None = None, impl: str = "") -> tuple[float, float]:
     """FLOPs and minimum bytes of one call (the module docstring); HLA2 counts two linear calls;
-    KATA's quadratic kernel its products per causal pair. T: the sequence length (log-linear
+    KATA's quadratic kernel its products per causal pair, its chunked form those inside a chunk
+    (`KernelConfig.kata_chunk_size`) and the lifted write and read. T: the sequence length (log-linear
     attention's level count, KATA's pairs; default `tokens`)."""
     if op in KATA:
         T = T or tokens
         Kp = K * KATA[op][0] if KATA[op][1] == "sum" else K
+        if impl == "polyattn-triton-chunk":
+            from polyattn.ops.kata import make_feature_map
+            from polyattn.ops.triton.plan import get_config
+
+            P = make_feature_map("psd", K, *KATA[op]).dim()
+            flops = min(T, get_config().kata_chunk_size) * (Kp + V) + 4 * P * (V + 1)
+            return flops * tokens * H, (2 * K + 2 * V) * 2 * tokens * H
         flops = T * (Kp + V) if mode == "fwd" else T * (5 * Kp + 4 * V)
         bytes_ = (2 * K + 2 * V) * 2 if mode == "fwd" else (5 * K + 6 * V) * 2
         return flops * tokens * H, bytes_ * tokens * H
@@ -268,7 +283,7 @@ def run(out: Path, dims=(128, 64), t_grid=T_GRID, modes=("fwd", "fwdbwd"), impls
                     row = dict(op=case.op, impl=case.impl, T=T, B=B, H=H, K=D, V=D, mode=mode, ms=ms,
                                peak_gib=None if peak is None else peak / 2**30)
                     if isinstance(ms, float):
-                        flops, bytes_ = flops_bytes(case.op, mode, B * T, D, D, T=T)
+                        flops, bytes_ = flops_bytes(case.op, mode, B * T, D, D, T=T, impl=case.impl)
                         row.update(tokens_per_s=B * T / ms * 1e3)
                         if case.op != "softmax":
                             row.update(tflops=flops / ms * 1e-9, gbps=bytes_ / ms * 1e-6)
@@ -308,6 +323,11 @@ RATIOS = (  # (our op, our impl, anchor op, anchor impl)
     ("kata_m1", "polyattn-triton-parallel", "softmax", "sdpa-cudnn"),
     ("kata_m2", "polyattn-triton-parallel", "softmax", "sdpa-flash"),
     ("kata_s2", "polyattn-triton-parallel", "softmax", "sdpa-flash"),
+    ("kata_m1", "polyattn-triton-chunk", "softmax", "sdpa-flash"),
+    ("kata_m2", "polyattn-triton-chunk", "softmax", "sdpa-flash"),
+    ("kata_m2", "polyattn-triton-chunk", "softmax", "sdpa-cudnn"),
+    ("kata_s2", "polyattn-triton-chunk", "softmax", "sdpa-flash"),
+    ("kata_m2", "polyattn-triton-chunk", "kata_m2", "polyattn-triton-parallel"),
     ("loglinear_mamba2", "polyattn-triton", "loglinear_mamba2", "fla-chunk_log_linear_attn"),
     ("loglinear_mamba2", "polyattn-triton", "linear_attn_decay", "polyattn-triton"),
     ("loglinear_mamba2", "polyattn-triton", "softmax", "sdpa-cudnn"),

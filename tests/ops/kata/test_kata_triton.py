@@ -23,7 +23,10 @@ from polyattn.ops.kata.triton.tiles import diagonal_decay_ref, key_diagonal_deca
 from polyattn.ops.triton.decay import chunk_decay, reset_limited
 from polyattn.ops.triton.precision import LOG2E
 from polyattn.ops.triton.plan import KernelConfig, get_config, use_config
-from polyattn.testing import assert_close_rel, assert_decay_weights_close, assert_continuation, assert_low_precision_matches, dtype_id, rel_err, seeded_inputs
+from polyattn.testing import (
+    assert_close_rel, assert_decay_weights_close, assert_continuation, assert_low_precision_matches, dtype_id, kata_case_id,
+    kata_gpu_cases, random_kata_state, rel_err, seeded_inputs,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -44,11 +47,7 @@ def _inputs(Bx, T, decay, seed=0, Kx=K):
 
 
 def _state(N, groups, combine, seed, Kx=K):
-    gen = torch.Generator().manual_seed(seed)
-    P = make_feature_map("psd", Kx, groups, combine).dim()
-    S = 0.5 * torch.randn(N, H, P, V, generator=gen, dtype=torch.float64)
-    z = torch.rand(N, H, P, generator=gen, dtype=torch.float64)  # a normaliser of nonnegative weights
-    return KataState(S.to(DEVICE), z.to(DEVICE))
+    return random_kata_state(N, H, make_feature_map("psd", Kx, groups, combine).dim(), V, seed=seed, device=DEVICE)
 
 
 def _forms(groups, combine, normalize):
@@ -63,19 +62,11 @@ def _check(T, dtype, groups, combine, decay, normalize, with_state, Bx=1, seed=0
         assert_low_precision_matches(*_forms(groups, combine, normalize), x, h0, dtype, lengths=lengths)
 
 
-def _case_id(case):
-    T, dtype, groups, combine, decay, normalize, with_state = case
-    flags = f"{'g' if decay else 'nog'}-{'norm' if normalize else 'unnorm'}-{'h0' if with_state else 'noh0'}"
-    return f"T{T}-{dtype_id(dtype)}-{combine}-G{groups}-{flags}"
-
-
 # (T, dtype, groups, combine, decay, normalize, with_state). CPU: every variant once in fp32, three bf16
 # cases, the T grid on KATA-M1; CUDA: KATA-M1 over the T grid, both dtypes and every flag, and the
 # other variants at T = 65 and 1000 in both dtypes with two opposite sets of flags.
 if CUDA:
-    DTS = (torch.float32, torch.bfloat16)
-    CASES = [(T, dt, 1, "concat", d, n, s) for T in T_GRID for dt in DTS for d in (False, True) for n in (False, True) for s in (False, True)]
-    CASES += [(T, dt, G, c, d, d, d) for T in (65, 1000) for dt in DTS for G, c in VARIANTS[1:] for d in (False, True)]
+    CASES = kata_gpu_cases(T_GRID, VARIANTS)
 else:
     CASES = [(40, torch.float32, G, c, True, True, True) for G, c in VARIANTS] + [
         (65, torch.bfloat16, 1, "concat", True, True, True),
@@ -89,7 +80,7 @@ else:
     ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[kata_case_id(c) for c in CASES])
 def test_triton_matches_naive(case):
     """o, final state and every gradient: each (groups, combine), with and without decay, normalized or
     not (the kernel's own normalized read), with and without an initial state (the combined read of
@@ -347,11 +338,8 @@ def test_dispatch():
 
 
 def _first_order_state(N, seed):
-    """A first-order `KataState` (P = K): a numerator of either sign, a normaliser of positive weights."""
-    gen = torch.Generator().manual_seed(seed)
-    S = 0.5 * torch.randn(N, H, K, V, generator=gen, dtype=torch.float64)
-    z = torch.rand(N, H, K, generator=gen, dtype=torch.float64)
-    return KataState(S.to(DEVICE), z.to(DEVICE))
+    """A first-order `KataState` (P = K)."""
+    return random_kata_state(N, H, K, V, seed=seed, device=DEVICE)
 
 
 def _first_order_check(feature, T, dtype, decay, normalize, with_state, lengths=None, seed=0):

@@ -152,6 +152,7 @@ def _triton_call(op, x):
         "loglinear_mamba2": lambda: ops.loglinear_attn(q, k, v, lam, g, impl="triton"),
         "loglinear_gdn": lambda: ops.loglinear_attn(q, unit_k, v, lam, g, beta=beta, impl="triton"),
         "kata_m2": lambda: ops.kata(q, k, v, g, groups=2, impl="triton"),
+        "kata_m2_chunk": lambda: ops.kata(q, k, v, g, groups=2, impl="triton_chunk"),
         "kata_lorentz": lambda: ops.kata(q, k, v, g, feature="lorentz", impl="triton"),
         "deltakata_lorentz": lambda: ops.kata(q, k, v, g, feature="lorentz", beta=beta, normalize=False, impl="triton"),
     }
@@ -182,7 +183,7 @@ def test_first_nonfinite_row_matches_twin(plant):
 # "Guarantees of the Triton forms")
 NONFINITE_INPUT_CAUSAL = (
     "linear_attn", "delta_rule", "hla2", "ahla", "hla3", "loglinear_mamba2", "loglinear_gdn", "kata_m1", "kata_m2", "kata_s2",
-    "kata_lorentz", "deltakata_lorentz",
+    "kata_m2_chunk", "kata_s2_chunk", "kata_lorentz", "deltakata_lorentz",
 )
 BETA_OPS = ("delta_rule", "loglinear_gdn", "deltakata_lorentz")
 
@@ -204,14 +205,15 @@ def test_triton_forms_under_nonfinite_inputs(op, field, value, packed, position)
     x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)  # the delta rule's contractive regime
     x["lam"] = torch.rand(1, T, H, num_levels(T), generator=torch.Generator().manual_seed(8)).to(DEVICE)
     hla = {"hla2": {}, "ahla": {"asymmetric": True}, "hla3": {"order": 3}}
-    kata = {"kata_m1": {}, "kata_m2": {"groups": 2}, "kata_s2": {"groups": 2, "combine": "sum"}, "kata_lorentz": {"feature": "lorentz"}}
+    kata = {"kata_m1": {}, "kata_m2": {"groups": 2}, "kata_s2": {"groups": 2, "combine": "sum"}, "kata_lorentz": {"feature": "lorentz"},
+            "kata_m2_chunk": {"groups": 2, "impl": "triton_chunk"}, "kata_s2_chunk": {"groups": 2, "combine": "sum", "impl": "triton_chunk"}}
     options = dict(impl="triton", cu_seqlens=torch.tensor([0, 40, T], device=DEVICE) if packed else None)
 
     def call(x):
         if op in hla:
             return ops.hla(x["q"], x["k"], x["v"], x["g"], **hla[op], **options)[0]
         if op in kata:
-            return ops.kata(x["q"], x["k"], x["v"], x["g"], **kata[op], **options)[0]
+            return ops.kata(x["q"], x["k"], x["v"], x["g"], **{**options, **kata[op]})[0]
         if op == "loglinear_mamba2":
             return ops.loglinear_attn(x["q"], x["k"], x["v"], x["lam"], x["g"], **options)[0]
         if op == "loglinear_gdn":
@@ -222,7 +224,7 @@ def test_triton_forms_under_nonfinite_inputs(op, field, value, packed, position)
             return ops.kata(x["q"], x["k"], x["v"], x["g"], feature="lorentz", beta=x["beta"], normalize=False, **options)[0]
         return ops.linear_attn(x["q"], x["k"], x["v"], x["g"], **options)[0]
 
-    with use_config(KernelConfig(kata_block_m=64, kata_block_n=16) if DEVICE == "cpu" else get_config()):
+    with use_config(KernelConfig(kata_block_m=64, kata_block_n=16, kata_chunk_size=64) if DEVICE == "cpu" else get_config()):
         clean = call(x)
         x[field][:, position, 0] = float(value)
         o = call(x)
@@ -233,8 +235,8 @@ def test_triton_forms_under_nonfinite_inputs(op, field, value, packed, position)
 
 
 @pytest.mark.parametrize("position", [64, 100], ids=["chunk-start", "inside"])
-@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla2", "loglinear_mamba2", "loglinear_gdn", "kata_m2", "kata_lorentz",
-                                "deltakata_lorentz"])
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla2", "loglinear_mamba2", "loglinear_gdn", "kata_m2", "kata_m2_chunk",
+                                "kata_lorentz", "deltakata_lorentz"])
 def test_triton_forms_under_a_nan_gate(op, position):
     """A NaN log-decay at one token (a NaN activation under a learned gate) is non-finite input: it
     reaches the outputs from that token on, and leaves every earlier output bit-identical."""
@@ -243,7 +245,7 @@ def test_triton_forms_under_a_nan_gate(op, position):
     T, H, K, V = (150, 2, 8, 12) if DEVICE == "cpu" else (1000, 16, 128, 96)
     x = {n: t.float() for n, t in seeded_inputs(1, T, H, K, V, decay=True, beta=True, seed=5, device=DEVICE).items()}
     x["lam"] = torch.rand(1, T, H, num_levels(T), generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    with use_config(KernelConfig(kata_block_m=32, kata_block_n=16) if DEVICE == "cpu" else get_config()):
+    with use_config(KernelConfig(kata_block_m=32, kata_block_n=16, kata_chunk_size=64) if DEVICE == "cpu" else get_config()):
         clean = _triton_call(op, x)
         x["g"][:, position, 0] = float("nan")  # head 0
         o = _triton_call(op, x)

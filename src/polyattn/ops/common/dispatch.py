@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-FORMS = ("naive", "recurrent", "chunk", "scan", "parallel", "triton", "triton_parallel")
+FORMS = ("naive", "recurrent", "chunk", "scan", "parallel", "triton", "triton_parallel", "triton_chunk")
 
 
 def resolve_impl(mechanism: str, impl: str, available: Mapping[str, Callable], q: torch.Tensor) -> Callable:

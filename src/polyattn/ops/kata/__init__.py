@@ -13,7 +13,7 @@ from polyattn.ops.kata.parallel import kata_parallel
 from polyattn.ops.kata.recurrent import deltakata_recurrent, kata_recurrent
 from polyattn.ops.kata.scan import kata_scan
 from polyattn.ops.kata.state import KataState
-from polyattn.ops.kata.triton import deltakata_triton, kata_triton, kata_triton_first_order, kata_triton_parallel  # lazy: triton loads on first call
+from polyattn.ops.kata.triton import deltakata_triton, kata_triton, kata_triton_chunk, kata_triton_first_order, kata_triton_parallel  # lazy: triton loads on first call
 
 KATA_FORMS = {
     "naive": kata_naive,
@@ -22,7 +22,8 @@ KATA_FORMS = {
     "scan": kata_scan,
     "parallel": kata_parallel,
     "triton_parallel": kata_triton_parallel,
-    "triton": kata_triton,  # PSD: the quadratic kernel (until the chunked-state kernel joins it); first order: linear attention's
+    "triton_chunk": kata_triton_chunk,
+    "triton": kata_triton,  # PSD: the quadratic kernel, or the chunked one without gradients past its crossover; first order: linear attention's
 }
 
 DELTAKATA_FORMS = {
@@ -83,10 +84,12 @@ def kata(
             P = ``make_feature_map(feature, K, groups, combine).dim()``.
         output_final_state: also return the state after the last token (fp32, float64 for float64 inputs).
         cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1).
-        impl: KATA ``"naive" | "recurrent" | "chunk" | "scan" | "parallel" | "triton_parallel" | "triton" | "auto"``
-            (``"triton_parallel"``: the flash-style quadratic kernel, PSD maps only; ``"triton"``: that kernel
-            for PSD maps and linear attention's kernels for the first-order ones; with a PSD map both run
-            one-token calls without gradients on the fused decoding step);
+        impl: KATA ``"naive" | "recurrent" | "chunk" | "scan" | "parallel" | "triton_parallel" | "triton_chunk" | "triton" | "auto"``
+            (``"triton_parallel"``: the flash-style quadratic kernel, PSD maps only; ``"triton_chunk"``: the
+            chunked lifted-state kernels, PSD maps, without gradients; ``"triton"``: for PSD maps the quadratic
+            kernel, or the chunked one for a call without gradients past its crossover length, and linear
+            attention's kernels for the first-order ones; with a PSD map all three run one-token calls without
+            gradients on the fused decoding step);
             DeltaKATA ``"naive" | "recurrent" | "chunk" | "triton" | "auto"`` (``"triton"``: the delta-rule kernels
             on lifted keys, for maps of at most 128 features; the fused step for PSD decoding calls).
             ``"auto"`` on CUDA: ``"triton"`` for PSD KATA (``groups`` a power of two) and for PSD decoding
@@ -140,6 +143,7 @@ __all__ = [
     "kata_scan",
     "kata_state_size",
     "kata_triton",
+    "kata_triton_chunk",
     "kata_triton_first_order",
     "kata_triton_parallel",
     "make_feature_map",

@@ -45,6 +45,12 @@ class KernelConfig:
     gradients) enter the bf16/fp16 products with values, keys and queries: "split" (the default,
     the tests' error bound) in two halves, precision.mma_left_fp32, two products with ~16
     mantissa bits; "rounded" one product of the rounded tile (flash attention's precision).
+    KATA's chunked form (ops/kata/triton/chunk.py) cuts sequences into state chunks of kata_chunk_size
+    tokens (a multiple of kata_block_m and kata_block_n; inside a chunk the quadratic kernel runs), walks
+    them in sub-tiles of kata_block_n tokens with blocks of about kata_state_block lifted features per
+    program, and runs its two kernels with kata_chunk_warps warps; `impl="triton"` takes it for calls without
+    gradients from kata_chunk_crossover·(P + 1024) tokens per sequence (P lifted features; a fit to the H200's
+    crossovers at K = V = 64: about 11K tokens for KATA-M2, 8.6K for Σ2, 21K for M1).
     gdn_block_v and gdn_num_warps are the value tile and warps of log-linear Gated DeltaNet's level
     walks, forward and backward (ops/loglinear/triton/gdn.py; ptxas for sm_90a at K = 128, a 32-column
     tile: the forward walk spills 408 bytes per thread at 8 warps, 2.2 KB at 4); its per-chunk kernels
@@ -68,6 +74,10 @@ class KernelConfig:
     kata_bwd_warps: int = 8
     kata_num_stages: int = 2
     kata_score_dot: str = "split"
+    kata_chunk_size: int = 512
+    kata_state_block: int = 128
+    kata_chunk_warps: int = 4
+    kata_chunk_crossover: float = 4.0
     gdn_block_v: int = 32
     gdn_num_warps: int = 8
 

@@ -3,7 +3,7 @@
 Files by stage (on the shared core ops/triton: precision helpers, tile tables, chunk decay):
 tiles.py (grouped loads, squared group scores and their gradient, diagonal decay tiles),
 forward.py (the flash-style quadratic forward), backward.py (dq pass over key tiles, dk/dv pass
-over query tiles), function.py (custom ops, autograd, the host's state read and write), step.py
+over query tiles), chunk.py (the chunked form's lifted states and their read), function.py (custom ops, autograd, the host's state read and write), step.py
 (the fused one-token decoding step). Each
 kernel file holds its PyTorch twin (`*_ref`). The first-order maps need no kernel of their own:
 `kata_triton_first_order` runs them on linear attention's. Importing this package does not import
@@ -34,32 +34,50 @@ def fused_step(step, tokens: tuple, state, cu_seqlens, output_final_state: bool,
     return o[:, None], (new if output_final_state else None)  # [B, H, V] -> [B, 1, H, V]
 
 
-def kata_triton_parallel(
-    q, k, v, g=None, *, feature="psd", groups=1, combine="concat", normalize=True, eps=1e-6, scale,
-    initial_state=None, output_final_state=False, cu_seqlens=None,
-):
-    """Triton flash-style quadratic form of `kata` (PSD maps, `groups` a power of two; handles
-    `cu_seqlens` natively; see function.py); one token per sequence without gradients (decoding)
-    runs the fused step of step.py instead, for any `groups`."""
+def psd_kernels(impl: str, fused: str, q, k, v, g, *, feature, groups, combine, normalize, eps, scale,
+                initial_state, output_final_state, cu_seqlens):
+    """The PSD maps' Triton forms: one token per sequence without gradients (decoding) runs the fused step of
+    step.py, for any `groups`; everything else `function.<fused>`, for `groups` a power of two."""
     if feature != "psd":
-        raise ValueError(f"impl='triton_parallel': the Triton kernels compute feature='psd', got feature={feature!r}")
-    from . import step
+        raise ValueError(f"impl={impl!r}: the Triton kernels compute feature='psd', got feature={feature!r}")
+    from . import function, step
 
     decoded = fused_step(step.kata_step, (q, k, v, g), initial_state, cu_seqlens, output_final_state,
                          groups=groups, combine=combine, normalize=normalize, eps=eps, scale=scale)
     if decoded is not None:
         return decoded
     if groups & (groups - 1):
-        raise ValueError(f"impl='triton_parallel': expected groups a power of two, got groups = {groups}")
-    from .function import kata_parallel_fused
-
-    return kata_parallel_fused(
+        raise ValueError(f"impl={impl!r}: expected groups a power of two, got groups = {groups}")
+    return getattr(function, fused)(
         q, k, v, g, groups=groups, combine=combine, normalize=normalize, eps=eps, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
     )
 
 
+def kata_triton_parallel(q, k, v, g=None, *, feature="psd", groups=1, combine="concat", normalize=True, eps=1e-6, scale,
+                         initial_state=None, output_final_state=False, cu_seqlens=None):
+    """Triton flash-style quadratic form of `kata` (PSD maps, `groups` a power of two; handles
+    `cu_seqlens` natively; see function.py); one token per sequence without gradients (decoding)
+    runs the fused step of step.py instead, for any `groups`."""
+    return psd_kernels("triton_parallel", "kata_parallel_fused", q, k, v, g, feature=feature, groups=groups, combine=combine,
+                       normalize=normalize, eps=eps, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
 kata_triton_parallel.native_varlen = True
+
+
+def kata_triton_chunk(q, k, v, g=None, *, feature="psd", groups=1, combine="concat", normalize=True, eps=1e-6, scale,
+                      initial_state=None, output_final_state=False, cu_seqlens=None):
+    """Triton chunked lifted-state form of `kata` (PSD maps, `groups` a power of two, no gradients; handles
+    `cu_seqlens` natively; see chunk.py): cost linear in T. One token per sequence without gradients
+    (decoding) runs the fused step of step.py."""
+    return psd_kernels("triton_chunk", "kata_chunk_fused", q, k, v, g, feature=feature, groups=groups, combine=combine,
+                       normalize=normalize, eps=eps, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+kata_triton_chunk.native_varlen = True
 
 
 def kata_triton_first_order(
@@ -87,10 +105,27 @@ def kata_triton_first_order(
 kata_triton_first_order.native_varlen = True
 
 
+def chunk_pays(q, k, v, g, *, groups=1, combine="concat", initial_state=None, cu_seqlens=None, **_) -> bool:
+    """Whether `impl="triton"` runs a PSD call on the chunked form: no gradient wanted (the form has no
+    backward yet), `K / groups` a power of two >= 4, and the longest sequence at least
+    `KernelConfig.kata_chunk_crossover · (P + 1024)` tokens, where the quadratic kernel's T² work overtakes
+    the chunked form's (ops/kata/README.md, "Chunked Triton kernel")."""
+    from polyattn.ops.common import wants_grad
+    from polyattn.ops.triton.plan import get_config, sequence_lengths
+
+    E = q.shape[-1] // groups
+    if wants_grad((q, k, v, g, initial_state)) or E < 4 or E & (E - 1):
+        return False
+    P = make_feature_map("psd", q.shape[-1], groups, combine).dim()
+    return max(sequence_lengths(cu_seqlens, *q.shape[:2]), default=0) >= get_config().kata_chunk_crossover * (P + 1024)
+
+
 def kata_triton(q, k, v, g=None, *, feature="psd", **options):
-    """`impl="triton"`: the quadratic kernel for the PSD maps, linear attention's kernels for the
-    first-order ones."""
-    form = kata_triton_parallel if feature == "psd" else kata_triton_first_order
+    """`impl="triton"`: for the PSD maps the quadratic kernel, or the chunked form where `chunk_pays`;
+    linear attention's kernels for the first-order maps."""
+    if feature != "psd":
+        return kata_triton_first_order(q, k, v, g, feature=feature, **options)
+    form = kata_triton_chunk if chunk_pays(q, k, v, g, **options) else kata_triton_parallel
     return form(q, k, v, g, feature=feature, **options)
 
 
@@ -132,4 +167,4 @@ def deltakata_triton(
 
 deltakata_triton.native_varlen = True
 
-__all__ = ["DELTA_MAX_FEATURES", "deltakata_triton", "kata_triton", "kata_triton_first_order", "kata_triton_parallel"]
+__all__ = ["DELTA_MAX_FEATURES", "chunk_pays", "deltakata_triton", "kata_triton", "kata_triton_chunk", "kata_triton_first_order", "kata_triton_parallel"]

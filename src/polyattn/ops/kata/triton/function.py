@@ -15,13 +15,16 @@ that the gradients of both add in fp32 and are rounded once (the ops take the ke
 """
 import torch
 
-from polyattn.ops.common import suffix_sum
+from polyattn.ops.common import suffix_sum, wants_grad
 from polyattn.ops.kata.feature_maps import make_feature_map
-from polyattn.ops.kata.state import join_state, split_state, with_ones
-from polyattn.ops.triton.plan import chunk_table, get_config, no_output, reverse_cumsum, sequence_lengths, sequence_starts
+from polyattn.ops.kata.state import KataState, join_state, split_state, with_ones
+from polyattn.ops.triton.plan import (
+    block, chunk_table, get_config, no_output, reverse_cumsum, segment_table, sequence_lengths, sequence_starts,
+)
 from polyattn.ops.triton.precision import check_kernel_inputs, dot_f32
 
 from .backward import kata_dkdv_kernel, kata_dq_kernel
+from .chunk import chunk_lengths, kata_read_kernel, kata_states_kernel
 from .forward import kata_forward_kernel
 from .tiles import block_sizes
 
@@ -58,17 +61,11 @@ def _flat(x):
     return None if x is None else x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()  # [B, T, H, ...] -> [B*T, H, ...]
 
 
-@torch.library.custom_op("polyattn::kata_parallel_forward", mutates_args=())
-def kata_parallel_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, prior: torch.Tensor | None,
-    scale: float, eps: float, seq_lens: list[int], groups: int, combine: str, normalize: bool, keep_o32: bool,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward kernel as a custom op: `(o [B, T, H, V] in dtype, den [B, T, H] fp32, o32)`, o32 the
-    fp32 o before its downcast with `keep_o32` (else an empty [0] tensor); prior: `[B, T, H, V + 1]` fp32 or None.
-    dtype: the kernels' input dtype; q, k, v may come in fp32 (copies of dtype values, see
-    `kata_parallel_fused`), and are cast to it first."""
-    q, k, v = (x.to(dtype) for x in (q, k, v))
+def quadratic_forward(q, k, v, g, prior, scale: float, eps: float, seq_lens, groups: int, combine: str, normalize: bool,
+                      keep_o32: bool):
+    """Launch forward.py's kernel on q, k, v in the kernels' dtype: `(o [B*T, H, V], den [B*T, H] fp32, o32)`,
+    o32 the fp32 o (`keep_o32`) or an empty [0] tensor; prior `[B, T, H, V + 1]` fp32 or None; `seq_lens` the
+    pieces the keys never cross (the sequences, or the chunked form's state chunks)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     plan = _launch(q, v, seq_lens, groups, combine, get_config().kata_num_warps)
@@ -81,6 +78,23 @@ def kata_parallel_forward(
         USE_G=g is not None, USE_PRIOR=prior is not None, NORMALIZE=normalize, SPLIT=plan["split"], STORE_O32=keep_o32,
         **plan["meta"],
     )
+    return o, den, o32
+
+
+@torch.library.custom_op("polyattn::kata_parallel_forward", mutates_args=())
+def kata_parallel_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, prior: torch.Tensor | None,
+    scale: float, eps: float, seq_lens: list[int], groups: int, combine: str, normalize: bool, keep_o32: bool,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward kernel as a custom op: `(o [B, T, H, V] in dtype, den [B, T, H] fp32, o32)`, o32 the
+    fp32 o before its downcast with `keep_o32` (else an empty [0] tensor); prior: `[B, T, H, V + 1]` fp32 or None.
+    dtype: the kernels' input dtype; q, k, v may come in fp32 (copies of dtype values, see
+    `kata_parallel_fused`), and are cast to it first."""
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    B, T, H, _ = q.shape
+    V = v.shape[-1]
+    o, den, o32 = quadratic_forward(q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize, keep_o32)
     return o.view(B, T, H, V), den.view(B, T, H), (o32.view(B, T, H, V) if keep_o32 else o32)  # [B*T, H, ...] -> [B, T, H, ...]
 
 
@@ -239,3 +253,89 @@ def kata_parallel_fused(
         return o, None
     final = state_write(fmap, k, v, g, state, seq_lens, packed)
     return o, split_state(final)
+
+
+def feature_blocks(K: int, V: int, groups: int, combine: str) -> dict:
+    """The chunked form's feature tiling: the group width `E` (a power of two, at least 4: its rows of the
+    state are whole tiles), `BF = E`, the block of `BE` rows of e per program (`BE·E` lifted features: about
+    `kata_state_block`, at most 8,192 fp32 state values with the whole padded V, at least 16 for the tensor
+    cores), `NE` blocks per slot, the slots and `P`. ValueError for another E."""
+    E = K // groups
+    if E < 4 or E & (E - 1):
+        raise ValueError(f"impl='triton_chunk': expected K / groups a power of two >= 4, got K = {K}, groups = {groups}")
+    target = max(16, min(get_config().kata_state_block, 8192 // block(V)))
+    BE = max(16 // E, min(E, target // E))
+    slots = 1 if combine == "sum" else groups
+    return dict(E=E, BF=E, BE=BE, BV=block(V), NE=E // BE, slots=slots, P=slots * E * E)
+
+
+@torch.library.custom_op("polyattn::kata_chunk_forward", mutates_args=())
+def kata_chunk_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, h0: torch.Tensor | None,
+    z0: torch.Tensor | None, scale: float, eps: float, seq_lens: list[int], groups: int, combine: str,
+    normalize: bool, store_ht: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunked form's three kernels as a custom op (chunk.py): `(o [B, T, H, V], ht [N, H, P, V], zt [N, H, P])`,
+    the final state fp32 with `store_ht` (else empty [0] tensors); h0, z0: the initial `S`, `z` (fp32) or None."""
+    config = get_config()
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = len(seq_lens)
+    CS, BS = config.kata_chunk_size, config.kata_block_n
+    if CS % BS or CS % config.kata_block_m:
+        raise ValueError(f"KernelConfig: expected kata_chunk_size a multiple of kata_block_m and kata_block_n, got {CS}")
+    tiling = feature_blocks(K, V, groups, combine)
+    P = tiling["P"]
+    pieces = chunk_lengths(tuple(seq_lens), CS)
+    _, cu_chunks, NC = chunk_table(tuple(seq_lens), CS, q.device)
+    qf, kf, vf, gf = (_flat(x) for x in (q, k, v, g))
+    meta = dict(G=groups, SUM=combine == "sum", BF=tiling["BF"], BV=tiling["BV"], USE_G=g is not None, F32=dot_f32(q.dtype),
+                num_warps=config.kata_chunk_warps, num_stages=config.kata_num_stages)
+    sizes = (H, K, V, tiling["E"], P)
+    hs = torch.empty(NC, H, P, V, dtype=torch.float32, device=q.device)
+    zs = torch.empty(NC, H, P, dtype=torch.float32, device=q.device)
+    ht = torch.empty(N, H, P, V, dtype=torch.float32, device=q.device) if store_ht else no_output(q)
+    zt = torch.empty(N, H, P, dtype=torch.float32, device=q.device) if store_ht else no_output(q)
+    kata_states_kernel[(tiling["slots"] * tiling["NE"], N, H)](
+        kf, vf, gf, h0, z0, hs, zs, ht, zt, segment_table(tuple(seq_lens), 1, CS, q.device)[0], cu_chunks, *sizes, tiling["NE"],
+        BE=tiling["BE"], BS=BS, SUB=CS // BS, USE_H0=h0 is not None, STORE_HT=store_ht, **meta,
+    )
+    tiles, _, NT = chunk_table(pieces, BS, q.device)
+    prior = torch.empty(B * T, H, V + 1, dtype=torch.float32, device=q.device)
+    kata_read_kernel[(NT, H)](qf, gf, hs, zs, prior, tiles, sequence_starts(pieces, q.device), scale * scale, *sizes, BT=BS, **meta)
+    del hs, zs
+    o, _, _ = quadratic_forward(q, k, v, g, prior.view(B, T, H, V + 1), scale, eps, pieces, groups, combine, normalize, False)
+    return o.view(B, T, H, V), ht, zt  # [B*T, H, V] -> [B, T, H, V]
+
+
+@kata_chunk_forward.register_fake
+def _(q, k, v, g, h0, z0, scale, eps, seq_lens, groups, combine, normalize, store_ht):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    P = make_feature_map("psd", K, groups, combine).dim()
+    if not store_ht:
+        return v.new_empty(B, T, H, V), no_output(q), no_output(q)
+    return v.new_empty(B, T, H, V), q.new_empty(len(seq_lens), H, P, V, dtype=torch.float32), q.new_empty(len(seq_lens), H, P, dtype=torch.float32)
+
+
+def kata_chunk_fused(
+    q, k, v, g=None, *, groups, combine, normalize, eps, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+):
+    """Triton chunked lifted-state form of `kata` for the PSD maps, without gradients (inputs already
+    validated, scale resolved): linear in T, where the quadratic form grows as T². q, k: `[B, T, H, K]`;
+    v: `[B, T, H, V]`; g: `[B, T, H]` or None; initial_state: `KataState`; cu_seqlens: int `[N + 1]` with
+    B == 1, handled natively. Returns `(o [B, T, H, V] in q's dtype, KataState fp32 or None)`. A call that
+    needs gradients raises NotImplementedError: the form has no backward yet."""
+    check_kernel_inputs(q)
+    if wants_grad((q, k, v, g, initial_state)):
+        raise NotImplementedError(
+            "impl='triton_chunk' runs without gradients (its backward is not written yet): use impl='triton_parallel' "
+            "or impl='chunk' to train, or call it under torch.no_grad()")
+    seq_lens = sequence_lengths(cu_seqlens, *q.shape[:2])
+    if q.numel() == 0:
+        return kata_parallel_fused(q, k, v, g, groups=groups, combine=combine, normalize=normalize, eps=eps, scale=scale,
+                                   initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    h0, z0 = (None, None) if initial_state is None else (x.float().contiguous() for x in initial_state)
+    o, ht, zt = kata_chunk_forward(q, k, v, g, h0, z0, float(scale), float(eps), list(seq_lens), groups, combine, normalize,
+                                   output_final_state)
+    return o, (KataState(ht, zt) if output_final_state else None)

@@ -1,0 +1,215 @@
+"""KATA's chunked lifted-state form on the GPU (PSD maps, forward): chunk states, their read, the quadratic
+kernel inside each chunk.
+
+Every sequence is cut into *state chunks* of CS tokens (`KernelConfig.kata_chunk_size`; the last one
+shorter). With `[S | z]` the augmented state `[P, V + 1]` (ops/kata/state.py), G the inclusive cumsum of g
+in the sequence and `cs` the first token of t's chunk c (ops/kata/README.md, "Chunked Triton kernel"):
+
+    [S | z]_c = the state after token cs - 1 (the initial state for a sequence's first chunk)
+    prior_t   = exp(G_t - G_{cs-1}) ψ(scale·q_t)ᵀ [S | z]_c                  the read of everything before c
+    o_t       = (num_t + prior_t[:V]) / max(den_t + prior_t[V], eps)       num, den: keys of chunk c only
+
+so the part inside the chunk is forward.py's quadratic kernel on the chunks as sequences of their own, with
+the read as its prior. Two kernels compute the rest:
+
+- `kata_states_kernel` walks a sequence in sub-tiles of BS tokens with one block of BP lifted features of
+  the state on chip (`[BP, V]` fp32 and the normaliser's `[BP]`), storing the state entering every chunk:
+  per sub-tile `S = exp(γ) S + Yᵀ V`, `z = exp(γ) z + Yᵀ 1` with `Y = diag(w) ψ(K)` `[BS, BP]` built in
+  registers, `w_s` the decay from s to the sub-tile's end and γ the sub-tile's log-decay;
+- `kata_read_kernel` forms prior for a tile of BT tokens of one chunk as the bilinear form, row block by row
+  block of the state (ψ(q) is never built), then the per-row weight `scale² exp(G_t - G_{cs-1})`.
+
+A block of lifted features is `(e, f)` for e in `[e0, e0 + BE)` and every f, in one slot (the group for
+KATA-Mg; KATA-Σg has one slot that every group writes): `ψ_(e,f)(u) = u_e u_f` (Σg: `Σ_i u_ie u_if`),
+state row `slot·E² + e·E + f`; E is a power of two. A product of two bf16/fp16 values is exact in fp32, so
+ψ(k) is exact; the decayed `Y` and the fp32 state enter the tensor cores split in two halves (precision.py),
+q and v as they are. `kata_states_ref` and `kata_read_ref` are the PyTorch twins.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from polyattn.ops.common import suffix_sum
+from polyattn.ops.kata.state import with_ones
+from polyattn.ops.triton.decay import chunk_decay, chunk_suffix, reset_limit_ref, reset_limited
+from polyattn.ops.triton.precision import LOG2E, mma_left_fp32, mma_right_fp32
+
+
+@triton.jit
+def lifted_rows(slot, e0, E, BE: tl.constexpr, BF: tl.constexpr):
+    """State rows `slot·E² + e·E + f` of the feature block `(slot, e0)`: with `BF = E` (a power of two) a
+    contiguous run of `BE·E` rows from `(slot·E + e0)·E` (written as one: index arithmetic by `//` and `%`, or
+    an index grid reshaped to 1D, had the H200's stores misaligned at some value widths and warp counts)."""
+    return (slot * E + e0) * E + tl.arange(0, BE * BF)
+
+
+@triton.jit
+def group_outer(x, row, m_t, E, group, e0, BE: tl.constexpr, BF: tl.constexpr):
+    """`x_e x_f` of one group for rows `row` (flat offsets of `x`'s rows), e in `[e0, e0 + BE)`: `[R, BE, BF]` fp32."""
+    p_x = x + row[:, None] + group * E
+    x_e = tl.load(p_x + e0 + tl.arange(0, BE)[None, :], mask=m_t[:, None], other=0.0)  # [R, BE]
+    x_f = tl.load(p_x + tl.arange(0, BF)[None, :], mask=m_t[:, None], other=0.0)  # [R, BF]
+    return x_e.to(tl.float32)[:, :, None] * x_f.to(tl.float32)[:, None, :]  # [R, BE, 1] * [R, 1, BF]
+
+
+@triton.jit
+def lifted_tile(x, t, m_t, H, i_h, K, E, slot, e0, G: tl.constexpr, SUM: tl.constexpr, BE: tl.constexpr, BF: tl.constexpr):
+    """ψ of rows `t` of head `i_h` of a `[N_tok, H, K]` tensor, feature block `(slot, e0)`: `[R, BE·BF]` fp32,
+    column `(e - e0)·E + f` holding `x_e x_f` (Mg: the slot's group; Σg: the sum over groups)."""
+    row = (t.to(tl.int64) * H + i_h) * K  # [R]
+    if SUM:
+        outer = group_outer(x, row, m_t, E, 0, e0, BE, BF)
+        for group in tl.static_range(1, G):
+            outer += group_outer(x, row, m_t, E, group, e0, BE, BF)
+    else:
+        outer = group_outer(x, row, m_t, E, slot, e0, BE, BF)
+    return tl.reshape(outer, (t.shape[0], BE * BF))  # [R, BE, BF] -> [R, BE·BF]
+
+
+@triton.jit
+def kata_states_kernel(
+    k, v, g, h0, z0, hs, zs, ht, zt, seqs, cu_chunks, H, K, V, E, P, NE,
+    G: tl.constexpr, SUM: tl.constexpr, BE: tl.constexpr, BF: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr,
+    SUB: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr,
+):
+    """grid: (slots·NE, N, H), NE = E / BE. One feature block `(slot, e0)` of one sequence and head:
+    the fp32 tiles `[BE·BF, BV]` (S) and `[BE·BF]` (z) stay in registers while the program walks the
+    sequence in sub-tiles of BS tokens, SUB sub-tiles a chunk, storing the state entering every chunk
+    (`hs [NC, H, P, V]`, `zs [NC, H, P]`) and, with STORE_HT, the final one (`ht`, `zt`, per sequence).
+    `seqs` rows: `(bos, eos, ., .)` per sequence; `cu_chunks [N + 1]`: each sequence's first chunk. A
+    non-finite key, value or log-decay makes the state non-finite from its sub-tile on: the states
+    entering earlier chunks, stored before, are untouched."""
+    i_p, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = i_p // NE
+    e0 = (i_p % NE) * BE
+    bos = tl.load(seqs + i_n * 4).to(tl.int64)
+    eos = tl.load(seqs + i_n * 4 + 1).to(tl.int64)
+    c0 = tl.load(cu_chunks + i_n).to(tl.int64)
+    rows = lifted_rows(slot, e0, E, BE, BF)  # [BE·BF]
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+    m_s = (rows >= 0)[:, None] & m_v[None, :]  # [BE·BF, BV]: every row of the block is a state row
+    state = rows[:, None] * V + o_v[None, :]  # [BE·BF, BV] offsets inside one [P, V] state
+    if USE_H0:
+        b_h = tl.load(h0 + (i_n * H + i_h).to(tl.int64) * P * V + state, mask=m_s, other=0.0)  # [BE·BF, BV]
+        b_z = tl.load(z0 + (i_n * H + i_h).to(tl.int64) * P + rows)  # [BE·BF]
+    else:
+        b_h = tl.zeros([BE * BF, BV], dtype=tl.float32)
+        b_z = tl.zeros([BE * BF], dtype=tl.float32)
+    o_t = tl.arange(0, BS)
+    for c in range(0, tl.cdiv(eos - bos, SUB * BS)):
+        i_c = (c0 + c) * H + i_h
+        tl.store(hs + i_c * P * V + state, b_h, mask=m_s)
+        tl.store(zs + i_c * P + rows, b_z)
+        for j in range(0, SUB):
+            t = bos + (c * SUB + j) * BS + o_t
+            m_t = t < eos
+            b_y = lifted_tile(k, t, m_t, H, i_h, K, E, slot, e0, G, SUM, BE, BF)  # [BS, BE·BF]
+            b_v = tl.load(v + (t.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BS, BV]
+            if USE_G:
+                b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, True)  # [BS], [BS], scalar
+                b_y = b_y * tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))[:, None]  # [BS, BE·BF]: decayed to the sub-tile's end
+                b_h = b_h * tl.exp2(b_last)
+                b_z = b_z * tl.exp2(b_last)
+            b_h += mma_left_fp32(tl.trans(b_y), b_v, F32)  # [BE·BF, BS] @ [BS, BV] -> [BE·BF, BV]
+            b_z += tl.sum(b_y, axis=0)  # [BE·BF]
+    if STORE_HT:
+        tl.store(ht + (i_n * H + i_h).to(tl.int64) * P * V + state, b_h, mask=m_s)
+        tl.store(zt + (i_n * H + i_h).to(tl.int64) * P + rows, b_z)
+
+
+@triton.jit
+def kata_read_kernel(
+    q, g, hs, zs, prior, tiles, starts, scale2, H, K, V, E, P,
+    G: tl.constexpr, SUM: tl.constexpr, BF: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, F32: tl.constexpr,
+):
+    """grid: (tiles, H). `prior [N_tok, H, V + 1]` fp32 for one tile of BT tokens of one chunk and head,
+    the bilinear form read row block by row block of the state: for every group i reading a slot and every
+    e < E, `Σ_f q_if S_(e,f) = Q_i [S | z]_e` (`[BT, E] @ [E, V]`, the fp32 rows split in two halves, q
+    exact), weighted by the column `q_ie`, then the rows by `scale² exp(G_t - G_{cs-1})`; ψ is never built.
+    `tiles` rows: `(t0, t1, chunk, .)`, the chunk indexing `hs`, `zs` and `starts` (its first token)."""
+    i_m, i_h = tl.program_id(0), tl.program_id(1)
+    t0 = tl.load(tiles + i_m * 4).to(tl.int64)
+    t1 = tl.load(tiles + i_m * 4 + 1).to(tl.int64)
+    i_c = tl.load(tiles + i_m * 4 + 2).to(tl.int64)
+    t = t0 + tl.arange(0, BT)
+    m_t = t < t1
+    o_f = tl.arange(0, BF)
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+    b_w = tl.full([BT], scale2, dtype=tl.float32)
+    if USE_G:  # log-decay from the chunk's start: direct sums of the chunk's earlier tiles, then the tile's cumsum
+        b_prev = tl.sum(tl.zeros([BT], dtype=tl.float32), axis=0)
+        for u0 in range(tl.load(starts + i_c).to(tl.int64), t0, BT):
+            u = u0 + tl.arange(0, BT)
+            b_prev += tl.sum(reset_limited(tl.load(g + u * H + i_h, mask=u < t0, other=0.0).to(tl.float32)), axis=0)
+        _, b_gc, _ = chunk_decay(g, t, m_t, H, i_h, True)  # [BT]
+        b_w = b_w * tl.exp2(b_prev * LOG2E + b_gc)
+    p_h = hs + (i_c * H + i_h) * P * V
+    p_z = zs + (i_c * H + i_h) * P
+    row = (t * H + i_h) * K  # [BT]
+    b_num = tl.zeros([BT, BV], dtype=tl.float32)
+    b_den = tl.zeros([BT], dtype=tl.float32)
+    for i in range(0, G):  # group i reads slot 0 (Σg) or its own (Mg)
+        slot = 0 if SUM else i
+        b_q = tl.load(q + row[:, None] + i * E + o_f[None, :], mask=m_t[:, None], other=0.0)  # [BT, E]
+        for e in range(0, E):
+            rows = (slot * E + e) * E + o_f  # [E]
+            b_s = tl.load(p_h + rows[:, None] * V + o_v[None, :], mask=(rows >= 0)[:, None] & m_v[None, :], other=0.0)  # [E, BV]
+            b_z = tl.load(p_z + rows)  # [E]
+            b_qe = tl.load(q + row + i * E + e, mask=m_t, other=0.0).to(tl.float32)  # [BT]: the column q_ie
+            b_num += mma_right_fp32(b_q, b_s, F32) * b_qe[:, None]  # [BT, E] @ [E, BV] -> [BT, BV]
+            b_den += tl.sum(b_q.to(tl.float32) * b_z[None, :], axis=1) * b_qe  # [BT]
+    out = (t * H + i_h) * (V + 1)  # [BT]
+    tl.store(prior + out[:, None] + o_v[None, :], b_num * b_w[:, None], mask=m_t[:, None] & m_v[None, :])
+    tl.store(prior + out + V, b_den * b_w, mask=m_t)
+
+
+def chunk_lengths(seq_lens: tuple, chunk_size: int) -> tuple:
+    """Lengths of the state chunks, sequence after sequence: every sequence is cut into pieces of
+    `chunk_size` tokens (the last shorter), an empty one into one empty piece, as `plan.chunk_table`."""
+    out = []
+    for n in seq_lens:
+        out += [min(chunk_size, n - s) for s in range(0, n, chunk_size)] or [0]
+    return tuple(out)
+
+
+def kata_states_ref(k, v, g, initial_state, seq_lens: tuple, chunk_size: int, fmap):
+    """Twin of `kata_states_kernel` in float64 on flattened tokens (`k [N_tok, H, K]`, `v [N_tok, H, V]`,
+    `g [N_tok, H]` or None, `initial_state [N, H, P, V + 1]` augmented or None): `(states [NC, H, P, V + 1]
+    entering every chunk, finals [N, H, P, V + 1])`, each chunk's write a direct sum of decayed keys."""
+    N_tok, H, _ = k.shape
+    values = with_ones(v.double())  # [N_tok, H, V + 1]
+    g = torch.zeros(N_tok, H, dtype=torch.float64, device=k.device) if g is None else reset_limit_ref(g.double())
+    states, finals, bos = [], [], 0
+    for n, length in enumerate(seq_lens):
+        S = (torch.zeros(H, fmap.dim(), values.shape[-1], dtype=torch.float64, device=k.device)
+             if initial_state is None else initial_state[n].double())
+        for size in chunk_lengths((length,), chunk_size):
+            states.append(S)
+            gc = g[bos:bos + size].t()  # [H, n]
+            w = torch.exp(suffix_sum(gc))  # [H, n]: exp(Σ_{u > s} g_u), direct sums
+            S = torch.exp(gc.sum(-1))[:, None, None] * S + fmap.write(
+                k[bos:bos + size].double().transpose(0, 1), w[..., None] * values[bos:bos + size].transpose(0, 1))
+            bos += size
+        finals.append(S)
+    return torch.stack(states), torch.stack(finals)
+
+
+def kata_read_ref(q, g, states, seq_lens: tuple, chunk_size: int, fmap, scale: float):
+    """Twin of `kata_read_kernel` in float64: `prior [N_tok, H, V + 1] = exp(G_t - G_{cs-1}) ψ(scale·q_t)ᵀ
+    states[c]` for every token t of chunk c (`states` as `kata_states_ref` returns them)."""
+    N_tok, H, _ = q.shape
+    g = torch.zeros(N_tok, H, dtype=torch.float64, device=q.device) if g is None else reset_limit_ref(g.double())
+    prior = torch.zeros(N_tok, H, states.shape[-1], dtype=torch.float64, device=q.device)
+    bos = 0
+    for c, size in enumerate(chunk_lengths(seq_lens, chunk_size)):
+        w = torch.exp(torch.cumsum(g[bos:bos + size].t(), -1))  # [H, n]
+        read = fmap.read(scale * q[bos:bos + size].double().transpose(0, 1), states[c])  # [H, n, K], [H, P, W] -> [H, n, W]
+        prior[bos:bos + size] = (w[..., None] * read).transpose(0, 1)
+        bos += size
+    return prior
+
+
+__all__ = ["chunk_lengths", "kata_read_kernel", "kata_read_ref", "kata_states_kernel", "kata_states_ref"]
