@@ -23,8 +23,8 @@ LOGLINEAR_ATTN_FORMS = {
 
 def loglinear_auto_forms(gated_delta: bool, grad: bool) -> dict:
     """The forms ``impl="auto"`` picks from (on CUDA it takes ``"triton"`` where that is among them): all of
-    them, but without ``"triton"`` for a Gated DeltaNet base call that wants gradients (its backward has
-    run only under the interpreter)."""
+    them, but without ``"triton"`` for a Gated DeltaNet base call that wants gradients (its backward misses
+    its bound in two bf16 cases on the H200: ops/loglinear/README.md, "Gated DeltaNet base")."""
     if gated_delta and grad:
         return {n: f for n, f in LOGLINEAR_ATTN_FORMS.items() if n != "triton"}
     return LOGLINEAR_ATTN_FORMS
