@@ -240,8 +240,7 @@ def test_mixer_form_auto_offers_what_the_op_offers(name, T, monkeypatch):
     """With "auto", mixer_form resolves among exactly the forms that the op's own "auto" offers on the
     mixer's real call (recorded from a training forward, with gradients, for more than one token; one
     token is a decoding call, without): the Triton forms always for decoding (the fused steps), for
-    training calls only for KATA (the quadratic kernel) and log-linear Mamba-2, not for DeltaKATA or the
-    log-linear Gated DeltaNet base."""
+    training calls for KATA (the quadratic kernel) and both log-linear bases, not for DeltaKATA."""
     import importlib
 
     import polyattn.layers as layers
@@ -260,7 +259,7 @@ def test_mixer_form_auto_offers_what_the_op_offers(name, T, monkeypatch):
         mixer(torch.randn(1, T, 16))
     mixer_form(name, "auto", T)
     assert offered["mixer_form"] == offered["op"], name
-    assert ("triton" in offered["op"]) == (T == 1 or name in ("kata-m2", "loglinear-mamba2")), (name, T)
+    assert ("triton" in offered["op"]) == (T == 1 or name != "deltakata-m1"), (name, T)
     offered.clear()
     mixer_form("kata-m2", "triton", T)
     assert "triton" in offered["mixer_form"]  # by name: every form

@@ -30,7 +30,7 @@ from polyattn.ops.delta import DELTA_RULE_FORMS
 from polyattn.ops.hla import HLA_FORMS
 from polyattn.ops.kata import DELTAKATA_FORMS, KATA_FORMS, kata_auto_forms
 from polyattn.ops.linear import LINEAR_ATTN_FORMS
-from polyattn.ops.loglinear import LOGLINEAR_ATTN_FORMS, loglinear_auto_forms
+from polyattn.ops.loglinear import LOGLINEAR_ATTN_FORMS
 
 MIXERS = {
     cls.registry_name: cls
@@ -84,11 +84,8 @@ def mixer_form(name, impl, T=2, device="cpu", dtype=torch.float32):
     op, forms = MIXER_OPS[name], OP_FORMS[MIXER_OPS[name]]
     if issubclass(MIXERS[name], DeltaKataM1):
         op, forms = "DeltaKATA", DELTAKATA_FORMS
-    if impl == "auto":  # the forms the op's own "auto" picks from (the mixers' KATA maps are PSD; decoding: no gradient)
-        if op in ("kata", "DeltaKATA"):
-            forms = kata_auto_forms("psd", T == 1, delta=op == "DeltaKATA")
-        elif issubclass(MIXERS[name], LogLinearGatedDeltaNet):
-            forms = loglinear_auto_forms(True, grad=T != 1)
+    if impl == "auto" and op in ("kata", "DeltaKATA"):  # the forms the op's own "auto" picks from (the mixers' KATA maps are PSD; decoding: no gradient)
+        forms = kata_auto_forms("psd", T == 1, delta=op == "DeltaKATA")
     chosen = resolve_impl(op, impl, forms, torch.empty(1, T, 1, 1, device=device, dtype=dtype))  # [B, T, H, K]
     return impl if forms.get(impl) is chosen else next(form for form, fn in forms.items() if fn is chosen)
 

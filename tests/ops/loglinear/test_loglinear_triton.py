@@ -210,10 +210,9 @@ def test_decoding_step_touches_only_the_levels_it_changes(base):
     assert bool(after[~touched].isnan().all())
 
 
-def test_auto_takes_the_kernels_unless_gated_delta_gradients_are_wanted(monkeypatch):
-    """`impl="auto"` offers the Triton form to the dispatcher (it picks it for CUDA inputs) for the Mamba-2
-    base, and for the Gated DeltaNet base only where no gradient is wanted (its backward has run only
-    under the interpreter)."""
+def test_auto_offers_the_kernels_for_both_bases(monkeypatch):
+    """`impl="auto"` offers the Triton form to the dispatcher (it picks it for CUDA inputs) for both bases,
+    with gradients and without (the Gated DeltaNet base's backward passed at real shapes on the H200)."""
     import polyattn.ops.loglinear as loglinear
 
     offered = []
@@ -226,5 +225,4 @@ def test_auto_takes_the_kernels_unless_gated_delta_gradients_are_wanted(monkeypa
     ops.loglinear_attn(**x, beta=beta.requires_grad_(), impl="auto")
     with torch.no_grad():
         ops.loglinear_attn(**x, beta=beta, impl="auto")
-    assert ["triton" in forms for forms in offered] == [True, True, False, True]
-    assert "chunk" in offered[2]
+    assert len(offered) == 4 and all({"triton", "chunk"} <= forms for forms in offered)

@@ -79,11 +79,16 @@ def test_loglinear_gdn_compiles_as_one_graph():
     q, k, v, lam, g, beta = (t.detach() for t in leaves[:6])
     position = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     r0 = torch.randn(1, 2, 1, 8, 12, device=DEVICE)
-    for args in [(q, k, v, lam, g, beta, r0, position + 21, 0.5, [70], True, True), (q, k, v, lam, None, beta, None, position, 0.5, [70], False, False)]:
+    q16, k16, v16, lam16, beta16 = (t.bfloat16().float() for t in (q, k, v, lam, beta))  # fp32 copies of bf16 values
+    for args in [(q, k, v, lam, g, beta, r0, position + 21, 0.5, [70], True, True, torch.float32),
+                 (q, k, v, lam, None, beta, None, position, 0.5, [70], False, False, torch.float32),
+                 (q16, k16, v16, lam16, g, beta16, None, position, 0.5, [70], False, True, torch.bfloat16)]:
         torch.library.opcheck(loglinear_gdn_forward, args, test_utils=("test_schema", "test_faketensor"))
     rows = (torch.randn(1, 64, 2, 8, device=DEVICE), torch.randn(1, 64, 2, 64, device=DEVICE), torch.randn(1, 64, 2, 8, device=DEVICE))
-    for args in [(torch.randn_like(v), torch.randn_like(r0), *rows, q, k, v, lam, g, beta, r0, position + 21, 0.5, [70]),
-                 (torch.randn_like(v), None, None, None, None, q, k, v, lam, None, beta, None, position, 0.5, [70])]:
+    for args in [(torch.randn_like(v), torch.randn_like(r0), *rows, q, k, v, lam, g, beta, r0, position + 21, 0.5, [70], torch.float32),
+                 (torch.randn_like(v), None, None, None, None, q, k, v, lam, None, beta, None, position, 0.5, [70], torch.float32),
+                 (torch.randn_like(v).bfloat16(), None, None, None, None, q16, k16, v16, lam16, g, beta16, None, position, 0.5, [70],
+                  torch.bfloat16)]:
         torch.library.opcheck(loglinear_gdn_backward, args, test_utils=("test_schema", "test_faketensor"))
 
 

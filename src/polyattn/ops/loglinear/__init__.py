@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from polyattn.ops.common import check_inputs, check_per_token, resolve_impl, resolve_scale, run_varlen, wants_grad
+from polyattn.ops.common import check_inputs, check_per_token, resolve_impl, resolve_scale, run_varlen
 from polyattn.ops.loglinear.chunk import loglinear_attn_chunk
 from polyattn.ops.loglinear.naive import loglinear_attn_naive
 from polyattn.ops.loglinear.recurrent import loglinear_attn_recurrent, loglinear_attn_step
@@ -19,15 +19,6 @@ LOGLINEAR_ATTN_FORMS = {
     "scan": loglinear_attn_scan,
     "triton": loglinear_attn_triton,
 }
-
-
-def loglinear_auto_forms(gated_delta: bool, grad: bool) -> dict:
-    """The forms ``impl="auto"`` picks from (on CUDA it takes ``"triton"`` where that is among them): all of
-    them, but without ``"triton"`` for a Gated DeltaNet base call that wants gradients (its backward misses
-    its bound in two bf16 cases on the H200: ops/loglinear/README.md, "Gated DeltaNet base")."""
-    if gated_delta and grad:
-        return {n: f for n, f in LOGLINEAR_ATTN_FORMS.items() if n != "triton"}
-    return LOGLINEAR_ATTN_FORMS
 
 
 def _per_sequence(form):
@@ -70,9 +61,8 @@ def loglinear_attn(
             ``position [N]`` int64 (N = B, or the number of sequences with ``cu_seqlens``).
         output_final_state: also return the :class:`LogLinearState` after the last token.
         cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1); positions restart per sequence.
-        impl: ``"naive" | "recurrent" | "chunk" | "scan" | "triton" | "auto"`` (chunk size 64; ``"triton"`` has the
-            both bases with gradients and the decoding step; ``"auto"`` picks it for CUDA inputs, with
-            ``beta`` only where no gradient is wanted).
+        impl: ``"naive" | "recurrent" | "chunk" | "scan" | "triton" | "auto"`` (chunk size 64; ``"triton"`` has
+            both bases with gradients and the decoding step; ``"auto"`` picks it for CUDA inputs).
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, LogLinearState or None)``.
@@ -83,16 +73,13 @@ def loglinear_attn(
     if initial_state is not None:
         check_loglinear_state(initial_state, N, H, L, K, V, q)
     check_lam_levels(L, initial_state, T if cu_seqlens is None else torch.diff(cu_seqlens))
-    grad = wants_grad((q, k, v, lam, g, beta, initial_state))
-    forms = LOGLINEAR_ATTN_FORMS if impl != "auto" else loglinear_auto_forms(beta is not None, grad)
-    fn = resolve_impl("loglinear_attn", impl, forms, q)
+    fn = resolve_impl("loglinear_attn", impl, LOGLINEAR_ATTN_FORMS, q)
     scale = resolve_scale(scale, K)
     return run_varlen(_per_sequence(fn), (q, k, v, lam, g, beta), cu_seqlens, initial_state, output_final_state, scale=scale)
 
 
 __all__ = [
     "LOGLINEAR_ATTN_FORMS",
-    "loglinear_auto_forms",
     "LogLinearState",
     "combine_levels",
     "loglinear_attn",

@@ -665,17 +665,17 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     return dqt.sum(0), dw.sum(0), dkt.sum(0), du, dlast.sum(0), dlam.sum(0), dstate
 
 
-def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chunks: tuple, *, scale):
+def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chunks: tuple, *, scale, grad_dtype=None):
     """`gdn_chunk_grads_kernel` over every grid chunk (`chunks`, the forward's table): `gdn_chunk_locals_backward`'s
-    result `(dq, dk, dv (input dtypes), dg (fp32, None without g), dbeta, dlam (fp32; the in-chunk level
-    columns))` from flattened tokens, the forward's `t_inv` and `w`, and the cotangents `grads` (`o_intra`
-    the output's gradient; `t_inv` may be None, the others not)."""
+    result `(dq, dk, dv (in grad_dtype, default the inputs' dtypes), dg (fp32, None without g), dbeta, dlam
+    (fp32; the in-chunk level columns))` from flattened tokens, the forward's `t_inv` and `w`, and the
+    cotangents `grads` (`o_intra` the output's gradient; `t_inv` may be None, the others not)."""
     N_tok, H, K = q.shape
     V, L = v.shape[-1], lam.shape[-1]
     config = get_config()
     C = config.chunk_size
     LOG_C = C.bit_length() - 1
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (torch.empty_like(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
     dbeta = torch.empty(N_tok, H, dtype=torch.float32, device=q.device)
     dg = torch.empty(N_tok, H, dtype=torch.float32, device=q.device) if g is not None else None
     dlam = torch.zeros(N_tok, H, L, dtype=torch.float32, device=q.device)
