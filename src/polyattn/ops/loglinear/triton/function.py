@@ -510,7 +510,7 @@ def loglinear_gdn_backward(
     C = get_config().chunk_size
     seq_lens = tuple(seq_lens)
     qf, kf, vf, lamf, bf, gf = _kernel_inputs((q, k, v, lam, beta, g), dtype, B, T)
-    dof = do.reshape(B * T, *do.shape[2:]).contiguous()  # [B, T, H, V] -> [B*T, H, V]
+    (dof,) = _flatten((do,), B, T)
     fwd = gdn_forward(qf, kf, vf, gf, bf, lamf, seq_lens, position, scale=scale, r0=r0, store_hs=True)
     dqt, dw, dkt, du, dlast, dlam_levels, dr0 = gdn_levels_backward(kf, gf, lamf, fwd, dof, dR, seq_lens, position)
     t_inv, w, chunks = fwd.t_inv, fwd.w, fwd.chunks
