@@ -2,7 +2,7 @@
 
 python benchmarks/triton_spills.py
 Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel`) and the delta rule's
-(`wy_kernel`, `wy_factors_kernel`, the two recurrences, the per-chunk output and gradient kernels) and log-linear
+(`wy_kernel`, `wy_factors_kernel`, the two recurrences, the per-chunk output and two gradient kernels) and log-linear
 Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_backward_kernel`, `gdn_chunk_grads_kernel`) for sm_90a with the installed Triton
 and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
 The installed Triton may differ from the GPU machine's, so read the numbers as indications.
@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from polyattn.ops.delta.triton.backward import delta_grad_factors_kernel, delta_grads_kernel, delta_state_grad_kernel
+from polyattn.ops.delta.triton.backward import delta_grad_factors_kernel, delta_grads_kernel, delta_score_grads_kernel, delta_state_grad_kernel
 from polyattn.ops.delta.triton.forward import delta_outputs_kernel, delta_states_kernel
 from polyattn.ops.delta.triton.wy import wy_factors_kernel, wy_kernel
 from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
@@ -84,6 +84,7 @@ def main() -> None:
             print(f"delta outputs    BV{BV} warps{warps}: {resources(delta_outputs_kernel, rec, warps, 2)}")
             print(f"delta state grad BV{BV} warps{warps}: "
                   f"{resources(delta_state_grad_kernel, dict(rec, USE_DHT=True, STORE_DH0=False), warps, 2)}")
+            print(f"delta score grads BV{BV} warps{warps}: {resources(delta_score_grads_kernel, dict(rec, BK=64), warps, 2)}")
             print(f"delta grads BK64 BV{BV} warps{warps}: {resources(delta_grads_kernel, dict(rec, BK=64), warps, 2)}")
     gdn = dict(C=64, LOG_C=6, BK=128, USE_G=True, F32=False, FP32_DOT=0)
     for BV in (16, 32, 64):

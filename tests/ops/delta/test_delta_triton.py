@@ -72,7 +72,7 @@ def _flat(x):
 @pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
 def test_stages_match_twins(decay):
     """wy, WY factors, forward and backward kernels against their PyTorch twins on the same fp32 inputs."""
-    from polyattn.ops.delta.triton.backward import delta_backward_ref
+    from polyattn.ops.delta.triton.backward import delta_backward_ref, delta_score_grads
     from polyattn.ops.delta.triton.forward import delta_forward_ref
     from polyattn.ops.delta.triton.function import _apply as delta_rule_kernels
     from polyattn.ops.delta.triton.wy import wy_factors, wy_factors_ref, wy_ref, wy_solve
@@ -104,6 +104,12 @@ def test_stages_match_twins(decay):
     ref = delta_backward_ref(q, k, v, beta, g, t_ref, do, dht, hs_ref, us_ref, tuple(lengths), scale=K**-0.5, chunk_size=C)
     for name, got, want in zip(("dq", "dk", "dv", "dbeta", "dh0"), grads, (ref[0], ref[1], ref[2], ref[3], ref[5])):
         assert rel_err(got.reshape(want.shape), want) <= 1e-5, f"{name}: {rel_err(got.reshape(want.shape), want):.2e}"
+    dss, mms, dv, _, _ = delta_score_grads(
+        k, v, beta, g, do, us_ref.float(), ref[7].float(), scale=K**-0.5, chunks=chunks, chunk_size=C, block_v=32,
+        fp32_dot=0, num_warps=4,
+    )
+    for name, got, want in zip(("dS", "M + M^T", "dv"), (dss, mms, dv), (ref[8], ref[9], ref[2])):
+        assert rel_err(got, want) <= 1e-5, f"{name}: {rel_err(got, want):.2e}"
 
 
 @pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])

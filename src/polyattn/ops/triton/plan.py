@@ -33,8 +33,8 @@ class KernelConfig:
     the pseudo-values, their split halves): delta_block_v is the value tile of their two recurrences,
     delta_num_warps their warps (the H200 profile: value tile 32 beat 64 by 1.25x at 4 warps),
     delta_out_block_v the value tile of the per-chunk output kernel and delta_chunk_warps the warps
-    of the per-chunk output and gradient kernels (the gradient kernel spills 0.9 KB per thread at
-    8 warps against 3.6 KB at 4); delta_fp32_dot how their fp32 x fp32
+    of the per-chunk output and gradient kernels (4: the two gradient kernels spill more at 4 warps
+    than at 8, yet a forward + backward took 13.5 ms at 4 against 17.9 at 8 on the H200); delta_fp32_dot how their fp32 x fp32
     products run on bf16/fp16 inputs (`precision.FP32_DOTS`: "split", the default, keeps the
     tests' error bound; "tf32" and "rounded" trade accuracy for fewer tensor-core products and
     are there to be measured). KATA's quadratic kernels (ops/kata/triton) tile queries by
@@ -66,7 +66,7 @@ class KernelConfig:
     delta_block_v: int = 32
     delta_num_warps: int = 4
     delta_out_block_v: int = 64
-    delta_chunk_warps: int = 8
+    delta_chunk_warps: int = 4
     delta_fp32_dot: str = "split"
     kata_block_m: int = 128
     kata_block_n: int = 64

@@ -12,23 +12,30 @@ so `dR = X + Y dh'` with two state-independent factors, `X = Tinv^T A_qk^T dO` [
 for every chunk in parallel. `delta_state_grad_kernel` then runs the recurrence backward over the
 chunks of one sequence, head and value tile (three products per chunk), storing dh' of every chunk
 (`dhs: [NC, H, K, V]`) and dR (`drs: [N_tok, H, V]`), both fp32.
-`delta_grads_kernel` then, for one chunk and head, writes `dv = diag(beta) dR` and sums over value tiles
+Then two per-chunk kernels. `delta_score_grads_kernel` (one program per chunk and head) sums over
+the value tiles the chunk's two [C, C] tiles and writes `dv = diag(beta) dR`:
 
     P  = dO U^T,   E = -dR U^T           (dA = strict_lower(E): U = (I + A)^{-1} R)
-    dq = scale (P ⊙ Γ ⊙ L) K + scale diag(exp(gc)) dO h^T
-    dk = scale (P ⊙ Γ ⊙ L)^T Q + diag(exp(gc_last - gc)) U dh'^T - diag(beta exp(gc)) dR h^T
-         + M K + M^T K,  M = diag(beta) (dA ⊙ Γ)
+    dS = scale P ⊙ Γ ⊙ L,   M = diag(beta) (dA ⊙ Γ)
+
+stored fp32 (`[NC, H, C, C]`); `delta_grads_kernel` (one program per chunk, head and key tile)
+then forms
+
+    dq = dS K + scale diag(exp(gc)) dO h^T
+    dk = dS^T Q + (M + M^T) K + diag(exp(gc_last - gc)) U dh'^T - diag(beta exp(gc)) dR h^T
     dbeta = rowsum(dR ⊙ (V - diag(exp(gc)) K h)) + rowsum(dA ⊙ Γ ⊙ K K^T)
 
-and the per-token `q . dq` and `v . dv` of the log-decay term `q . dq - v . dv` (function.py turns it into dg).
-`delta_backward_ref` is the PyTorch twin of both kernels.
+(the `K h` term as `rowsum(K ⊙ dR h^T)`, which reuses dk's product), each kernel writing its share
+of dbeta (summed on the host), with the per-token `q . dq` and `v . dv` of the log-decay term `q . dq - v . dv` (function.py turns it into dg).
+`delta_backward_ref` is the PyTorch twin of the four kernels (`delta_score_grads` launches the first per-chunk one).
 """
 import torch
 import triton
 import triton.language as tl
 
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
-from polyattn.ops.triton.precision import mma, mma_fp32, mma_left_fp32, mma_right_fp32, to_output
+from polyattn.ops.triton.plan import block
+from polyattn.ops.triton.precision import dot_f32, mma, mma_fp32, mma_left_fp32, mma_right_fp32, to_output
 
 from .forward import chunk_program, chunk_scores, sequence_tile
 from .wy import factor_tiles
@@ -100,18 +107,68 @@ def delta_state_grad_kernel(
 
 
 @triton.jit
+def delta_score_grads_kernel(
+    k, v, beta, g, do, chunks, us, drs, dss, mms, dv, dbeta, vdv, scale, H, K, V,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """grid: (num_chunks, H). The chunk's two [C, C] gradient tiles over the whole V, in [C, BV]
+    value tiles: `dS = scale (dO U^T) ⊙ Γ ⊙ L` and `M + M^T` with `M = diag(beta) strict_lower(-dR U^T ⊙ Γ)`,
+    stored fp32 (`dss, mms: [NC, H, C, C]`) for `delta_grads_kernel`; also `dv = diag(beta) dR`,
+    `v . dv` and the key-independent part of dbeta, `rowsum(dR ⊙ V) + rowsum(dA ⊙ Γ ⊙ K K^T)`."""
+    i_ch, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
+    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+    b_p = tl.zeros([C, C], dtype=tl.float32)
+    b_e = tl.zeros([C, C], dtype=tl.float32)
+    b_db = tl.zeros([C], dtype=tl.float32)
+    b_vdv = tl.zeros([C], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        b_u = tl.load(us + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
+        b_dr = tl.load(drs + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
+        b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV]
+        b_p += mma_right_fp32(b_do, tl.trans(b_u), F32)  # [C, BV] @ [BV, C] -> [C, C]
+        b_e -= mma_fp32(b_dr, tl.trans(b_u), b_do.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, C] -> [C, C]
+        b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
+        b_dv = b_dr * b_beta[:, None]  # [C, BV]
+        b_db += tl.sum(b_dr * b_v, axis=1)  # [C]
+        b_vdv += tl.sum(b_v * b_dv, axis=1)  # [C]
+        tl.store(dv + row_v, to_output(b_dv, dv.dtype.element_ty, F32), mask=m_tv)  # downcast: input dtype
+    b_kk = tl.zeros([C, C], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(k + (t * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
+        b_kk += mma(b_k, tl.trans(b_k), F32)  # [C, BK] @ [BK, C] -> [C, C]
+    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+    b_gamma = tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32))  # [C, C], 0 above the diagonal
+    b_da = tl.where(o_t[:, None] > o_t[None, :], b_e * b_gamma, 0.0)  # [C, C]: dA ⊙ Γ
+    b_db += tl.sum(b_da * b_kk, axis=1)  # [C]
+    b_m = b_da * b_beta[:, None]  # [C, C]
+    tile = (i_ch * H + i_h).to(tl.int64) * C * C + o_t[:, None] * C + o_t[None, :]  # [C, C]
+    tl.store(dss + tile, b_p * b_gamma * scale)
+    tl.store(mms + tile, b_m + tl.trans(b_m))
+    tl.store(dbeta + t * H + i_h, b_db, mask=m_t)
+    tl.store(vdv + t * H + i_h, b_vdv, mask=m_t)
+
+
+@triton.jit
 def delta_grads_kernel(
-    q, k, v, beta, g, do, chunks, hs, dhs, us, drs, dq, dk, dv, dbeta, dgterm, vdv,
+    q, k, g, beta, do, chunks, hs, dhs, us, drs, dss, mms, dq, dk, dbeta, dgterm,
     scale, N_tok, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
-    """grid: (num_chunks, H, cdiv(K, BK)). One program per chunk, head and key tile: it loads
-    the chunk's q, k columns of its tile ([C, BK]) and loops over value tiles, accumulating
-    P, E ([C, C], over the whole V: recomputed by each key tile) and the h-side parts of dq, dk
-    ([C, BK]) in fp32; writes its dq, dk columns and its share of dbeta and `q . dq` (the
-    per-key-tile shares `dbeta[i_k]`, `dgterm[i_k]` are summed on the host); the first key tile
-    also writes `dv = diag(beta) dR` and `v . dv`."""
+    """grid: (num_chunks, H, cdiv(K, BK)). One program per chunk, head and key tile: over the value
+    tiles it accumulates the state-side products `dO h^T`, `U dh'^T`, `dR h^T` ([C, BK] fp32),
+    then adds the score-side ones from `delta_score_grads_kernel`'s tiles:
+
+        dq = dS K + diag(scale exp(gc)) dO h^T
+        dk = dS^T Q + (M + M^T) K + diag(exp(gc_last - gc)) U dh'^T - diag(beta exp(gc)) dR h^T
+
+    and writes its dq, dk columns, its share of dbeta, `-exp(gc) rowsum(K ⊙ dR h^T)` (the
+    `-rowsum(dR ⊙ exp(gc) K h)` term), and of `q . dq` (per key tile, summed on the host)."""
     i_ch, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
     i_k = tl.program_id(2)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -120,17 +177,9 @@ def delta_grads_kernel(
     m_tk = m_t[:, None] & m_k[None, :]
     b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
     b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
-    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
-    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-    b_d = chunk_segsum(b_g, b_gc, b_last, False, F32)  # [C, C]
-    b_gs = chunk_suffix(b_g, b_gc, b_last, F32)  # [C]
-    b_egc = tl.exp2(b_gc)  # [C]
-    b_p = tl.zeros([C, C], dtype=tl.float32)
-    b_e = tl.zeros([C, C], dtype=tl.float32)
-    b_dq = tl.zeros([C, BK], dtype=tl.float32)
-    b_dk = tl.zeros([C, BK], dtype=tl.float32)
-    b_db = tl.zeros([C], dtype=tl.float32)
-    b_vdv = tl.zeros([C], dtype=tl.float32)
+    b_dqh = tl.zeros([C, BK], dtype=tl.float32)
+    b_udh = tl.zeros([C, BK], dtype=tl.float32)
+    b_drh = tl.zeros([C, BK], dtype=tl.float32)
     p_state = ((i_ch * H + i_h) * K + o_k[None, :]).to(tl.int64) * V  # [1, BK]: row starts of h^T
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -143,39 +192,45 @@ def delta_grads_kernel(
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV]
         b_ht = tl.load(hs + p_state + o_v[:, None], mask=m_vk, other=0.0)  # [BV, BK] = h^T tile
         b_dht = tl.load(dhs + p_state + o_v[:, None], mask=m_vk, other=0.0)  # [BV, BK] = dh'^T tile
-        b_p += mma_right_fp32(b_do, tl.trans(b_u), F32)  # [C, BV] @ [BV, C] -> [C, C]
-        b_e -= mma_fp32(b_dr, tl.trans(b_u), b_q.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, C] -> [C, C]
-        b_dq += mma_right_fp32(b_do, b_ht, F32)  # [C, BV] @ [BV, BK] -> [C, BK]
-        b_dk += mma_fp32(b_u, b_dht, b_q.dtype, F32, FP32_DOT) * tl.exp2(b_gs)[:, None]  # [C, BV] @ [BV, BK]
-        b_dk -= mma_fp32(b_dr, b_ht, b_q.dtype, F32, FP32_DOT) * (b_beta * b_egc)[:, None]  # [C, BV] @ [BV, BK]
-        b_kh = mma_right_fp32(b_k, tl.trans(b_ht), F32)  # [C, BK] @ [BK, BV] -> [C, BV]: this tile's share of K h
-        b_db -= tl.sum(b_dr * (b_egc[:, None] * b_kh), axis=1)  # [C]
-        if i_k == 0:
-            b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
-            b_db += tl.sum(b_dr * b_v, axis=1)  # [C]
-            b_dv = b_dr * b_beta[:, None]  # [C, BV]
-            b_vdv += tl.sum(b_v * b_dv, axis=1)  # [C]
-            tl.store(dv + row_v, to_output(b_dv, dv.dtype.element_ty, F32), mask=m_tv)  # downcast: input dtype
-    b_gamma = tl.exp2(b_d)  # [C, C], 0 above the diagonal
-    b_ds = b_p * b_gamma * scale  # [C, C]
-    b_dq = mma_left_fp32(b_ds, b_k, F32) + b_dq * (b_egc * scale)[:, None]  # [C, C] @ [C, BK]
-    b_dk += mma_left_fp32(tl.trans(b_ds), b_q, F32)  # [C, C] @ [C, BK] -> [C, BK]
-    strict = o_t[:, None] > o_t[None, :]
-    b_da = tl.where(strict, b_e * b_gamma, 0.0)  # [C, C]: dA ⊙ Γ
-    b_db += tl.sum(b_da * mma(b_k, tl.trans(b_k), F32), axis=1)  # [C]: this key tile's share of K K^T
-    b_m = b_da * b_beta[:, None]  # [C, C]
-    b_dk += mma_left_fp32(b_m, b_k, F32) + mma_left_fp32(tl.trans(b_m), b_k, F32)  # [C, C] @ [C, BK]
+        b_dqh += mma_right_fp32(b_do, b_ht, F32)  # [C, BV] @ [BV, BK] -> [C, BK]
+        b_udh += mma_fp32(b_u, b_dht, b_q.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
+        b_drh += mma_fp32(b_dr, b_ht, b_q.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
+    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+    b_egc = tl.exp2(b_gc)  # [C]
+    tile = (i_ch * H + i_h).to(tl.int64) * C * C + o_t[:, None] * C + o_t[None, :]  # [C, C]
+    b_ds = tl.load(dss + tile)  # [C, C] fp32
+    b_dq = mma_left_fp32(b_ds, b_k, F32) + b_dqh * (b_egc * scale)[:, None]  # [C, C] @ [C, BK]
+    b_dk = mma_left_fp32(tl.trans(b_ds), b_q, F32) + mma_left_fp32(tl.load(mms + tile), b_k, F32)  # [C, C] @ [C, BK]
+    b_dk += b_udh * tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))[:, None] - b_drh * (b_beta * b_egc)[:, None]
     tl.store(dq + row_k, to_output(b_dq, dq.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
     tl.store(dk + row_k, to_output(b_dk, dk.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
-    tl.store(dbeta + (i_k * N_tok + t) * H + i_h, b_db, mask=m_t)
+    b_dbh = -b_egc * tl.sum(b_k.to(tl.float32) * b_drh, axis=1)  # [C]
+    tl.store(dbeta + (i_k * N_tok + t) * H + i_h, b_dbh, mask=m_t)
     tl.store(dgterm + (i_k * N_tok + t) * H + i_h, tl.sum(b_q.to(tl.float32) * b_dq, axis=1), mask=m_t)  # q . dq
-    if i_k == 0:
-        tl.store(vdv + t * H + i_h, b_vdv, mask=m_t)
+
+
+def delta_score_grads(k, v, beta, g, do, us, drs, *, scale, chunks, chunk_size, block_v, fp32_dot, num_warps, num_stages=2):
+    """Launch `delta_score_grads_kernel` on flattened inputs (`[N_tok, H, D]`, beta, g `[N_tok, H]`,
+    us, drs fp32). Returns `(dss, mms [NC, H, C, C] fp32, dv [N_tok, H, V] in v's dtype, dbeta [N_tok, H]
+    fp32 (the key-independent part), vdv [N_tok, H] fp32)`."""
+    N_tok, H, K = k.shape
+    V, C = v.shape[-1], chunk_size
+    dss, mms = (torch.empty(chunks[2], H, C, C, dtype=torch.float32, device=k.device) for _ in range(2))
+    dv = torch.empty_like(v)
+    dbeta, vdv = (torch.empty(N_tok, H, dtype=torch.float32, device=k.device) for _ in range(2))
+    delta_score_grads_kernel[(chunks[2], H)](
+        k, v, beta, g, do, chunks[0], us, drs, dss, mms, dv, dbeta, vdv, scale, H, K, V,
+        C=C, BK=min(block(K), 64), BV=block_v, USE_G=g is not None, F32=dot_f32(k.dtype), FP32_DOT=fp32_dot,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return dss, mms, dv, dbeta, vdv
 
 
 def delta_backward_ref(q, k, v, beta, g, t_inv, do, dht, hs, us, seq_lens: tuple, *, scale, chunk_size):
-    """PyTorch twin of the three kernels (float64): `(dq, dk, dv, dbeta, dgterm, dh0, dhs, drs)` from
-    the forward's saved `t_inv, hs, us`, the output gradient `do` and `dht` (or None)."""
+    """PyTorch twin of the four kernels (float64): `(dq, dk, dv, dbeta, dgterm, dh0, dhs, drs, dss, mms)`
+    from the forward's saved `t_inv, hs, us`, the output gradient `do` and `dht` (or None); dss, mms
+    are the score kernel's `[NC, H, C, C]` tiles dS and M + M^T, zero past a chunk's last token."""
     N_tok, H, K = q.shape
     V = v.shape[-1]
     q, k, v, beta, t_inv, do, us = (x.double() for x in (q, k, v, beta, t_inv, do, us))
@@ -185,6 +240,8 @@ def delta_backward_ref(q, k, v, beta, g, t_inv, do, dht, hs, us, seq_lens: tuple
     dv, drs = torch.zeros_like(v), torch.zeros_like(v)
     dbeta, dgterm = torch.zeros_like(beta), torch.zeros_like(beta)
     dhs = torch.zeros_like(hs)
+    dss = torch.zeros(hs.shape[0], H, chunk_size, chunk_size, dtype=torch.float64, device=q.device)
+    mms = torch.zeros_like(dss)
     dh0s, bos, c = [], 0, 0
     for n, length in enumerate(seq_lens):
         starts = list(range(bos, bos + length, chunk_size))
@@ -207,6 +264,8 @@ def delta_backward_ref(q, k, v, beta, g, t_inv, do, dht, hs, us, seq_lens: tuple
             da = torch.tril(-(dr @ uc.transpose(-1, -2)) * gamma, diagonal=-1)  # [H, n, n]
             m = bc[..., None] * da  # [H, n, n]
             ds = scale * p * gamma  # [H, n, n]
+            dss[c + i, :, : e - s, : e - s] = ds
+            mms[c + i, :, : e - s, : e - s] = m + m.transpose(-1, -2)
             dq_c = ds @ kc + scale * torch.exp(gc)[..., None] * (doc @ h.transpose(-1, -2))
             dk_c = (ds.transpose(-1, -2) @ qc + torch.exp(last - gc)[..., None] * (uc @ dh.transpose(-1, -2))
                     - (bc * torch.exp(gc))[..., None] * (dr @ h.transpose(-1, -2)) + m @ kc + m.transpose(-1, -2) @ kc)
@@ -220,4 +279,4 @@ def delta_backward_ref(q, k, v, beta, g, t_inv, do, dht, hs, us, seq_lens: tuple
         dh0s.append(dh)
         bos += length
         c += len(starts)
-    return dq, dk, dv, dbeta, dgterm, torch.stack(dh0s), dhs, drs
+    return dq, dk, dv, dbeta, dgterm, torch.stack(dh0s), dhs, drs, dss, mms

@@ -17,7 +17,7 @@ import triton
 from polyattn.ops.triton.plan import block, chunk_table, get_config, kernel_call, no_output, reverse_cumsum, segment_table
 from polyattn.ops.triton.precision import FP32_DOTS, dot_f32
 
-from .backward import delta_grad_factors_kernel, delta_grads_kernel, delta_state_grad_kernel
+from .backward import delta_grad_factors_kernel, delta_grads_kernel, delta_score_grads, delta_state_grad_kernel
 from .forward import delta_outputs_kernel, delta_states_kernel
 from .step import delta_rule_step_inplace
 from .wy import wy_factors, wy_solve
@@ -120,19 +120,22 @@ def delta_rule_backward(
         F32=F32, FP32_DOT=fp32_dot(config), num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
     del xs, ys
-    dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
-    vdv = torch.empty(B * T, H, dtype=torch.float32, device=qf.device)
+    dss, mms, dv, dbeta, vdv = delta_score_grads(
+        kf, vf, bf, gf, dof, us, drs, scale=scale, chunks=chunks, chunk_size=C, block_v=BV, fp32_dot=fp32_dot(config),
+        num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
+    )
     BKT = min(BK, 64)
     n_k = triton.cdiv(K, BKT)
-    dbeta = torch.empty(n_k, B * T, H, dtype=torch.float32, device=qf.device)
-    qdq = torch.empty_like(dbeta)
+    dq, dk = torch.empty_like(qf), torch.empty_like(kf)
+    dbh, qdq = (torch.empty(n_k, B * T, H, dtype=torch.float32, device=qf.device) for _ in range(2))
     delta_grads_kernel[(chunks[2], H, n_k)](
-        qf, kf, vf, bf, gf, dof, chunks[0], hs, dhs, us, drs, dq, dk, dv, dbeta, qdq, vdv,
+        qf, kf, gf, bf, dof, chunks[0], hs, dhs, us, drs, dss, mms, dq, dk, dbh, qdq,
         scale, B * T, H, K, V,
         C=C, BK=BKT, BV=BV, USE_G=gf is not None, F32=F32, FP32_DOT=fp32_dot(config),
         num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
     )
-    dbeta = dbeta.sum(0)  # [n_k, B*T, H] -> [B*T, H]
+    del dss, mms
+    dbeta += dbh.sum(0)  # [n_k, B*T, H] -> [B*T, H]
     dg = no_output(q)
     if want_dg:
         dgterm = qdq.sum(0) - vdv  # q . dq - v . dv, [n_k, B*T, H] -> [B*T, H]
