@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from polyattn import ops
 from polyattn.ops.common import num_levels
@@ -204,12 +205,16 @@ def test_gdn_levels_backward_twin_matches_autograd():
         assert rel_err(got, grads[name]) <= 1e-12, f"{name}: {rel_err(got, grads[name]):.2e}"
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("decay", [True, False])
-def test_gdn_levels_backward_kernel_matches_its_twin(decay):
-    """`gdn_levels_backward_kernel` (after `gdn_levels_kernel` stored every chunk's entering level states)
-    against `gdn_levels_backward_ref` on the same fp32 q̃, W, Ū: every gradient, packed sequences from
-    entering states. The decay is weak (a chunk keeps about 0.6 of a state) so that gradients cross chunks."""
-    from polyattn.ops.loglinear.triton.gdn import gdn_forward, gdn_levels_backward, gdn_levels_backward_ref
+def test_gdn_levels_backward_kernel_matches_its_twin(decay, deterministic):
+    """`gdn_levels_backward_kernel` (after `gdn_levels_kernel` stored its checkpoints: blocks of S = 2 chunks
+    here, the last one short) against `gdn_levels_backward_ref` on the same fp32 q̃, W, Ū: every gradient,
+    packed sequences from entering states, with two or more value tiles whose dq̃, dW, dK̃ shares meet by
+    atomic adds or, under `torch.use_deterministic_algorithms`, in separate buffers. The decay is weak
+    (a chunk keeps about 0.6 of a state) so that gradients cross chunks."""
+    from polyattn.ops.loglinear.triton.gdn import checkpoint_plan, gdn_forward, gdn_levels_backward, gdn_levels_backward_ref
+    from polyattn.ops.triton.plan import KernelConfig, use_config
 
     lengths, positions = LEVELS_CASE
     x = {n: None if t is None else t.float().reshape(sum(lengths), *t.shape[2:]).contiguous()
@@ -222,8 +227,15 @@ def test_gdn_levels_backward_kernel_matches_its_twin(decay):
     do = torch.randn(sum(lengths), H, V, generator=gen).to(DEVICE)
     dR = torch.randn(len(lengths), H, NLC, K, V, generator=gen).to(DEVICE)
     position = torch.tensor(positions, device=DEVICE)
-    fwd = gdn_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["lam"], lengths, position, scale=0.5, r0=r0, store_hs=True)
-    got = gdn_levels_backward(x["k"], x["g"], x["lam"], fwd, do, dR, lengths, position)
+    assert checkpoint_plan(lengths, 64, DEVICE)[0] == 2
+    fwd = gdn_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["lam"], lengths, position, scale=0.5, r0=r0, store_ck=True)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        with use_config(KernelConfig(gdn_block_v=min(32, triton.next_power_of_2(V) // 2))):
+            got = gdn_levels_backward(x["k"], x["g"], x["lam"], fwd, do, dR, lengths, position)
+    finally:
+        torch.use_deterministic_algorithms(was)
     want = gdn_levels_backward_ref(fwd.qt, fwd.w, fwd.u_bar, x["k"], x["g"], x["lam"], do, dR, lengths, positions, chunk_size=64, r0=r0)
     for name, a, b in zip(("dqt", "dw", "dkt", "du", "dlast", "dlam", "dr0"), got, want):
         assert rel_err(a, b) <= 1e-5, f"{name}: {rel_err(a, b):.2e}"

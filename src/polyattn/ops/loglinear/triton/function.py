@@ -502,8 +502,9 @@ def loglinear_gdn_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Gated DeltaNet base's backward as a custom op: `(dq, dk, dv, dlam, dg, dbeta, dr0)` in the dtypes
     of the inputs as given (fp32 copies get unrounded fp32 gradients; dg without g and dr0 without r0 are
-    empty [0] tensors); the kernels run in `dtype`. The forward's levels rerun, storing every chunk's
-    entering level states, `gdn_levels_backward_kernel` walks them in reverse (dq̃, dW, dŪ, dK̃, the
+    empty [0] tensors); the kernels run in `dtype`. The forward's levels rerun, storing the level states
+    entering every S-th chunk (`gdn.checkpoint_plan`), `gdn_levels_backward_kernel` recomputes the states
+    entering each block's chunks from them and walks the block in reverse (dq̃, dW, dŪ, dK̃, the
     chunk state factors' and the levels' lam gradients, dr0), and `gdn_chunk_grads_kernel` takes
     those, with the gradients of the edge rows' q̃, Tinv and W, through the chunk-local stage."""
     B, T, H, K = q.shape
@@ -511,10 +512,10 @@ def loglinear_gdn_backward(
     seq_lens = tuple(seq_lens)
     qf, kf, vf, lamf, bf, gf = _kernel_inputs((q, k, v, lam, beta, g), dtype, B, T)
     (dof,) = _flatten((do,), B, T)
-    fwd = gdn_forward(qf, kf, vf, gf, bf, lamf, seq_lens, position, scale=scale, r0=r0, store_hs=True)
+    fwd = gdn_forward(qf, kf, vf, gf, bf, lamf, seq_lens, position, scale=scale, r0=r0, store_ck=True)
     dqt, dw, dkt, du, dlast, dlam_levels, dr0 = gdn_levels_backward(kf, gf, lamf, fwd, dof, dR, seq_lens, position)
     t_inv, w, chunks = fwd.t_inv, fwd.w, fwd.chunks
-    del fwd  # the entering states
+    del fwd  # the checkpoints
     dt_inv = None
     layout = _layout(position, seq_lens, C, q.device) if dqt_first is not None or dt_inv_last is not None or dw_last is not None else None
     if dqt_first is not None:

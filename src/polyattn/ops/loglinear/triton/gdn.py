@@ -38,6 +38,7 @@ block's first, and the gradients of q̃, W, Ū, K̃ and the chunk's state factor
 `gdn_chunk_grads_kernel` (twin `gdn_chunk_locals_backward`, the vector-Jacobian product of
 `gdn_chunk_locals`) takes those through the chunk-local stage, every chunk in parallel.
 """
+import math
 from typing import NamedTuple
 
 import torch
@@ -121,10 +122,24 @@ def level_chunk(chunks, row, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, 
 
 
 @triton.jit
+def level_carry(b_h, b_w, b_k, b_u, b_wk, b_last, read, bad, F32: tl.constexpr, FP32_DOT: tl.constexpr):
+    """One level's state leaving the chunk, `h' = exp(gc_last) h + K̃^T x` with `x = -W h` in the
+    block's second half (`read`) and `Ū - W h` in its first; NaN after a chunk with a non-finite token."""
+    b_x = mma_fp32(b_w, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV] -> [C, BV]
+    if read:
+        b_x = -b_x
+    else:
+        b_x = b_u - b_x
+    b_h = b_h * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_k), b_x * b_wk[:, None], F32)  # [BK, C] @ [C, BV]
+    return b_h + tl.where(bad, float("nan"), 0.0)
+
+
+@triton.jit
 def gdn_levels_kernel(
-    k, g, w, u_bar, qt, lam, firsts, o_intra, out, state, hs, seqs, chunks, cu_chunks, pos, H, K, V, L, NLC,
+    k, g, w, u_bar, qt, lam, firsts, o_intra, out, state, ck, cu_blocks, seqs, chunks, cu_chunks, pos,
+    H, K, V, L, NLC, S,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr, STORE_HS: tl.constexpr,
+    USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr, STORE_CK: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). One sequence, head and value tile, the sequence starting at the
     absolute position `pos[n]`, its chunks the rows `cu_chunks[n]..` of the grid table `chunks`: per
@@ -133,14 +148,17 @@ def gdn_levels_kernel(
     where bit ell of `a` is set and the carry `K̃^T (.)` [BK, C] @ [C, BV]; the level's state tile
     [BK, BV] is loaded from and stored to `state` (which enters holding the initial states; zero at
     a block's first chunk after the sequence's first), the output tile (intra block + reads) stored once.
-    STORE_HS: every level's entering state tile as the chunk used it, to `hs [NC, H, NLC, K, V]` at the
-    chunk's row of `chunks` (for the backward)."""
+    STORE_CK: the level states entering every S-th chunk of the sequence (its chunks i = 0, S, 2S, ..., as
+    the chunk used them) to the checkpoints `ck [NB, H, NLC, K, V]`, sequence n's from row `cu_blocks[n]`
+    (for the backward, which recomputes the chunks in between)."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     P = tl.load(pos + i_n).to(tl.int32)  # positions below 2^31
     n0 = P // C
     n1 = (P + (eos - bos) - 1) // C  # the last chunk's absolute index
     NL = tl.minimum(bit_length(n1), NLC)  # chunk-levels some chunk reads
     p_level = state + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
+    if STORE_CK:
+        cb0 = tl.load(cu_blocks + i_n)
     for i in range(0, n1 - n0 + 1):
         a = n0 + i
         t, m_t, row_v, m_tv, b_w, b_qt, b_k, b_u, b_wk, b_last = level_chunk(
@@ -154,39 +172,39 @@ def gdn_levels_kernel(
             # (an initial state's keys in that chunk join its writes: function.py, fenwick_to_blocks)
             m_h = m_s & (((o_k[:, None] * 0 + a) % (2 << ell) != 0) | (i == 0))
             b_h = tl.load(p_s, mask=m_h, other=0.0)  # [BK, BV]
-            if STORE_HS:
-                tl.store(hs + (((c0 + i) * H + i_h) * NLC + ell).to(tl.int64) * K * V + state_tile, b_h, mask=m_s)
-            b_x = mma_fp32(b_w, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV] -> [C, BV]
-            if ((a >> ell) & 1) == 1:  # second half: read
+            if STORE_CK:
+                if i % S == 0:
+                    tl.store(ck + (((cb0 + i // S) * H + i_h) * NLC + ell).to(tl.int64) * K * V + state_tile, b_h, mask=m_s)
+            read = ((a >> ell) & 1) == 1  # second half of the level's block
+            if read:
                 b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
                 b_o += mma_fp32(b_qt, b_h, b_k.dtype, F32, FP32_DOT) * b_lam[:, None]  # [C, BK] @ [BK, BV]
-                b_x = -b_x
-            else:  # first half: write
-                b_x = b_u - b_x
-            b_h = b_h * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_k), b_x * b_wk[:, None], F32)  # [BK, C] @ [C, BV]
-            b_h += tl.where(bad, float("nan"), 0.0)
-            tl.store(p_s, b_h, mask=m_s)
+            tl.store(p_s, level_carry(b_h, b_w, b_k, b_u, b_wk, b_last, read, bad, F32, FP32_DOT), mask=m_s)
         tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
 
 
 @triton.jit
 def gdn_levels_backward_kernel(
-    k, g, w, u_bar, qt, lam, do, hs, dstate, dqt, dw, dkt, du, dlast, dlam,
-    seqs, chunks, cu_chunks, pos, N_tok, NC, H, K, V, L, NLC,
+    k, g, w, u_bar, qt, lam, firsts, do, ck, cu_blocks, fstate, hs, dstate, dqt, dw, dkt, du, dlast, dlam,
+    seqs, chunks, cu_chunks, pos, N_tok, NC, H, K, V, L, NLC, S,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
+    USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr, ATOMIC: tl.constexpr,
 ):
-    """grid: (cdiv(V, BV), N, H). `gdn_levels_kernel`'s walk in reverse, chunks last to first, every
-    level in turn: the gradient `dh'` of the level's state leaving the chunk (`dstate`, entering as the
-    gradient of the leaving states R and leaving as that of the entering ones r0), the entering state h
-    from `hs`, then (dx = K̃ dh', x = [write] Ū - W h)
+    """grid: (cdiv(V, BV), N, H). `gdn_levels_kernel`'s walk in reverse, in blocks of S chunks, last
+    block first. For a block it first recomputes the level states entering each of its chunks from the
+    block's checkpoint (`ck`, stored by `gdn_levels_kernel`), carrying them in `fstate [N, H, NLC, K, V]`
+    and storing them to `hs [N, H, S, NLC, K, V]` (this program's tiles), then walks the block's chunks
+    last to first, every level in turn: the gradient `dh'` of the level's state leaving the chunk
+    (`dstate`, entering as the gradient of the leaving states R and leaving as that of the entering ones
+    r0), the entering state h from `hs`, then (dx = K̃ dh', x = [write] Ū - W h)
 
         dŪ += [write] dx        dW -= dx h^T        dK̃ += x dh'^T        dlast += exp(gc_last) <h, dh'>
         read: dq̃ += diag(lam) dO h^T,   dlam[t, c + 1 + ell] = <dO_t, (q̃ h)_t>
         dh = exp(gc_last) dh' - W^T dx [+ q̃^T diag(lam) dO],   zero into the chunk before a block's first
 
-    The [C, K] gradients and dlast, dlam are this value tile's shares (`[n_v, ...]`, summed by the
-    launcher); dŪ is complete per tile."""
+    dlast and dlam are this value tile's shares (`[n_v, ...]`, summed by the launcher), and so are the
+    [C, K] gradients dq̃, dW, dK̃ unless ATOMIC, where every tile adds its share into one `[N_tok, H, K]`
+    buffer (fp32 atomics: the order of the n_v additions varies from run to run); dŪ is complete per tile."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     i_v = tl.program_id(0)
     P = tl.load(pos + i_n).to(tl.int32)  # positions below 2^31
@@ -194,51 +212,81 @@ def gdn_levels_backward_kernel(
     n1 = (P + (eos - bos) - 1) // C  # the last chunk's absolute index
     NL = tl.minimum(bit_length(n1), NLC)
     p_level = dstate + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
+    p_fwd = fstate + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
+    p_hs = hs + ((i_n * H + i_h) * S * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of chunk 0, level 0
+    p_ck = ck + ((tl.load(cu_blocks + i_n) * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # of block 0
     n_ch = n1 - n0 + 1
-    for j in range(0, n_ch):
-        i = n_ch - 1 - j
-        a = n0 + i
-        row = c0 + i
-        t, m_t, row_v, m_tv, b_w, b_qt, b_k, b_u, b_wk, b_last = level_chunk(
-            chunks, row, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
-        )
-        b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_e = tl.exp2(b_last)
-        b_dqt = tl.zeros([C, BK], dtype=tl.float32)
-        b_dw = tl.zeros([C, BK], dtype=tl.float32)
-        b_dkt = tl.zeros([C, BK], dtype=tl.float32)
-        b_du = tl.zeros([C, BV], dtype=tl.float32)
-        b_dl = tl.sum(tl.zeros([BV], dtype=tl.float32), axis=0)
-        p_hs = hs + ((row * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
-        for ell in range(0, NL):
-            p_s = p_level + ell * K * V
-            b_dh = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV]: dh' of the leaving state
-            b_h = tl.load(p_hs + ell * K * V, mask=m_s, other=0.0)  # [BK, BV]: the entering state
-            b_dx = mma_right_fp32(b_k, b_dh, F32) * b_wk[:, None]  # [C, BK] @ [BK, BV]: K̃ dh'
-            b_x = -mma_fp32(b_w, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]: -W h
-            b_dw -= mma_fp32(b_dx, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
-            b_dl += tl.sum(tl.sum(b_h * b_dh, axis=1), axis=0)
-            b_dn = b_dh * b_e - mma_fp32(tl.trans(b_w), b_dx, b_k.dtype, F32, FP32_DOT)  # [BK, C] @ [C, BV]
-            if ((a >> ell) & 1) == 1:  # second half: read
-                b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
-                b_dol = b_do * b_lam[:, None]  # [C, BV]
-                b_dqt += mma_fp32(b_dol, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
-                b_r = mma_fp32(b_qt, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]: q̃ h
-                tl.store(dlam + ((i_v * N_tok + t).to(tl.int64) * H + i_h) * L + (LOG_C + 1 + ell), tl.sum(b_do * b_r, axis=1), mask=m_t)
-                b_dn += mma_fp32(tl.trans(b_qt), b_dol, b_k.dtype, F32, FP32_DOT)  # [BK, C] @ [C, BV]
-            else:  # first half: write
-                b_x += b_u
-                b_du += b_dx
-            b_dkt += mma_fp32(b_x, tl.trans(b_dh), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
-            keep = ((a % (2 << ell)) != 0) | (i == 0)  # else the state entered as zero: nothing flows further back
-            tl.store(p_s, tl.where(keep, b_dn, 0.0), mask=m_s)
-        part_k = ((i_v * N_tok + t).to(tl.int64) * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK] of this tile's share (int64)
-        tl.store(dqt + part_k, b_dqt, mask=m_tk)
-        tl.store(dw + part_k, b_dw, mask=m_tk)
-        tl.store(dkt + part_k, b_dkt, mask=m_tk)
-        tl.store(du + row_v, b_du, mask=m_tv)
-        tl.store(dlast + (i_v * NC + row) * H + i_h, b_dl * b_e)
+    n_blocks = tl.cdiv(n_ch, S)
+    for jb in range(0, n_blocks):
+        i_lo = (n_blocks - 1 - jb) * S
+        i_hi = tl.minimum(i_lo + S, n_ch)
+        for i in range(i_lo, i_hi):  # the block's entering level states, as gdn_levels_kernel formed them
+            a = n0 + i
+            _, _, _, _, b_w, _, b_k, b_u, b_wk, b_last = level_chunk(
+                chunks, c0 + i, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
+            )
+            bad = tl.load(firsts + (c0 + i) * H + i_h) < C
+            for ell in range(0, NL):
+                if i == i_lo:
+                    b_h = tl.load(p_ck + ((i_lo // S) * H * NLC + ell).to(tl.int64) * K * V, mask=m_s, other=0.0)  # [BK, BV]
+                else:
+                    m_h = m_s & ((o_k[:, None] * 0 + a) % (2 << ell) != 0)
+                    b_h = tl.load(p_fwd + ell * K * V, mask=m_h, other=0.0)  # [BK, BV]
+                tl.store(p_hs + ((i - i_lo) * NLC + ell).to(tl.int64) * K * V, b_h, mask=m_s)
+                if i + 1 < i_hi:
+                    read = ((a >> ell) & 1) == 1
+                    tl.store(p_fwd + ell * K * V, level_carry(b_h, b_w, b_k, b_u, b_wk, b_last, read, bad, F32, FP32_DOT), mask=m_s)
+        tl.debug_barrier()  # hs written above is read below
+        for j in range(0, i_hi - i_lo):
+            i = i_hi - 1 - j
+            a = n0 + i
+            row = c0 + i
+            t, m_t, row_v, m_tv, b_w, b_qt, b_k, b_u, b_wk, b_last = level_chunk(
+                chunks, row, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
+            )
+            b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
+            m_tk = m_t[:, None] & m_k[None, :]
+            b_e = tl.exp2(b_last)
+            b_dqt = tl.zeros([C, BK], dtype=tl.float32)
+            b_dw = tl.zeros([C, BK], dtype=tl.float32)
+            b_dkt = tl.zeros([C, BK], dtype=tl.float32)
+            b_du = tl.zeros([C, BV], dtype=tl.float32)
+            b_dl = tl.sum(tl.zeros([BV], dtype=tl.float32), axis=0)
+            for ell in range(0, NL):
+                p_s = p_level + ell * K * V
+                b_dh = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV]: dh' of the leaving state
+                b_h = tl.load(p_hs + ((i - i_lo) * NLC + ell).to(tl.int64) * K * V, mask=m_s, other=0.0)  # [BK, BV]: the entering state
+                b_dx = mma_right_fp32(b_k, b_dh, F32) * b_wk[:, None]  # [C, BK] @ [BK, BV]: K̃ dh'
+                b_x = -mma_fp32(b_w, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]: -W h
+                b_dw -= mma_fp32(b_dx, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
+                b_dl += tl.sum(tl.sum(b_h * b_dh, axis=1), axis=0)
+                b_dn = b_dh * b_e - mma_fp32(tl.trans(b_w), b_dx, b_k.dtype, F32, FP32_DOT)  # [BK, C] @ [C, BV]
+                if ((a >> ell) & 1) == 1:  # second half: read
+                    b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
+                    b_dol = b_do * b_lam[:, None]  # [C, BV]
+                    b_dqt += mma_fp32(b_dol, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
+                    b_r = mma_fp32(b_qt, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]: q̃ h
+                    tl.store(dlam + ((i_v * N_tok + t).to(tl.int64) * H + i_h) * L + (LOG_C + 1 + ell), tl.sum(b_do * b_r, axis=1), mask=m_t)
+                    b_dn += mma_fp32(tl.trans(b_qt), b_dol, b_k.dtype, F32, FP32_DOT)  # [BK, C] @ [C, BV]
+                else:  # first half: write
+                    b_x += b_u
+                    b_du += b_dx
+                b_dkt += mma_fp32(b_x, tl.trans(b_dh), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
+                keep = ((a % (2 << ell)) != 0) | (i == 0)  # else the state entered as zero: nothing flows further back
+                tl.store(p_s, tl.where(keep, b_dn, 0.0), mask=m_s)
+            if ATOMIC:  # every value tile adds into one buffer
+                part_k = ((t * H + i_h).to(tl.int64))[:, None] * K + o_k[None, :]  # [C, BK] (int64)
+                tl.atomic_add(dqt + part_k, b_dqt, mask=m_tk, sem="relaxed")
+                tl.atomic_add(dw + part_k, b_dw, mask=m_tk, sem="relaxed")
+                tl.atomic_add(dkt + part_k, b_dkt, mask=m_tk, sem="relaxed")
+            else:
+                part_k = ((i_v * N_tok + t).to(tl.int64) * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK] of this tile's share (int64)
+                tl.store(dqt + part_k, b_dqt, mask=m_tk)
+                tl.store(dw + part_k, b_dw, mask=m_tk)
+                tl.store(dkt + part_k, b_dkt, mask=m_tk)
+            tl.store(du + row_v, b_du, mask=m_tv)
+            tl.store(dlast + (i_v * NC + row) * H + i_h, b_dl * b_e)
+        tl.debug_barrier()  # the next block rewrites hs
 
 
 @triton.jit
@@ -586,9 +634,11 @@ def gdn_levels_backward_ref(qt, w, u_bar, k, g, lam, do, dR, seq_lens: tuple, po
 class GdnForward(NamedTuple):
     """What `gdn_forward` returns: `o [N_tok, H, V]` in the output dtype and, fp32, `R [N, H, NLC, K, V]`
     (each chunk-level's state after the last chunk), the WY stage's `t_inv [N_tok, H, C]`, `w [N_tok, H,
-    K]`, `u_bar [N_tok, H, V]`, `qt [N_tok, H, K]` (q̃), `hs [NC, H, NLC, K, V]` (every chunk's
-    entering level states, for the backward; None unless asked for) and the grid chunk table it ran on
-    (`plan.grid_chunk_table`'s triple, which the backward stages reuse)."""
+    K]`, `u_bar [N_tok, H, V]`, `qt [N_tok, H, K]` (q̃), `firsts [NC, H]` (each chunk's first non-finite row,
+    C when none), the grid chunk table it ran on
+    (`plan.grid_chunk_table`'s triple, which the backward stages reuse) and, for the backward (None
+    unless asked for), the checkpoints `ck [NB, H, NLC, K, V]` of `checkpoint_plan(...)` (the level states
+    entering every S-th chunk of each sequence)."""
 
     o: torch.Tensor
     R: torch.Tensor
@@ -596,8 +646,20 @@ class GdnForward(NamedTuple):
     w: torch.Tensor
     u_bar: torch.Tensor
     qt: torch.Tensor
-    hs: torch.Tensor | None
+    firsts: torch.Tensor
     chunks: tuple
+    ck: torch.Tensor | None
+
+
+def checkpoint_plan(seq_lens: tuple, C: int, device) -> tuple[int, torch.Tensor, int]:
+    """How the backward splits each sequence's walk: `(S, cu_blocks [N] int32, NB)`, blocks of S chunks
+    (S = isqrt of the most grid rows a sequence owns, which balances the checkpoints, `NB` of them, against
+    the S recomputed states a program holds), sequence n's first block at row `cu_blocks[n]`."""
+    rows = [triton.cdiv(n, C) + 1 for n in seq_lens]  # grid rows per sequence (plan.grid_chunk_table): at least its chunks
+    S = max(1, math.isqrt(max(rows)))
+    blocks = [triton.cdiv(r, S) for r in rows]
+    starts = [sum(blocks[:n]) for n in range(len(blocks))]
+    return S, torch.tensor(starts, dtype=torch.int32, device=device), sum(blocks)
 
 
 def _walk_plan(seq_lens: tuple, position, L: int, chunks=None):
@@ -610,7 +672,7 @@ def _walk_plan(seq_lens: tuple, position, L: int, chunks=None):
     return config, C, LOG_C, len(seq_lens), max(L - LOG_C - 1, 1), chunks, segment_table(seq_lens, 1, C, position.device)[0]
 
 
-def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=None, out_dtype=None, store_hs=False) -> GdnForward:
+def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=None, out_dtype=None, store_ck=False) -> GdnForward:
     """The forward from flattened tokens (q, k: [N_tok, H, K]; v: [N_tok, H, V]; g, beta: [N_tok, H], g
     may be None; lam: [N_tok, H, L]; all contiguous), sequence n starting at the absolute position
     `position[n]` (device int64) with the entering chunk-level states `r0 [N, H, NLC, K, V]` fp32 (or
@@ -629,20 +691,22 @@ def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=N
         FP32_DOT=FP32_DOT, num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
     )
     R = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=q.device) if r0 is None else r0.float().contiguous().clone()
-    hs = torch.empty(chunks[2], H, NLC, K, V, dtype=torch.float32, device=q.device) if store_hs else None
+    S, cu_blocks, NB = checkpoint_plan(seq_lens, C, q.device)
+    ck = torch.empty(NB, H, NLC, K, V, dtype=torch.float32, device=q.device) if store_ck else None
     out = torch.empty(N_tok, H, V, dtype=out_dtype or q.dtype, device=q.device)
     BV = min(block(V), config.gdn_block_v)
     gdn_levels_kernel[(triton.cdiv(V, BV), N, H)](
-        k, g, w, u_bar, qt, lam, firsts, o_intra, out, R, hs, seqs, chunks[0], chunks[1], position, H, K, V, L, NLC,
-        C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT, STORE_HS=store_hs,
+        k, g, w, u_bar, qt, lam, firsts, o_intra, out, R, ck, cu_blocks, seqs, chunks[0], chunks[1], position,
+        H, K, V, L, NLC, S,
+        C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT, STORE_CK=store_ck,
         num_warps=config.gdn_num_warps, num_stages=config.num_stages,
     )
-    return GdnForward(out, R, t_inv, w, u_bar, qt, hs, chunks)
+    return GdnForward(out, R, t_inv, w, u_bar, qt, firsts, chunks, ck)
 
 
 def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, position):
     """The chunk-levels' backward (`gdn_levels_backward_kernel`) from flattened tokens as `gdn_forward` took
-    them, its result `fwd` (with `hs`), the output gradient `do [N_tok, H, V]` and that of the leaving
+    them, its result `fwd` (with `ck`), the output gradient `do [N_tok, H, V]` and that of the leaving
     states `dR [N, H, NLC, K, V]` (or None): `(dq̃, dW, dK̃ [N_tok, H, K], dŪ [N_tok, H, V], dlast [NC, H],
     dlam [N_tok, H, L] (the chunk-level columns), dr0 [N, H, NLC, K, V])`, all fp32, as
     `gdn_levels_backward_ref` defines them."""
@@ -652,17 +716,23 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     BK, BV = block(K), min(block(V), config.gdn_block_v)
     n_v, NC = triton.cdiv(V, BV), chunks[2]
     dstate = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=k.device) if dR is None else dR.float().contiguous().clone()
-    dqt, dw, dkt = (torch.empty(n_v, N_tok, H, K, dtype=torch.float32, device=k.device) for _ in range(3))
+    S, cu_blocks, _ = checkpoint_plan(seq_lens, C, k.device)
+    fstate = torch.empty(N, H, NLC, K, V, dtype=torch.float32, device=k.device)
+    hs = torch.empty(N, H, S, NLC, K, V, dtype=torch.float32, device=k.device)
+    atomic = n_v > 1 and not torch.are_deterministic_algorithms_enabled()
+    parts = 1 if atomic else n_v
+    dqt, dw, dkt = ((torch.zeros if atomic else torch.empty)(parts, N_tok, H, K, dtype=torch.float32, device=k.device) for _ in range(3))
     du = torch.empty(N_tok, H, V, dtype=torch.float32, device=k.device)
     dlast = torch.zeros(n_v, NC, H, dtype=torch.float32, device=k.device)
     dlam = torch.zeros(n_v, N_tok, H, L, dtype=torch.float32, device=k.device)
     gdn_levels_backward_kernel[(n_v, N, H)](
-        k, g, fwd.w, fwd.u_bar, fwd.qt, lam, do.contiguous(), fwd.hs, dstate, dqt, dw, dkt, du, dlast, dlam,
-        seqs, chunks[0], chunks[1], position, N_tok, NC, H, K, V, L, NLC,
+        k, g, fwd.w, fwd.u_bar, fwd.qt, lam, fwd.firsts, do.contiguous(), fwd.ck, cu_blocks, fstate, hs, dstate,
+        dqt, dw, dkt, du, dlast, dlam, seqs, chunks[0], chunks[1], position, N_tok, NC, H, K, V, L, NLC, S,
         C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=dot_f32(k.dtype), FP32_DOT=fp32_dot(config),
-        num_warps=config.gdn_num_warps, num_stages=config.num_stages,
+        ATOMIC=atomic, num_warps=config.gdn_num_warps, num_stages=config.num_stages,
     )
-    return dqt.sum(0), dw.sum(0), dkt.sum(0), du, dlast.sum(0), dlam.sum(0), dstate
+    del fstate, hs
+    return (*(x[0] if atomic else x.sum(0) for x in (dqt, dw, dkt)), du, dlast.sum(0), dlam.sum(0), dstate)
 
 
 def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chunks: tuple, *, scale, grad_dtype=None):
