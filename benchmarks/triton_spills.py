@@ -45,7 +45,7 @@ def ptxas() -> Path:
 
 def resources(fn, constexprs: dict, warps: int, stages: int) -> str:
     names = fn.arg_names
-    scalars = {"scale": "fp32", "H": "i32", "K": "i32", "V": "i32", "N_tok": "i32", "DA": "i32", "DC": "i32", "L": "i32", "NLC": "i32", "NC": "i32"}
+    scalars = {"scale": "fp32", "H": "i32", "K": "i32", "V": "i32", "N_tok": "i32", "DA": "i32", "DC": "i32", "L": "i32", "NLC": "i32", "NC": "i32", "S": "i32"}
     signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, scalars.get(n, "*fp32")) for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
@@ -89,8 +89,8 @@ def main() -> None:
     gdn = dict(C=64, LOG_C=6, BK=128, USE_G=True, F32=False, FP32_DOT=0)
     for BV in (16, 32, 64):
         for warps in (4, 8):
-            print(f"log-linear GDN levels BV{BV} warps{warps}: {resources(gdn_levels_kernel, dict(gdn, BV=BV, STORE_HS=False), warps, 2)}")
-            print(f"log-linear GDN levels backward BV{BV} warps{warps}: {resources(gdn_levels_backward_kernel, dict(gdn, BV=BV), warps, 2)}")
+            print(f"log-linear GDN levels BV{BV} warps{warps}: {resources(gdn_levels_kernel, dict(gdn, BV=BV, STORE_CK=False), warps, 2)}")
+            print(f"log-linear GDN levels backward BV{BV} warps{warps}: {resources(gdn_levels_backward_kernel, dict(gdn, BV=BV, ATOMIC=True), warps, 2)}")
             print(f"log-linear GDN chunk  BV{BV} warps{warps}: {resources(gdn_chunk_kernel, dict(gdn, BV=BV), warps, 2)}")
             print(f"log-linear GDN chunk grads BV{BV} warps{warps}: {resources(gdn_chunk_grads_kernel, dict(gdn, BV=BV, USE_DT=False), warps, 2)}")
 
