@@ -12,8 +12,10 @@ forward FLOPs `2 (2C(K+V) + 3KV)`, the same minimum bytes. KATA's quadratic kern
 (ops/kata/README.md, "Triton kernel") counts its products per causal pair, `T/2` pairs per token:
 forward `T (K' + V)`, fwd+bwd `T (5K' + 4V)` FLOPs per token and head, `K' = K` for KATA-Mg and
 `groups·K` for KATA-Σg (the split halves of fp32 tiles not counted); the same minimum bytes. Its chunked
-form (`polyattn-triton-chunk`, forward only) counts the pairs inside a chunk, `min(T, CS) (K' + V)`, and
-the lifted write and read, `4 P (V + 1)` (P lifted features, ops/kata/README.md, "Chunked Triton kernel").
+form (`polyattn-triton-chunk`) counts the pairs inside a chunk, `min(T, CS) (K' + V)`, and the lifted
+write and read, `4 P (V + 1)` (P lifted features, ops/kata/README.md, "Chunked Triton kernel"); fwd+bwd
+`min(T, CS) (5K' + 4V) + 14 P (V + 1)`: the forward's write and read, the backward's rerun of the write,
+its reverse walk, the two lift gradients and the read of the state gradients ("Chunked backward").
 Log-linear Mamba-2 (ops/loglinear/README.md,
 "Triton kernels"; `scale = 1`, lam = softplus of a normal draw, `num_levels(T)` columns, differentiated)
 reads about half of its `NL = log2(T / C)` chunk-levels per token: forward FLOPs
@@ -123,7 +125,7 @@ def cases() -> list[Case]:
              lambda q, k, v, g, b, G=G, c=c: lambda: ops.kata(q, k, v, groups=G, combine=c, impl="triton_parallel")[0])
         for op, (G, c) in KATA.items()
     ]
-    out += [  # the chunked lifted-state form: forward only (no backward yet)
+    out += [  # the chunked lifted-state form
         Case(op, "polyattn-triton-chunk",
              lambda q, k, v, g, b, G=G, c=c: lambda: ops.kata(q, k, v, groups=G, combine=c, impl="triton_chunk")[0])
         for op, (G, c) in KATA.items()
@@ -168,8 +170,10 @@ def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int, T: int | None =
             from polyattn.ops.triton.plan import get_config
 
             P = make_feature_map("psd", K, *KATA[op]).dim()
-            flops = min(T, get_config().kata_chunk_size) * (Kp + V) + 4 * P * (V + 1)
-            return flops * tokens * H, (2 * K + 2 * V) * 2 * tokens * H
+            pairs = min(T, get_config().kata_chunk_size)
+            if mode == "fwd":
+                return (pairs * (Kp + V) + 4 * P * (V + 1)) * tokens * H, (2 * K + 2 * V) * 2 * tokens * H
+            return (pairs * (5 * Kp + 4 * V) + 14 * P * (V + 1)) * tokens * H, (5 * K + 6 * V) * 2 * tokens * H
         flops = T * (Kp + V) if mode == "fwd" else T * (5 * Kp + 4 * V)
         bytes_ = (2 * K + 2 * V) * 2 if mode == "fwd" else (5 * K + 6 * V) * 2
         return flops * tokens * H, bytes_ * tokens * H

@@ -1,10 +1,11 @@
-"""Triton `kata(impl="triton_chunk")` (the chunked lifted-state form, forward) against the float64 naive spec.
+"""Triton `kata(impl="triton_chunk")` (the chunked lifted-state form) against the float64 naive spec.
 
 The kernels are called directly (`kata_chunk_fused`), so that T = 1 runs them too and not the decoding step.
 
-The bound per tensor is `polyattn.testing.assert_low_precision_matches`'s without gradients: at most twice the
-error of the PyTorch `chunk` form on the same low-precision inputs (or one rounding floor), under a hard
-ceiling, for o and the final state (S and z). On a CPU-only machine the kernels run under TRITON_INTERPRET=1
+The bound per tensor is `polyattn.testing.assert_low_precision_matches`'s: at most twice the error of the
+PyTorch `chunk` form on the same low-precision inputs (or one rounding floor), under a hard ceiling, for o,
+the final state (S and z) and every gradient (dq, dk, dv, dg and the initial state's, through o and the
+final state). On a CPU-only machine the kernels run under TRITON_INTERPRET=1
 at tiny shapes with small tiles and state chunks (several chunks and sub-tiles per sequence); with CUDA at
 real shapes and the default tiles. Each kernel stage is compared with its PyTorch twin.
 """
@@ -20,8 +21,8 @@ from polyattn import ops
 from polyattn.ops.kata import kata_chunk, kata_naive, make_feature_map
 from polyattn.ops.kata.state import join_state
 from polyattn.ops.kata.triton.function import kata_chunk_fused
-from polyattn.ops.kata.triton.chunk import chunk_lengths, kata_read_ref, kata_states_ref
-from polyattn.ops.triton.plan import KernelConfig, chunk_table, segment_table, sequence_starts, use_config
+from polyattn.ops.kata.triton.chunk import kata_lift_grad_ref, kata_read_ref, kata_state_grads_ref, kata_states_ref
+from polyattn.ops.triton.plan import KernelConfig, use_config
 from polyattn.testing import (
     assert_close_rel, assert_continuation, assert_low_precision_matches, dtype_id, kata_case_id, kata_gpu_cases,
     random_kata_state, seeded_inputs,
@@ -52,7 +53,7 @@ def _check(T, dtype, groups, combine, decay, normalize, with_state, Bx=1, seed=0
     opts = dict(groups=groups, combine=combine, normalize=normalize, eps=1e-6)
     forms = [functools.partial(f, **opts) for f in (kata_naive, kata_chunk, kata_chunk_fused)]  # the kernels, also at T = 1
     with use_config(CONFIG):
-        assert_low_precision_matches(*forms, x, h0, dtype, lengths=lengths, backward=False)
+        assert_low_precision_matches(*forms, x, h0, dtype, lengths=lengths)
 
 
 # (T, dtype, groups, combine, decay, normalize, with_state). CPU: every variant once in fp32, bf16 cases, the T
@@ -72,8 +73,9 @@ else:
 
 @pytest.mark.parametrize("case", CASES, ids=[kata_case_id(c) for c in CASES])
 def test_triton_chunk_matches_naive(case):
-    """o and the final state: each (groups, combine), with and without decay, normalized or not, with and
-    without an initial state (read by the first chunk), over the T grid (a chunk boundary inside or not)."""
+    """o, the final state and every gradient: each (groups, combine), with and without decay, normalized or
+    not, with and without an initial state (read by the first chunk), over the T grid (a chunk boundary inside
+    or not)."""
     T, dtype, groups, combine, decay, normalize, with_state = case
     _check(T, dtype, groups, combine, decay, normalize, with_state, Bx=B if T <= 65 else 1)
 
@@ -100,11 +102,10 @@ def test_triton_chunk_prefill_continues(split):
 @pytest.mark.parametrize("decay", [None, -1e4, float("-inf")], ids=["no-decay", "huge", "reset"])
 @pytest.mark.parametrize("groups, combine", [(1, "concat"), (2, "concat"), (4, "sum")], ids=["M1", "M2", "S4"])
 def test_chunk_stages_match_twins(groups, combine, decay):
-    """The state walk and the read against `kata_states_ref` / `kata_read_ref` on packed sequences from
-    initial states, with a huge log-decay or a reset planted inside a sub-tile."""
-    from polyattn.ops.kata.triton.chunk import kata_read_kernel, kata_states_kernel
-    from polyattn.ops.kata.triton.function import feature_blocks
-    from polyattn.ops.triton.precision import dot_f32
+    """The state walk and the read against `kata_states_ref` / `kata_read_ref`, the backward's reverse walk
+    against `kata_state_grads_ref` and its lift gradient against `kata_lift_grad_ref` (autograd of the read in
+    float64), on packed sequences from initial states, with a huge log-decay or a reset planted inside a sub-tile."""
+    from polyattn.ops.kata.triton.function import _chunk_plan, chunk_lift_grad, chunk_read, chunk_states
 
     lengths = (70, 5, 40)
     N_tok, N = sum(lengths), len(lengths)
@@ -115,35 +116,30 @@ def test_chunk_stages_match_twins(groups, combine, decay):
         g[37, 0] = decay
     h0 = join_state(_state(N, groups, combine, 5), torch.float32)  # [N, H, P, V + 1]
     with use_config(CONFIG) as config:
-        CS, BS = config.kata_chunk_size, config.kata_block_n
-        tiling = feature_blocks(K, V, groups, combine)
-        P = tiling["P"]
-        _, cu_chunks, NC = chunk_table(lengths, CS, DEVICE)
-        hs, zs = torch.empty(NC, H, P, V, device=DEVICE), torch.empty(NC, H, P, device=DEVICE)
-        ht, zt = torch.empty(N, H, P, V, device=DEVICE), torch.empty(N, H, P, device=DEVICE)
-        meta = dict(G=groups, SUM=combine == "sum", BF=tiling["BF"], BV=tiling["BV"], USE_G=True, F32=dot_f32(q.dtype))
-        sizes = (H, K, V, tiling["E"], P)
-        kata_states_kernel[(tiling["slots"] * tiling["NE"], N, H)](
-            k, v, g, h0[..., :-1].contiguous(), h0[..., -1].contiguous(), hs, zs, ht, zt,
-            segment_table(lengths, 1, CS, DEVICE)[0], cu_chunks, *sizes, tiling["NE"], BE=tiling["BE"], BS=BS, SUB=CS // BS,
-            USE_H0=True, STORE_HT=True, **meta)
+        CS = config.kata_chunk_size
+        plan = _chunk_plan(q[None], v[None], lengths, groups, combine)  # the launchers' plan ([1, N_tok, H, *] views)
+        hs, zs, ht, zt = chunk_states(k, v, g, h0[..., :-1].contiguous(), h0[..., -1].contiguous(), plan, N, True)
         states, finals = kata_states_ref(k, v, g, h0, lengths, CS, fmap)
         assert_close_rel(hs, states[..., :-1], 1e-5, "chunk states S")
         assert_close_rel(zs, states[..., -1], 1e-5, "chunk states z")
         assert_close_rel(ht, finals[..., :-1], 1e-5, "final S")
         assert_close_rel(zt, finals[..., -1], 1e-5, "final z")
-        pieces = chunk_lengths(lengths, CS)
-        tiles, _, NT = chunk_table(pieces, BS, DEVICE)
-        prior = torch.empty(N_tok, H, V + 1, device=DEVICE)
-        kata_read_kernel[(NT, H)](q, g, hs, zs, prior, tiles, sequence_starts(pieces, DEVICE), 0.09, *sizes, BT=BS, **meta)
+        prior = chunk_read(q, g, hs, zs, 0.09, plan)
         assert_close_rel(prior, kata_read_ref(q, g, states, lengths, CS, fmap, 0.3), 1e-5, "prior")
+        # the backward's stages: the reverse walk of the state gradient, and the lift gradient of a read
+        gen = torch.Generator().manual_seed(6)
+        y = torch.randn(N_tok, H, V + 1, generator=gen).to(DEVICE)  # the reads' cotangents
+        dfinal = torch.randn(N, H, fmap.dim(), V + 1, generator=gen).to(DEVICE)
+        ds, dzs, dh0, dz0 = chunk_states(q, y, g, dfinal[..., :-1].contiguous(), dfinal[..., -1].contiguous(), plan, N, True, reverse=True)
+        grads, initial = kata_state_grads_ref(q, y, g, dfinal, lengths, CS, fmap)
+        assert_close_rel(ds, grads[..., :-1], 1e-5, "gradients of the chunks' leaving states, S")
+        assert_close_rel(dzs, grads[..., -1], 1e-5, "gradients of the chunks' leaving states, z")
+        assert_close_rel(dh0, initial[..., :-1], 1e-5, "gradient of the initial S")
+        assert_close_rel(dz0, initial[..., -1], 1e-5, "gradient of the initial z")
+        assert_close_rel(chunk_lift_grad(q, y, hs, zs, plan), kata_lift_grad_ref(q, y, states, lengths, CS, fmap), 1e-5, "lift gradient")
 
 
-def test_triton_chunk_refuses_gradients():
-    x = seeded_inputs(1, 20, H, K, V, decay=True, device=DEVICE, dtype=torch.float32)
-    q = x["q"].requires_grad_()
-    with pytest.raises(NotImplementedError, match="without gradients"):
-        ops.kata(q, x["k"], x["v"], x["g"], impl="triton_chunk")
+def test_triton_chunk_refuses_other_group_widths():
     y = seeded_inputs(1, 20, H, 12, V, device=DEVICE, dtype=torch.float32)
     with pytest.raises(ValueError, match="power of two"):
         ops.kata(y["q"], y["k"], y["v"], groups=3, impl="triton_chunk")

@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_map
 
 from polyattn import ops
 from polyattn.layers import build_mixer
+from polyattn.ops.kata.state import KataState
 from polyattn.ops.loglinear import LogLinearState
 from polyattn.testing import assert_close_rel, seeded_inputs
 
@@ -30,12 +31,16 @@ def _loglinear_state():
     return LogLinearState(levels, torch.tensor([21], device=DEVICE))
 
 
-@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla", "loglinear_attn"])
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla", "loglinear_attn", "kata_chunk"])
 def test_triton_forms_compile_as_one_graph(op):
     h0 = torch.randn(1, 2, 8, 12, device=DEVICE)
     state = _loglinear_state()
 
     def loss(*tensors):
+        if op == "kata_chunk":
+            o, s = ops.kata(*tensors, impl="triton_chunk", initial_state=KataState(h0.new_ones(1, 2, 64, 12), h0.new_ones(1, 2, 64)),
+                            output_final_state=True)
+            return o.square().sum() + s.S.sum()
         if op == "hla":
             o, _ = ops.hla(*tensors, impl="triton")
             return o.square().sum()
@@ -146,7 +151,7 @@ class _RecordCustomOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla", "loglinear_attn", "kata"])
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla", "loglinear_attn", "kata", "kata_chunk"])
 def test_custom_ops_fake_outputs_match_real_strides(op):
     """Every forward and backward custom op of a gated call, at the arguments a real backward passes it:
     the fake function's outputs have the real outputs' sizes and strides (inductor asserts both on
@@ -157,6 +162,10 @@ def test_custom_ops_fake_outputs_match_real_strides(op):
             o, ht = ops.hla(*leaves, impl="triton")
         elif op == "kata":
             o, ht = ops.kata(*leaves, impl="triton_parallel")
+        elif op == "kata_chunk":  # from a state, the final state used: every input of the backward op
+            state = KataState(torch.randn(1, 2, 64, 12, device=DEVICE), torch.rand(1, 2, 64, device=DEVICE))
+            o, final = ops.kata(*leaves, impl="triton_chunk", initial_state=state, output_final_state=True)
+            ht = final.S
         elif op == "loglinear_attn":
             q, k, v, g, lam = leaves
             o, ht = ops.loglinear_attn(q, k, v, lam, g, impl="triton", initial_state=_loglinear_state(), output_final_state=True)

@@ -86,7 +86,7 @@ def kata(
         cu_seqlens: int64 ``[N + 1]`` offsets of packed sequences (B must be 1).
         impl: KATA ``"naive" | "recurrent" | "chunk" | "scan" | "parallel" | "triton_parallel" | "triton_chunk" | "triton" | "auto"``
             (``"triton_parallel"``: the flash-style quadratic kernel, PSD maps only; ``"triton_chunk"``: the
-            chunked lifted-state kernels, PSD maps, without gradients; ``"triton"``: for PSD maps the quadratic
+            chunked lifted-state kernels, PSD maps, forward and backward; ``"triton"``: for PSD maps the quadratic
             kernel, or the chunked one for a call without gradients past its crossover length, and linear
             attention's kernels for the first-order ones; with a PSD map all three run one-token calls without
             gradients on the fused decoding step);

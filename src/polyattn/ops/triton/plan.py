@@ -240,6 +240,17 @@ def reverse_cumsum(x: torch.Tensor, seq_lens: tuple) -> torch.Tensor:
     return (end_of - total + x64).float().t().contiguous()  # [H, N_tok] -> [N_tok, H]
 
 
+def prefix_cumsum(x: torch.Tensor, seq_lens: tuple) -> torch.Tensor:
+    """Per-sequence inclusive cumsum over tokens, the twin of `reverse_cumsum` (x: [N_tok, H] fp32, summed
+    in fp64): `[N_tok, H]` fp32."""
+    x64 = x.t().double()  # [N_tok, H] -> [H, N_tok]
+    total = x64.cumsum(-1)  # [H, N_tok]
+    lengths = torch.tensor(seq_lens, device=x.device)
+    starts = lengths.cumsum(0) - lengths  # [N] first token of each sequence
+    base = (total - x64)[:, torch.repeat_interleave(starts, lengths, output_size=x.shape[0])]  # [H, N_tok]: the sum before it
+    return (total - base).float().t().contiguous()  # [H, N_tok] -> [N_tok, H]
+
+
 def step_state(initial_state, q: torch.Tensor, V: int) -> torch.Tensor:
     """The fp32 state a one-token call steps in place: a copy of `initial_state` (the caller's
     tensor is not modified) or zeros, `[B, H, K, V]` contiguous."""

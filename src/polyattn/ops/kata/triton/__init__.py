@@ -3,7 +3,7 @@
 Files by stage (on the shared core ops/triton: precision helpers, tile tables, chunk decay):
 tiles.py (grouped loads, squared group scores and their gradient, diagonal decay tiles),
 forward.py (the flash-style quadratic forward), backward.py (dq pass over key tiles, dk/dv pass
-over query tiles), chunk.py (the chunked form's lifted states and their read), function.py (custom ops, autograd, the host's state read and write), step.py
+over query tiles), chunk.py (the chunked form's lifted states, their read and the backward's reverse walk and lift gradient), function.py (custom ops, autograd, the host's state read and write), step.py
 (the fused one-token decoding step). Each
 kernel file holds its PyTorch twin (`*_ref`). The first-order maps need no kernel of their own:
 `kata_triton_first_order` runs them on linear attention's. Importing this package does not import
@@ -69,8 +69,8 @@ kata_triton_parallel.native_varlen = True
 
 def kata_triton_chunk(q, k, v, g=None, *, feature="psd", groups=1, combine="concat", normalize=True, eps=1e-6, scale,
                       initial_state=None, output_final_state=False, cu_seqlens=None):
-    """Triton chunked lifted-state form of `kata` (PSD maps, `groups` a power of two, no gradients; handles
-    `cu_seqlens` natively; see chunk.py): cost linear in T. One token per sequence without gradients
+    """Triton chunked lifted-state form of `kata` (PSD maps, `groups` a power of two, forward and backward;
+    handles `cu_seqlens` natively; see chunk.py): cost linear in T. One token per sequence without gradients
     (decoding) runs the fused step of step.py."""
     return psd_kernels("triton_chunk", "kata_chunk_fused", q, k, v, g, feature=feature, groups=groups, combine=combine,
                        normalize=normalize, eps=eps, scale=scale, initial_state=initial_state,
@@ -106,8 +106,8 @@ kata_triton_first_order.native_varlen = True
 
 
 def chunk_pays(q, k, v, g, *, groups=1, combine="concat", initial_state=None, cu_seqlens=None, **_) -> bool:
-    """Whether `impl="triton"` runs a PSD call on the chunked form: no gradient wanted (the form has no
-    backward yet), `K / groups` a power of two >= 4, and the longest sequence at least
+    """Whether `impl="triton"` runs a PSD call on the chunked form: no gradient wanted (its backward has not
+    been measured on the GPU yet), `K / groups` a power of two >= 4, and the longest sequence at least
     `KernelConfig.kata_chunk_crossover · (P + 1024)` tokens, where the quadratic kernel's T² work overtakes
     the chunked form's (ops/kata/README.md, "Chunked Triton kernel")."""
     from polyattn.ops.common import wants_grad

@@ -32,7 +32,7 @@ import triton.language as tl
 from polyattn.ops.common import suffix_sum
 from polyattn.ops.kata.state import with_ones
 from polyattn.ops.triton.decay import chunk_decay, chunk_suffix, reset_limit_ref, reset_limited
-from polyattn.ops.triton.precision import LOG2E, mma_left_fp32, mma_right_fp32
+from polyattn.ops.triton.precision import LOG2E, mma_fp32, mma_left_fp32, mma_right_fp32
 
 
 @triton.jit
@@ -71,6 +71,7 @@ def kata_states_kernel(
     k, v, g, h0, z0, hs, zs, ht, zt, seqs, cu_chunks, H, K, V, E, P, NE,
     G: tl.constexpr, SUM: tl.constexpr, BE: tl.constexpr, BF: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr,
     SUB: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """grid: (slots·NE, N, H), NE = E / BE. One feature block `(slot, e0)` of one sequence and head:
     the fp32 tiles `[BE·BF, BV]` (S) and `[BE·BF]` (z) stay in registers while the program walks the
@@ -78,7 +79,15 @@ def kata_states_kernel(
     (`hs [NC, H, P, V]`, `zs [NC, H, P]`) and, with STORE_HT, the final one (`ht`, `zt`, per sequence).
     `seqs` rows: `(bos, eos, ., .)` per sequence; `cu_chunks [N + 1]`: each sequence's first chunk. A
     non-finite key, value or log-decay makes the state non-finite from its sub-tile on: the states
-    entering earlier chunks, stored before, are untouched."""
+    entering earlier chunks, stored before, are untouched.
+
+    REVERSE: the backward's walk of the state gradient D (ops/kata/README.md, "Chunked backward"), chunks
+    and sub-tiles last to first, `k` holding q and `v` the fp32 `[N_tok, H, V + 1]` cotangents y of the
+    reads (`scale² dprior`): per sub-tile `D = exp(γ) D + Yᵀ y[:, :V]`, `Dz = exp(γ) Dz + Yᵀ y[:, V]` with
+    `Y = diag(exp(gc)) ψ(Q)` (gc: the inclusive log-decay from the sub-tile's start), so that a chunk leaves
+    `exp(γ_c) D_(c+1) + Σ_t exp(G_t - G_(cs-1)) ψ(q_t) y_tᵀ`; `hs`, `zs` get D_(c+1) (the gradient of the
+    state leaving chunk c) before the chunk, `h0`, `z0` the gradient of the final state, `ht`, `zt` that
+    of the initial one."""
     i_p, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = i_p // NE
     e0 = (i_p % NE) * BE
@@ -97,25 +106,52 @@ def kata_states_kernel(
         b_h = tl.zeros([BE * BF, BV], dtype=tl.float32)
         b_z = tl.zeros([BE * BF], dtype=tl.float32)
     o_t = tl.arange(0, BS)
-    for c in range(0, tl.cdiv(eos - bos, SUB * BS)):
+    n_chunks = tl.cdiv(eos - bos, SUB * BS)
+    for cc in range(0, n_chunks):
+        c = n_chunks - 1 - cc if REVERSE else cc
         i_c = (c0 + c) * H + i_h
         tl.store(hs + i_c * P * V + state, b_h, mask=m_s)
         tl.store(zs + i_c * P + rows, b_z)
-        for j in range(0, SUB):
+        for jj in range(0, SUB):
+            j = SUB - 1 - jj if REVERSE else jj
             t = bos + (c * SUB + j) * BS + o_t
             m_t = t < eos
             b_y = lifted_tile(k, t, m_t, H, i_h, K, E, slot, e0, G, SUM, BE, BF)  # [BS, BE·BF]
-            b_v = tl.load(v + (t.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BS, BV]
+            if REVERSE:
+                row_y = (t.to(tl.int64) * H + i_h) * (V + 1)  # [BS]
+                b_v = tl.load(v + row_y[:, None] + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BS, BV] fp32
+                b_one = tl.load(v + row_y + V, mask=m_t, other=0.0)  # [BS]: the normaliser's column
+            else:
+                b_v = tl.load(v + (t.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BS, BV]
+                b_one = tl.where(m_t, 1.0, 0.0)  # [BS]
             if USE_G:
                 b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, True)  # [BS], [BS], scalar
-                b_y = b_y * tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))[:, None]  # [BS, BE·BF]: decayed to the sub-tile's end
+                if REVERSE:
+                    b_y = b_y * tl.exp2(b_gc)[:, None]  # [BS, BE·BF]: decayed from the sub-tile's start
+                else:
+                    b_y = b_y * tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))[:, None]  # [BS, BE·BF]: decayed to the sub-tile's end
                 b_h = b_h * tl.exp2(b_last)
                 b_z = b_z * tl.exp2(b_last)
-            b_h += mma_left_fp32(tl.trans(b_y), b_v, F32)  # [BE·BF, BS] @ [BS, BV] -> [BE·BF, BV]
-            b_z += tl.sum(b_y, axis=0)  # [BE·BF]
+            if REVERSE:
+                b_h += mma_fp32(tl.trans(b_y), b_v, k.dtype.element_ty, F32, 0)  # [BE·BF, BS] @ [BS, BV], both split
+            else:
+                b_h += mma_left_fp32(tl.trans(b_y), b_v, F32)  # [BE·BF, BS] @ [BS, BV] -> [BE·BF, BV]
+            b_z += tl.sum(b_y * b_one[:, None], axis=0)  # [BE·BF]
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * P * V + state, b_h, mask=m_s)
         tl.store(zt + (i_n * H + i_h).to(tl.int64) * P + rows, b_z)
+
+
+@triton.jit
+def read_tile(tiles, V, BF: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+    """This program's tile in a (tiles, H) grid over the state chunks: `(i_h, t0, i_c, t, m_t, o_f, o_v, m_v)`,
+    the tile's tokens `t = t0 + arange(BT)` masked by `m_t`, `i_c` its chunk, the feature and value offsets."""
+    i_m, i_h = tl.program_id(0), tl.program_id(1)
+    t0 = tl.load(tiles + i_m * 4).to(tl.int64)
+    t1 = tl.load(tiles + i_m * 4 + 1).to(tl.int64)
+    t = t0 + tl.arange(0, BT)
+    o_v = tl.arange(0, BV)
+    return i_h, t0, tl.load(tiles + i_m * 4 + 2).to(tl.int64), t, t < t1, tl.arange(0, BF), o_v, o_v < V
 
 
 @triton.jit
@@ -129,15 +165,7 @@ def kata_read_kernel(
     e < E, `Σ_f q_if S_(e,f) = Q_i [S | z]_e` (`[BT, E] @ [E, V]`, the fp32 rows split in two halves, q
     exact), weighted by the column `q_ie`, then the rows by `scale² exp(G_t - G_{cs-1})`; ψ is never built.
     `tiles` rows: `(t0, t1, chunk, .)`, the chunk indexing `hs`, `zs` and `starts` (its first token)."""
-    i_m, i_h = tl.program_id(0), tl.program_id(1)
-    t0 = tl.load(tiles + i_m * 4).to(tl.int64)
-    t1 = tl.load(tiles + i_m * 4 + 1).to(tl.int64)
-    i_c = tl.load(tiles + i_m * 4 + 2).to(tl.int64)
-    t = t0 + tl.arange(0, BT)
-    m_t = t < t1
-    o_f = tl.arange(0, BF)
-    o_v = tl.arange(0, BV)
-    m_v = o_v < V
+    i_h, t0, i_c, t, m_t, o_f, o_v, m_v = read_tile(tiles, V, BF, BT, BV)
     b_w = tl.full([BT], scale2, dtype=tl.float32)
     if USE_G:  # log-decay from the chunk's start: direct sums of the chunk's earlier tiles, then the tile's cumsum
         b_prev = tl.sum(tl.zeros([BT], dtype=tl.float32), axis=0)
@@ -164,6 +192,38 @@ def kata_read_kernel(
     out = (t * H + i_h) * (V + 1)  # [BT]
     tl.store(prior + out[:, None] + o_v[None, :], b_num * b_w[:, None], mask=m_t[:, None] & m_v[None, :])
     tl.store(prior + out + V, b_den * b_w, mask=m_t)
+
+
+@triton.jit
+def kata_lift_grad_kernel(
+    x, y, hs, zs, dx, tiles, H, K, V, E, P,
+    G: tl.constexpr, SUM: tl.constexpr, BF: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, F32: tl.constexpr,
+):
+    """grid: (tiles, H). The gradient of `ψ(x_t)ᵀ [S | z]_c y_t` with respect to x_t, for one tile of BT
+    tokens of chunk c and head: with `U_t = [S | z]_c y_t` read as one E×E matrix per slot,
+    `dx_i = (U + Uᵀ) x_i` for group i (ψ_(e,f)(x) = x_e x_f). Row block e of the slot gives row e of U for
+    every token, `U_e = y [S | z]_eᵀ` (`[BT, V] @ [V, E]` with both fp32 operands split in halves, plus the
+    normaliser's column), which adds `Σ_f U_e[t, f] x_if` to column e and `U_e[t, f] x_ie` to column f.
+    `dx [N_tok, H, K]` fp32 is written, not accumulated; `tiles` as `kata_read_kernel`'s."""
+    i_h, t0, i_c, t, m_t, o_f, o_v, m_v = read_tile(tiles, V, BF, BT, BV)
+    row_y = (t * H + i_h) * (V + 1)  # [BT]
+    b_y = tl.load(y + row_y[:, None] + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BT, BV] fp32
+    b_yz = tl.load(y + row_y + V, mask=m_t, other=0.0)  # [BT]
+    p_h = hs + (i_c * H + i_h) * P * V
+    p_z = zs + (i_c * H + i_h) * P
+    row = (t * H + i_h) * K  # [BT]
+    for i in range(0, G):  # group i reads slot 0 (Σg) or its own (Mg)
+        slot = 0 if SUM else i
+        b_x = tl.load(x + row[:, None] + i * E + o_f[None, :], mask=m_t[:, None], other=0.0)  # [BT, E]
+        b_xf = b_x.to(tl.float32)
+        b_dx = tl.zeros([BT, BF], dtype=tl.float32)
+        for e in range(0, E):
+            rows = (slot * E + e) * E + o_f  # [E]
+            b_s = tl.load(p_h + rows[:, None] * V + o_v[None, :], mask=(rows >= 0)[:, None] & m_v[None, :], other=0.0)  # [E, BV]
+            b_u = mma_fp32(b_y, tl.trans(b_s), b_x.dtype, F32, 0) + b_yz[:, None] * tl.load(p_z + rows)[None, :]  # [BT, BV] @ [BV, E]
+            b_xe = tl.load(x + row + i * E + e, mask=m_t, other=0.0).to(tl.float32)  # [BT]: the column x_ie
+            b_dx += b_u * b_xe[:, None] + tl.where(o_f[None, :] == e, tl.sum(b_u * b_xf, axis=1)[:, None], 0.0)
+        tl.store(dx + row[:, None] + i * E + o_f[None, :], b_dx, mask=m_t[:, None])
 
 
 def chunk_lengths(seq_lens: tuple, chunk_size: int) -> tuple:
@@ -212,4 +272,42 @@ def kata_read_ref(q, g, states, seq_lens: tuple, chunk_size: int, fmap, scale: f
     return prior
 
 
-__all__ = ["chunk_lengths", "kata_read_kernel", "kata_read_ref", "kata_states_kernel", "kata_states_ref"]
+def kata_state_grads_ref(q, y, g, final_grad, seq_lens: tuple, chunk_size: int, fmap):
+    """Twin of `kata_states_kernel` with REVERSE in float64: `(grads [NC, H, P, V + 1], initial [N, H, P, V + 1])`,
+    the gradient of the state leaving every chunk and of the initial state, from the reads' cotangents
+    `y [N_tok, H, V + 1]` (their weights from the chunk's start applied here) and `final_grad [N, H, P, V + 1]` or None."""
+    N_tok, H, _ = q.shape
+    g = torch.zeros(N_tok, H, dtype=torch.float64, device=q.device) if g is None else reset_limit_ref(g.double())
+    grads, initial, bos = [], [], sum(seq_lens)
+    for n in reversed(range(len(seq_lens))):
+        length = seq_lens[n]
+        bos -= length
+        D = (torch.zeros(H, fmap.dim(), y.shape[-1], dtype=torch.float64, device=q.device)
+             if final_grad is None else final_grad[n].double())
+        sizes = chunk_lengths((length,), chunk_size)
+        ends = [bos + sum(sizes[:i + 1]) for i in range(len(sizes))]
+        for size, end in zip(reversed(sizes), reversed(ends)):
+            grads.append(D)
+            gc = g[end - size:end].t()  # [H, n]
+            w = torch.exp(torch.cumsum(gc, -1))  # [H, n]: exp(G_t - G_(cs-1))
+            D = torch.exp(gc.sum(-1))[:, None, None] * D + fmap.write(
+                q[end - size:end].double().transpose(0, 1), w[..., None] * y[end - size:end].double().transpose(0, 1))
+        initial.append(D)
+    return torch.stack(grads[::-1]), torch.stack(initial[::-1])
+
+
+def kata_lift_grad_ref(x, y, states, seq_lens: tuple, chunk_size: int, fmap):
+    """Twin of `kata_lift_grad_kernel` in float64: `∇_x Σ_t ψ(x_t)ᵀ states[c(t)] y_t`, `[N_tok, H, K]`."""
+    x = x.double().detach().requires_grad_()
+    total, bos = 0.0, 0
+    for c, size in enumerate(chunk_lengths(seq_lens, chunk_size)):
+        read = fmap.read(x[bos:bos + size].transpose(0, 1), states[c].double())  # [H, n, V + 1]
+        total = total + (read * y[bos:bos + size].double().transpose(0, 1)).sum()
+        bos += size
+    return torch.autograd.grad(total, x)[0]
+
+
+__all__ = [
+    "chunk_lengths", "kata_lift_grad_kernel", "kata_lift_grad_ref", "kata_read_kernel", "kata_read_ref", "kata_state_grads_ref",
+    "kata_states_kernel", "kata_states_ref",
+]

@@ -18,13 +18,14 @@ import torch
 from polyattn.ops.common import suffix_sum, wants_grad
 from polyattn.ops.kata.feature_maps import make_feature_map
 from polyattn.ops.kata.state import KataState, join_state, split_state, with_ones
+from polyattn.ops.triton.decay import reset_limit_ref
 from polyattn.ops.triton.plan import (
-    block, chunk_table, get_config, no_output, reverse_cumsum, segment_table, sequence_lengths, sequence_starts,
+    block, chunk_table, get_config, no_output, prefix_cumsum, reverse_cumsum, segment_table, sequence_lengths, sequence_starts,
 )
 from polyattn.ops.triton.precision import check_kernel_inputs, dot_f32
 
 from .backward import kata_dkdv_kernel, kata_dq_kernel
-from .chunk import chunk_lengths, kata_read_kernel, kata_states_kernel
+from .chunk import chunk_lengths, kata_lift_grad_kernel, kata_read_kernel, kata_states_kernel
 from .forward import kata_forward_kernel
 from .tiles import block_sizes
 
@@ -105,19 +106,13 @@ def _(q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize, keep_
     return v.new_empty(B, T, H, v.shape[-1], dtype=dtype), q.new_empty(B, T, H, dtype=torch.float32), o32
 
 
-@torch.library.custom_op("polyattn::kata_parallel_backward", mutates_args=())
-def kata_parallel_backward(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
-    o: torch.Tensor, den: torch.Tensor, scale: float, eps: float, seq_lens: list[int], groups: int, combine: str,
-    normalize: bool, want_dg: bool, want_dprior: bool, dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The two gradient kernels and dg as a custom op: `(dq, dk, dv, dg, dprior)`, dg and dprior
-    empty [0] tensors when not wanted; dq, dk, dv in q's, k's, v's dtype (fp32 for fp32 copies: the kernels
-    then write them unrounded), the kernels run on the inputs cast to dtype."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    grads = tuple(torch.empty(x.shape[0] * x.shape[1], *x.shape[2:], dtype=x.dtype, device=x.device) for x in (q, k, v))  # [B*T, H, D]
-    q, k, v = (x.to(dtype) for x in (q, k, v))
+def quadratic_backward(do, q, k, v, g, o, den, scale: float, eps: float, seq_lens, groups: int, combine: str,
+                       normalize: bool, grads):
+    """Launch backward.py's two kernels on q, k, v in the kernels' dtype, writing `grads = (dq, dk, dv)`
+    (`[B*T, H, D]`, in their own dtypes): `(dq, dk, dv, qdq, kdk [B*T, H], r, c [B, T, H])` with `q·dq`, `k·dk`
+    per token (fp32, the log-decay identity's terms) and the normalised read's `r = 1 / max(den, eps)`,
+    `c = r (do·o)` (0 where clamped; ones and zeros without normalize), from which the prior's gradient
+    is `[r·do | −c]`."""
     plan = _launch(q, v, seq_lens, groups, combine, get_config().kata_bwd_warps)
     if normalize:
         r = 1.0 / den.clamp_min(eps)  # [B, T, H]
@@ -135,6 +130,23 @@ def kata_parallel_backward(
         qf, kf, vf, gf, dof, rf, cf, dk, dv, kdk, plan["tiles"], plan["starts"], scale * scale, *plan["sizes"],
         USE_G=g is not None, SPLIT=plan["split"], **plan["meta"],
     )
+    return dq, dk, dv, qdq, kdk, r, c
+
+
+@torch.library.custom_op("polyattn::kata_parallel_backward", mutates_args=())
+def kata_parallel_backward(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
+    o: torch.Tensor, den: torch.Tensor, scale: float, eps: float, seq_lens: list[int], groups: int, combine: str,
+    normalize: bool, want_dg: bool, want_dprior: bool, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two gradient kernels and dg as a custom op: `(dq, dk, dv, dg, dprior)`, dg and dprior
+    empty [0] tensors when not wanted; dq, dk, dv in q's, k's, v's dtype (fp32 for fp32 copies: the kernels
+    then write them unrounded), the kernels run on the inputs cast to dtype."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    grads = tuple(torch.empty(x.shape[0] * x.shape[1], *x.shape[2:], dtype=x.dtype, device=x.device) for x in (q, k, v))  # [B*T, H, D]
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    dq, dk, dv, qdq, kdk, r, c = quadratic_backward(do, q, k, v, g, o, den, scale, eps, seq_lens, groups, combine, normalize, grads)
     dg = no_output(q)
     if want_dg:
         dg = reverse_cumsum(0.5 * (qdq - kdk), tuple(seq_lens)).view(B, T, H).to(g.dtype)  # [B*T, H] -> [B, T, H]
@@ -269,73 +281,198 @@ def feature_blocks(K: int, V: int, groups: int, combine: str) -> dict:
     return dict(E=E, BF=E, BE=BE, BV=block(V), NE=E // BE, slots=slots, P=slots * E * E)
 
 
+def _chunk_plan(q, v, seq_lens, groups: int, combine: str) -> dict:
+    """What the chunked form's launches share: the state chunks (`pieces`, `cu_chunks`, NC), the feature
+    tiling, the sequence table, the sub-tile and the kernels' meta-parameters."""
+    config = get_config()
+    CS, BS = config.kata_chunk_size, config.kata_block_n
+    if CS % BS or CS % config.kata_block_m:
+        raise ValueError(f"KernelConfig: expected kata_chunk_size a multiple of kata_block_m and kata_block_n, got {CS}")
+    K = q.shape[-1]
+    tiling = feature_blocks(K, v.shape[-1], groups, combine)
+    pieces = chunk_lengths(tuple(seq_lens), CS)
+    _, cu_chunks, NC = chunk_table(tuple(seq_lens), CS, q.device)
+    return dict(
+        CS=CS, BS=BS, tiling=tiling, pieces=pieces, cu_chunks=cu_chunks, NC=NC,
+        seqs=segment_table(tuple(seq_lens), 1, CS, q.device)[0], sizes=(q.shape[2], K, v.shape[-1], tiling["E"], tiling["P"]),
+        meta=dict(G=groups, SUM=combine == "sum", BF=tiling["BF"], BV=tiling["BV"], F32=dot_f32(q.dtype),
+                  num_warps=config.kata_chunk_warps, num_stages=config.kata_num_stages),
+    )
+
+
+def chunk_states(x, y, g, h0, z0, plan: dict, N: int, store_ht: bool, reverse: bool = False):
+    """`kata_states_kernel` on flattened tokens: `(hs [NC, H, P, V], zs [NC, H, P], ht [N, H, P, V], zt [N, H, P])`
+    fp32, the last two empty [0] tensors without `store_ht`. Forward: x = k, y = v, h0 / z0 the initial state;
+    `reverse`: x = q, y the reads' fp32 cotangents `[N_tok, H, V + 1]`, h0 / z0 the final state's gradient."""
+    H, _, V, _, P = plan["sizes"]
+    hs = torch.empty(plan["NC"], H, P, V, dtype=torch.float32, device=x.device)
+    zs = torch.empty(plan["NC"], H, P, dtype=torch.float32, device=x.device)
+    ht = torch.empty(N, H, P, V, dtype=torch.float32, device=x.device) if store_ht else no_output(x)
+    zt = torch.empty(N, H, P, dtype=torch.float32, device=x.device) if store_ht else no_output(x)
+    tiling = plan["tiling"]
+    kata_states_kernel[(tiling["slots"] * tiling["NE"], N, H)](
+        x, y, g, h0, z0, hs, zs, ht, zt, plan["seqs"], plan["cu_chunks"], *plan["sizes"], tiling["NE"],
+        BE=tiling["BE"], BS=plan["BS"], SUB=plan["CS"] // plan["BS"], USE_G=g is not None, USE_H0=h0 is not None,
+        STORE_HT=store_ht, REVERSE=reverse, **plan["meta"],
+    )
+    return hs, zs, ht, zt
+
+
+def _chunk_tiles(plan: dict, device):
+    """The read-side tiles of BS tokens inside the state chunks, and each chunk's first token."""
+    tiles, _, NT = chunk_table(plan["pieces"], plan["BS"], device)
+    return tiles, NT, sequence_starts(plan["pieces"], device)
+
+
+def chunk_read(x, g, hs, zs, scale2: float, plan: dict):
+    """`kata_read_kernel`: `exp(G_t - G_(cs-1))·scale2·ψ(x_t)ᵀ [S | z]_c` for every token, `[N_tok, H, V + 1]` fp32
+    (g None: no decay weight)."""
+    H, _, V, _, _ = plan["sizes"]
+    tiles, NT, starts = _chunk_tiles(plan, x.device)
+    out = torch.empty(x.shape[0], H, V + 1, dtype=torch.float32, device=x.device)
+    kata_read_kernel[(NT, H)](x, g, hs, zs, out, tiles, starts, scale2, *plan["sizes"], BT=plan["BS"], USE_G=g is not None, **plan["meta"])
+    return out
+
+
+def chunk_lift_grad(x, y, hs, zs, plan: dict):
+    """`kata_lift_grad_kernel`: `∇_x ψ(x_t)ᵀ [S | z]_c y_t` for every token, `[N_tok, H, K]` fp32 (y: `[N_tok, H, V + 1]` fp32)."""
+    tiles, NT, _ = _chunk_tiles(plan, x.device)
+    meta = plan["meta"]
+    dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    kata_lift_grad_kernel[(NT, x.shape[1])](
+        x, y, hs, zs, dx, tiles, *plan["sizes"], G=meta["G"], SUM=meta["SUM"], BF=meta["BF"], BT=plan["BS"], BV=meta["BV"],
+        F32=meta["F32"], num_warps=meta["num_warps"],
+    )
+    return dx
+
+
 @torch.library.custom_op("polyattn::kata_chunk_forward", mutates_args=())
 def kata_chunk_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, h0: torch.Tensor | None,
     z0: torch.Tensor | None, scale: float, eps: float, seq_lens: list[int], groups: int, combine: str,
-    normalize: bool, store_ht: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The chunked form's three kernels as a custom op (chunk.py): `(o [B, T, H, V], ht [N, H, P, V], zt [N, H, P])`,
-    the final state fp32 with `store_ht` (else empty [0] tensors); h0, z0: the initial `S`, `z` (fp32) or None."""
-    config = get_config()
+    normalize: bool, store_ht: bool, keep_o32: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunked form's three kernels as a custom op (chunk.py): `(o [B, T, H, V], ht [N, H, P, V], zt [N, H, P],
+    den [B, T, H], o32)`, the final state fp32 with `store_ht` (else empty [0] tensors), den the quadratic part's
+    normaliser (fp32) and o32 the fp32 o with `keep_o32` (else an empty [0] tensor); h0, z0: the initial `S`,
+    `z` (fp32) or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    N = len(seq_lens)
-    CS, BS = config.kata_chunk_size, config.kata_block_n
-    if CS % BS or CS % config.kata_block_m:
-        raise ValueError(f"KernelConfig: expected kata_chunk_size a multiple of kata_block_m and kata_block_n, got {CS}")
-    tiling = feature_blocks(K, V, groups, combine)
-    P = tiling["P"]
-    pieces = chunk_lengths(tuple(seq_lens), CS)
-    _, cu_chunks, NC = chunk_table(tuple(seq_lens), CS, q.device)
+    plan = _chunk_plan(q, v, seq_lens, groups, combine)
     qf, kf, vf, gf = (_flat(x) for x in (q, k, v, g))
-    meta = dict(G=groups, SUM=combine == "sum", BF=tiling["BF"], BV=tiling["BV"], USE_G=g is not None, F32=dot_f32(q.dtype),
-                num_warps=config.kata_chunk_warps, num_stages=config.kata_num_stages)
-    sizes = (H, K, V, tiling["E"], P)
-    hs = torch.empty(NC, H, P, V, dtype=torch.float32, device=q.device)
-    zs = torch.empty(NC, H, P, dtype=torch.float32, device=q.device)
-    ht = torch.empty(N, H, P, V, dtype=torch.float32, device=q.device) if store_ht else no_output(q)
-    zt = torch.empty(N, H, P, dtype=torch.float32, device=q.device) if store_ht else no_output(q)
-    kata_states_kernel[(tiling["slots"] * tiling["NE"], N, H)](
-        kf, vf, gf, h0, z0, hs, zs, ht, zt, segment_table(tuple(seq_lens), 1, CS, q.device)[0], cu_chunks, *sizes, tiling["NE"],
-        BE=tiling["BE"], BS=BS, SUB=CS // BS, USE_H0=h0 is not None, STORE_HT=store_ht, **meta,
-    )
-    tiles, _, NT = chunk_table(pieces, BS, q.device)
-    prior = torch.empty(B * T, H, V + 1, dtype=torch.float32, device=q.device)
-    kata_read_kernel[(NT, H)](qf, gf, hs, zs, prior, tiles, sequence_starts(pieces, q.device), scale * scale, *sizes, BT=BS, **meta)
+    hs, zs, ht, zt = chunk_states(kf, vf, gf, h0, z0, plan, len(seq_lens), store_ht)
+    prior = chunk_read(qf, gf, hs, zs, scale * scale, plan)
     del hs, zs
-    o, _, _ = quadratic_forward(q, k, v, g, prior.view(B, T, H, V + 1), scale, eps, pieces, groups, combine, normalize, False)
-    return o.view(B, T, H, V), ht, zt  # [B*T, H, V] -> [B, T, H, V]
+    o, den, o32 = quadratic_forward(q, k, v, g, prior.view(B, T, H, V + 1), scale, eps, plan["pieces"], groups, combine,
+                                    normalize, keep_o32)
+    return o.view(B, T, H, V), ht, zt, den.view(B, T, H), (o32.view(B, T, H, V) if keep_o32 else o32)  # [B*T, H, ...] -> [B, T, H, ...]
 
 
 @kata_chunk_forward.register_fake
-def _(q, k, v, g, h0, z0, scale, eps, seq_lens, groups, combine, normalize, store_ht):
+def _(q, k, v, g, h0, z0, scale, eps, seq_lens, groups, combine, normalize, store_ht, keep_o32):
     B, T, H, K = q.shape
     V = v.shape[-1]
     P = make_feature_map("psd", K, groups, combine).dim()
-    if not store_ht:
-        return v.new_empty(B, T, H, V), no_output(q), no_output(q)
-    return v.new_empty(B, T, H, V), q.new_empty(len(seq_lens), H, P, V, dtype=torch.float32), q.new_empty(len(seq_lens), H, P, dtype=torch.float32)
+    ht = q.new_empty(len(seq_lens), H, P, V, dtype=torch.float32) if store_ht else no_output(q)
+    zt = q.new_empty(len(seq_lens), H, P, dtype=torch.float32) if store_ht else no_output(q)
+    o32 = v.new_empty(B, T, H, V, dtype=torch.float32) if keep_o32 else no_output(q)
+    return v.new_empty(B, T, H, V), ht, zt, q.new_empty(B, T, H, dtype=torch.float32), o32
+
+
+@torch.library.custom_op("polyattn::kata_chunk_backward", mutates_args=())
+def kata_chunk_backward(
+    do: torch.Tensor, dht: torch.Tensor | None, dzt: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, g: torch.Tensor | None, h0: torch.Tensor | None, z0: torch.Tensor | None, o: torch.Tensor,
+    den: torch.Tensor, ht: torch.Tensor | None, zt: torch.Tensor | None, scale: float, eps: float, seq_lens: list[int],
+    groups: int, combine: str, normalize: bool, want_dg: bool, want_dh0: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunked form's backward as a custom op (ops/kata/README.md, "Chunked backward"): `(dq, dk, dv, dg,
+    dh0, dz0)`, dq, dk, dv in the inputs' dtype (summed in fp32, rounded once), dg (g's dtype) and the initial
+    state's gradient (fp32) empty [0] tensors when not wanted. The states entering the chunks are recomputed;
+    the quadratic part's kernels give the gradients inside the chunks and the prior's `dprior`; the reverse
+    walk gives the gradient D of the state leaving every chunk; the lift-gradient kernel the reads' dq and the
+    writes' dk, the read kernel on D the writes' dv; dg by the log-decay identity."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = len(seq_lens)
+    plan = _chunk_plan(q, v, seq_lens, groups, combine)
+    qf, kf, vf, gf = (_flat(x) for x in (q, k, v, g))
+    hs, zs, _, _ = chunk_states(kf, vf, gf, h0, z0, plan, N, False)
+    grads = tuple(torch.empty(B * T, H, x.shape[-1], dtype=torch.float32, device=q.device) for x in (q, k, v))  # [B*T, H, D]
+    dq, dk, dv, _, _, r, c = quadratic_backward(do, q, k, v, g, o, den, scale, eps, plan["pieces"], groups, combine, normalize, grads)
+    dprior = torch.cat([r[..., None] * do.float(), -c[..., None]], dim=-1).view(B * T, H, V + 1)  # [B*T, H, V + 1]
+    gl = torch.zeros(B * T, H, dtype=torch.float32, device=q.device) if g is None else reset_limit_ref(gf.float())  # [B*T, H]
+    w_read = (scale * scale) * torch.exp(prefix_cumsum(gl, plan["pieces"]))  # [B*T, H]: scale² exp(G_t - G_(cs-1))
+    w_write = torch.exp(reverse_cumsum(gl, plan["pieces"]) - gl)  # [B*T, H]: exp(G_(ce) - G_s)
+    dq += chunk_lift_grad(qf, w_read[..., None] * dprior, hs, zs, plan)
+    del hs, zs  # the entering states go before their gradients come: one of the two sequences at a time
+    ds, dzs, dh0, dz0 = chunk_states(qf, (scale * scale) * dprior, gf, dht, dzt, plan, N, want_dh0, reverse=True)
+    dk += chunk_lift_grad(kf, w_write[..., None] * with_ones(vf.float()), ds, dzs, plan)  # values [B*T, H, V + 1]
+    dv += w_write[..., None] * chunk_read(kf, None, ds, dzs, 1.0, plan)[..., :V]
+    del ds, dzs
+    dg = no_output(q)
+    if want_dg:
+        term = 0.5 * ((qf.float() * dq).sum(-1) - (kf.float() * dk).sum(-1))  # [B*T, H]: the log-decay identity
+        if dht is not None:
+            ends = torch.tensor(seq_lens, device=q.device).cumsum(0) - 1  # [N]
+            term[ends] += (dht * ht).sum((-1, -2)) + (dzt * zt).sum(-1)  # [N, H]: <final state, its gradient>
+        dg = reverse_cumsum(term, tuple(seq_lens)).view(B, T, H).to(g.dtype)
+    return (
+        dq.view(B, T, H, K).to(q.dtype), dk.view(B, T, H, K).to(k.dtype), dv.view(B, T, H, V).to(v.dtype), dg,
+        dh0 if want_dh0 else no_output(q), dz0 if want_dh0 else no_output(q),
+    )
+
+
+@kata_chunk_backward.register_fake
+def _(do, dht, dzt, q, k, v, g, h0, z0, o, den, ht, zt, scale, eps, seq_lens, groups, combine, normalize, want_dg, want_dh0):
+    dg = g.new_empty(g.shape) if want_dg else no_output(q)
+    dh0 = h0.new_empty(h0.shape) if want_dh0 else no_output(q)
+    dz0 = z0.new_empty(z0.shape) if want_dh0 else no_output(q)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dg, dh0, dz0
+
+
+def _chunk_setup_context(ctx, inputs, output):
+    q, k, v, g, h0, z0, scale, eps, seq_lens, groups, combine, normalize, store_ht, _ = inputs
+    o, ht, zt, den, o32 = output
+    saved_o = o32 if o32.numel() else o  # the backward's do·o: o before its downcast where kept
+    ctx.save_for_backward(q, k, v, g, h0, z0, saved_o, den, ht if store_ht else None, zt if store_ht else None)
+    ctx.options = (scale, eps, seq_lens, groups, combine, normalize)
+
+
+def _chunk_backward(ctx, do, dht, dzt, _, __):
+    q, k, v, g, h0, z0, o, den, ht, zt = ctx.saved_tensors
+    want_dg = g is not None and ctx.needs_input_grad[3]
+    want_dh0 = h0 is not None and (ctx.needs_input_grad[4] or ctx.needs_input_grad[5])
+    if ht is not None and any(x is not None and x.numel() for x in (dht, dzt)):  # the final state is used
+        dht = torch.zeros_like(ht) if dht is None or not dht.numel() else dht.float().contiguous()
+        dzt = torch.zeros_like(zt) if dzt is None or not dzt.numel() else dzt.float().contiguous()
+    else:
+        dht, dzt = None, None
+    dq, dk, dv, dg, dh0, dz0 = kata_chunk_backward(
+        do.contiguous(), dht, dzt, q, k, v, g, h0, z0, o, den, ht, zt, *ctx.options, want_dg, want_dh0,
+    )
+    return (dq, dk, dv, dg if want_dg else None, dh0 if want_dh0 else None, dz0 if want_dh0 else None,
+            None, None, None, None, None, None, None, None)
+
+
+kata_chunk_forward.register_autograd(_chunk_backward, setup_context=_chunk_setup_context)
 
 
 def kata_chunk_fused(
     q, k, v, g=None, *, groups, combine, normalize, eps, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
 ):
-    """Triton chunked lifted-state form of `kata` for the PSD maps, without gradients (inputs already
-    validated, scale resolved): linear in T, where the quadratic form grows as T². q, k: `[B, T, H, K]`;
-    v: `[B, T, H, V]`; g: `[B, T, H]` or None; initial_state: `KataState`; cu_seqlens: int `[N + 1]` with
-    B == 1, handled natively. Returns `(o [B, T, H, V] in q's dtype, KataState fp32 or None)`. A call that
-    needs gradients raises NotImplementedError: the form has no backward yet."""
+    """Triton chunked lifted-state form of `kata` for the PSD maps (inputs already validated, scale resolved):
+    linear in T, where the quadratic form grows as T², forward and backward (`kata_chunk_backward`). q, k:
+    `[B, T, H, K]`; v: `[B, T, H, V]`; g: `[B, T, H]` or None; initial_state: `KataState`; cu_seqlens: int
+    `[N + 1]` with B == 1, handled natively. Returns `(o [B, T, H, V] in q's dtype, KataState fp32 or None)`."""
     check_kernel_inputs(q)
-    if wants_grad((q, k, v, g, initial_state)):
-        raise NotImplementedError(
-            "impl='triton_chunk' runs without gradients (its backward is not written yet): use impl='triton_parallel' "
-            "or impl='chunk' to train, or call it under torch.no_grad()")
     seq_lens = sequence_lengths(cu_seqlens, *q.shape[:2])
     if q.numel() == 0:
         return kata_parallel_fused(q, k, v, g, groups=groups, combine=combine, normalize=normalize, eps=eps, scale=scale,
                                    initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     h0, z0 = (None, None) if initial_state is None else (x.float().contiguous() for x in initial_state)
-    o, ht, zt = kata_chunk_forward(q, k, v, g, h0, z0, float(scale), float(eps), list(seq_lens), groups, combine, normalize,
-                                   output_final_state)
+    # normalized low-precision calls that will differentiate keep o in fp32 for the backward's do·o, as the quadratic form
+    keep_o32 = normalize and q.dtype != torch.float32 and wants_grad((q, k, v, g, initial_state))
+    o, ht, zt, _, _ = kata_chunk_forward(q, k, v, g, h0, z0, float(scale), float(eps), list(seq_lens), groups, combine,
+                                         normalize, output_final_state, keep_o32)
     return o, (KataState(ht, zt) if output_final_state else None)
