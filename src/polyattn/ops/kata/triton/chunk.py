@@ -201,10 +201,13 @@ def kata_lift_grad_kernel(
 ):
     """grid: (tiles, H). The gradient of `ψ(x_t)ᵀ [S | z]_c y_t` with respect to x_t, for one tile of BT
     tokens of chunk c and head: with `U_t = [S | z]_c y_t` read as one E×E matrix per slot,
-    `dx_i = (U + Uᵀ) x_i` for group i (ψ_(e,f)(x) = x_e x_f). Row block e of the slot gives row e of U for
-    every token, `U_e = y [S | z]_eᵀ` (`[BT, V] @ [V, E]` with both fp32 operands split in halves, plus the
-    normaliser's column), which adds `Σ_f U_e[t, f] x_if` to column e and `U_e[t, f] x_ie` to column f.
-    `dx [N_tok, H, K]` fp32 is written, not accumulated; `tiles` as `kata_read_kernel`'s."""
+    `dx_i = (U + Uᵀ) x_i` for every group i reading the slot (ψ_(e,f)(x) = x_e x_f). Row block e of the
+    slot gives row e of U for every token, `U_e = y [S | z]_eᵀ` (`[BT, V] @ [V, E]` with both fp32 operands
+    split in halves, plus the normaliser's column), which adds `Σ_f U_e[t, f] x_if` to column e and
+    `U_e[t, f] x_ie` to column f of each group. The groups of a slot are one `[BT, GS, E]` tile (Σg: all G
+    share slot 0, so U_e is formed once for them; Mg: one group a slot). `dx [N_tok, H, K]` fp32 is written,
+    not accumulated; `tiles` as `kata_read_kernel`'s."""
+    GS: tl.constexpr = G if SUM else 1  # groups reading one slot
     i_h, t0, i_c, t, m_t, o_f, o_v, m_v = read_tile(tiles, V, BF, BT, BV)
     row_y = (t * H + i_h) * (V + 1)  # [BT]
     b_y = tl.load(y + row_y[:, None] + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BT, BV] fp32
@@ -212,18 +215,20 @@ def kata_lift_grad_kernel(
     p_h = hs + (i_c * H + i_h) * P * V
     p_z = zs + (i_c * H + i_h) * P
     row = (t * H + i_h) * K  # [BT]
-    for i in range(0, G):  # group i reads slot 0 (Σg) or its own (Mg)
-        slot = 0 if SUM else i
-        b_x = tl.load(x + row[:, None] + i * E + o_f[None, :], mask=m_t[:, None], other=0.0)  # [BT, E]
-        b_xf = b_x.to(tl.float32)
-        b_dx = tl.zeros([BT, BF], dtype=tl.float32)
+    o_g = tl.arange(0, GS)
+    for slot in range(0, G // GS):
+        groups = (slot * GS + o_g) * E  # [GS]: the first column of each group reading the slot
+        cols = row[:, None, None] + groups[None, :, None] + o_f[None, None, :]  # [BT, GS, E]
+        b_x = tl.load(x + cols, mask=m_t[:, None, None], other=0.0).to(tl.float32)  # [BT, GS, E]
+        b_dx = tl.zeros([BT, GS, BF], dtype=tl.float32)
         for e in range(0, E):
             rows = (slot * E + e) * E + o_f  # [E]
             b_s = tl.load(p_h + rows[:, None] * V + o_v[None, :], mask=(rows >= 0)[:, None] & m_v[None, :], other=0.0)  # [E, BV]
-            b_u = mma_fp32(b_y, tl.trans(b_s), b_x.dtype, F32, 0) + b_yz[:, None] * tl.load(p_z + rows)[None, :]  # [BT, BV] @ [BV, E]
-            b_xe = tl.load(x + row + i * E + e, mask=m_t, other=0.0).to(tl.float32)  # [BT]: the column x_ie
-            b_dx += b_u * b_xe[:, None] + tl.where(o_f[None, :] == e, tl.sum(b_u * b_xf, axis=1)[:, None], 0.0)
-        tl.store(dx + row[:, None] + i * E + o_f[None, :], b_dx, mask=m_t[:, None])
+            b_u = mma_fp32(b_y, tl.trans(b_s), x.dtype.element_ty, F32, 0) + b_yz[:, None] * tl.load(p_z + rows)[None, :]  # [BT, BV] @ [BV, E]
+            b_xe = tl.load(x + row[:, None] + groups[None, :] + e, mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, GS]: columns x_ie
+            b_row = tl.sum(b_u[:, None, :] * b_x, axis=2)  # [BT, GS]: Σ_f U_e[t, f] x_if
+            b_dx += b_u[:, None, :] * b_xe[:, :, None] + tl.where(o_f[None, None, :] == e, b_row[:, :, None], 0.0)
+        tl.store(dx + cols, b_dx, mask=m_t[:, None, None])
 
 
 def chunk_lengths(seq_lens: tuple, chunk_size: int) -> tuple:
