@@ -241,7 +241,7 @@ def reverse_cumsum(x: torch.Tensor, seq_lens: tuple) -> torch.Tensor:
 
 
 def prefix_cumsum(x: torch.Tensor, seq_lens: tuple) -> torch.Tensor:
-    """Per-sequence inclusive cumsum over tokens, the twin of `reverse_cumsum` (x: [N_tok, H] fp32, summed
+    """Per-sequence inclusive cumsum over tokens, the counterpart of `reverse_cumsum` (x: [N_tok, H] fp32, summed
     in fp64): `[N_tok, H]` fp32."""
     x64 = x.t().double()  # [N_tok, H] -> [H, N_tok]
     total = x64.cumsum(-1)  # [H, N_tok]
