@@ -31,8 +31,11 @@ earlier one (the intra rows from it on are NaN, the states after its chunk are N
 only its own row. The PyTorch twins: `gdn_chunk_locals` (the WY stage and `gdn_chunk_kernel`, every chunk at
 once) and `gdn_levels_ref` (the walk).
 
-The backward (function.py) reruns the walk storing each chunk's entering level states, walks the
-chunks in reverse (`gdn_levels_backward_kernel`, twin `gdn_levels_backward_ref`): per level the delta
+The backward (function.py) reruns the walk storing the level states entering every S-th chunk
+(`checkpoint_plan`), then walks blocks of S chunks last to first, recomputing a block's entering states
+from its checkpoint before walking its chunks in reverse (`gdn_levels_backward_kernel`, twin
+`gdn_levels_backward_ref`; the value tiles' shares of the [C, K] gradients meet by fp32 atomic adds unless
+`torch.use_deterministic_algorithms` is on): per level the delta
 rule's adjoint `dh = exp(gc_last) dh' - W^T K̃ dh' [+ q̃^T diag(lam) dO]`, zero into the chunk before a
 block's first, and the gradients of q̃, W, Ū, K̃ and the chunk's state factor `exp(gc_last)`; then
 `gdn_chunk_grads_kernel` (twin `gdn_chunk_locals_backward`, the vector-Jacobian product of
