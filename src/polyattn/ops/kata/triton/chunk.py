@@ -123,7 +123,6 @@ def kata_states_kernel(
                 b_one = tl.load(v + row_y + V, mask=m_t, other=0.0)  # [BS]: the normaliser's column
             else:
                 b_v = tl.load(v + (t.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BS, BV]
-                b_one = tl.where(m_t, 1.0, 0.0)  # [BS]
             if USE_G:
                 b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, True)  # [BS], [BS], scalar
                 if REVERSE:
@@ -134,9 +133,10 @@ def kata_states_kernel(
                 b_z = b_z * tl.exp2(b_last)
             if REVERSE:
                 b_h += mma_fp32(tl.trans(b_y), b_v, k.dtype.element_ty, F32, 0)  # [BE·BF, BS] @ [BS, BV], both split
+                b_z += tl.sum(b_y * b_one[:, None], axis=0)  # [BE·BF]
             else:
                 b_h += mma_left_fp32(tl.trans(b_y), b_v, F32)  # [BE·BF, BS] @ [BS, BV] -> [BE·BF, BV]
-            b_z += tl.sum(b_y * b_one[:, None], axis=0)  # [BE·BF]
+                b_z += tl.sum(b_y, axis=0)  # [BE·BF]: the ones column (rows past the end are zero)
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * P * V + state, b_h, mask=m_s)
         tl.store(zt + (i_n * H + i_h).to(tl.int64) * P + rows, b_z)

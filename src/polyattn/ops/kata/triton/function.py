@@ -107,12 +107,12 @@ def _(q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize, keep_
 
 
 def quadratic_backward(do, q, k, v, g, o, den, scale: float, eps: float, seq_lens, groups: int, combine: str,
-                       normalize: bool, grads):
+                       normalize: bool, grads, want_dprior: bool):
     """Launch backward.py's two kernels on q, k, v in the kernels' dtype, writing `grads = (dq, dk, dv)`
-    (`[B*T, H, D]`, in their own dtypes): `(dq, dk, dv, qdq, kdk [B*T, H], r, c [B, T, H])` with `q·dq`, `k·dk`
-    per token (fp32, the log-decay identity's terms) and the normalised read's `r = 1 / max(den, eps)`,
-    `c = r (do·o)` (0 where clamped; ones and zeros without normalize), from which the prior's gradient
-    is `[r·do | −c]`."""
+    (`[B*T, H, D]`, in their own dtypes): `(dq, dk, dv, qdq, kdk [B*T, H], dprior)` with `q·dq`, `k·dk` per
+    token (fp32, the log-decay identity's terms) and, with `want_dprior`, the prior's gradient
+    `[r·do | −c]` (`[B, T, H, V + 1]` fp32; None otherwise) from the normalised read's `r = 1 / max(den, eps)`
+    and `c = r (do·o)` (0 where clamped; ones and zeros without normalize)."""
     plan = _launch(q, v, seq_lens, groups, combine, get_config().kata_bwd_warps)
     if normalize:
         r = 1.0 / den.clamp_min(eps)  # [B, T, H]
@@ -130,7 +130,8 @@ def quadratic_backward(do, q, k, v, g, o, den, scale: float, eps: float, seq_len
         qf, kf, vf, gf, dof, rf, cf, dk, dv, kdk, plan["tiles"], plan["starts"], scale * scale, *plan["sizes"],
         USE_G=g is not None, SPLIT=plan["split"], **plan["meta"],
     )
-    return dq, dk, dv, qdq, kdk, r, c
+    dprior = torch.cat([r[..., None] * do.float(), -c[..., None]], dim=-1) if want_dprior else None  # [B, T, H, V + 1]
+    return dq, dk, dv, qdq, kdk, dprior
 
 
 @torch.library.custom_op("polyattn::kata_parallel_backward", mutates_args=())
@@ -146,14 +147,13 @@ def kata_parallel_backward(
     V = v.shape[-1]
     grads = tuple(torch.empty(x.shape[0] * x.shape[1], *x.shape[2:], dtype=x.dtype, device=x.device) for x in (q, k, v))  # [B*T, H, D]
     q, k, v = (x.to(dtype) for x in (q, k, v))
-    dq, dk, dv, qdq, kdk, r, c = quadratic_backward(do, q, k, v, g, o, den, scale, eps, seq_lens, groups, combine, normalize, grads)
+    dq, dk, dv, qdq, kdk, dprior = quadratic_backward(
+        do, q, k, v, g, o, den, scale, eps, seq_lens, groups, combine, normalize, grads, want_dprior,
+    )
     dg = no_output(q)
     if want_dg:
         dg = reverse_cumsum(0.5 * (qdq - kdk), tuple(seq_lens)).view(B, T, H).to(g.dtype)  # [B*T, H] -> [B, T, H]
-    dprior = no_output(q)
-    if want_dprior:
-        dprior = torch.cat([r[..., None] * do.float(), -c[..., None]], dim=-1)  # [B, T, H, V + 1]
-    return dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, H, V), dg, dprior
+    return dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, H, V), dg, dprior if want_dprior else no_output(q)
 
 
 @kata_parallel_backward.register_fake
@@ -399,8 +399,10 @@ def kata_chunk_backward(
     qf, kf, vf, gf = (_flat(x) for x in (q, k, v, g))
     hs, zs, _, _ = chunk_states(kf, vf, gf, h0, z0, plan, N, False)
     grads = tuple(torch.empty(B * T, H, x.shape[-1], dtype=torch.float32, device=q.device) for x in (q, k, v))  # [B*T, H, D]
-    dq, dk, dv, _, _, r, c = quadratic_backward(do, q, k, v, g, o, den, scale, eps, plan["pieces"], groups, combine, normalize, grads)
-    dprior = torch.cat([r[..., None] * do.float(), -c[..., None]], dim=-1).view(B * T, H, V + 1)  # [B*T, H, V + 1]
+    dq, dk, dv, _, _, dprior = quadratic_backward(
+        do, q, k, v, g, o, den, scale, eps, plan["pieces"], groups, combine, normalize, grads, True,
+    )
+    dprior = dprior.view(B * T, H, V + 1)  # [B, T, H, V + 1] -> [B*T, H, V + 1]
     gl = torch.zeros(B * T, H, dtype=torch.float32, device=q.device) if g is None else reset_limit_ref(gf.float())  # [B*T, H]
     w_read = (scale * scale) * torch.exp(prefix_cumsum(gl, plan["pieces"]))  # [B*T, H]: scale² exp(G_t - G_(cs-1))
     w_write = torch.exp(reverse_cumsum(gl, plan["pieces"]) - gl)  # [B*T, H]: exp(G_(ce) - G_s)
