@@ -113,14 +113,17 @@ LOW_PRECISION_FLOOR = {torch.float32: 5e-6, torch.bfloat16: 2.0**-8, torch.float
 LOW_PRECISION_CEILING = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
-def random_kata_state(N: int, H: int, P: int, V: int, *, seed: int, device):
-    """A seeded `KataState` for tests: `S [N, H, P, V]` of either sign (0.5 · normal), `z [N, H, P]` a
-    normaliser of nonnegative weights (uniform), float64."""
+def random_kata_state(N: int, H: int, fmap, V: int, *, seed: int, device):
+    """A seeded `KataState` for tests (float64) that a prefix could have left: `S [N, H, P, V]` of either sign
+    (0.5 · normal) and `z [N, H, P]` the normaliser of eight unit-normal keys, `Σ_j ψ(k_j)` of the feature map
+    `fmap`, so that every read of it, `ψ(q)ᵀ z`, is nonnegative as in a real state (a normaliser off the cone
+    reads negative or near-zero denominators, whose gradients no precision computes to a relative bound)."""
     from polyattn.ops.kata import KataState
 
     gen = torch.Generator().manual_seed(seed)
-    S = 0.5 * torch.randn(N, H, P, V, generator=gen, dtype=torch.float64)
-    z = torch.rand(N, H, P, generator=gen, dtype=torch.float64)
+    S = 0.5 * torch.randn(N, H, fmap.dim(), V, generator=gen, dtype=torch.float64)
+    keys = torch.randn(N, H, 8, fmap.K, generator=gen, dtype=torch.float64)  # [N, H, 8, K]
+    z = fmap.write(keys, torch.ones(N, H, 8, 1, dtype=torch.float64))[..., 0]  # [N, H, P, 1] -> [N, H, P]
     return KataState(S.to(device), z.to(device))
 
 

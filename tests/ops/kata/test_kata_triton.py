@@ -47,7 +47,7 @@ def _inputs(Bx, T, decay, seed=0, Kx=K):
 
 
 def _state(N, groups, combine, seed, Kx=K):
-    return random_kata_state(N, H, make_feature_map("psd", Kx, groups, combine).dim(), V, seed=seed, device=DEVICE)
+    return random_kata_state(N, H, make_feature_map("psd", Kx, groups, combine), V, seed=seed, device=DEVICE)
 
 
 def _forms(groups, combine, normalize):
@@ -337,15 +337,15 @@ def test_dispatch():
         assert torch.equal(o_auto, ops.kata(*x.values(), feature="orthant", impl="chunk")[0])
 
 
-def _first_order_state(N, seed):
+def _first_order_state(feature, N, seed):
     """A first-order `KataState` (P = K)."""
-    return random_kata_state(N, H, K, V, seed=seed, device=DEVICE)
+    return random_kata_state(N, H, make_feature_map(feature, K), V, seed=seed, device=DEVICE)
 
 
 def _first_order_check(feature, T, dtype, decay, normalize, with_state, lengths=None, seed=0):
     N = (B if T <= 64 else 1) if lengths is None else len(lengths)
     x = _inputs(N if lengths is None else 1, T if lengths is None else sum(lengths), decay, seed=seed)
-    h0 = _first_order_state(N, seed + 1) if with_state else None
+    h0 = _first_order_state(feature, N, seed + 1) if with_state else None
     opts = dict(feature=feature, normalize=normalize, eps=1e-6)
     forms = [functools.partial(f, **opts) for f in (kata_naive, kata_chunk, kata_triton_first_order)]
     forms[2].native_varlen = True

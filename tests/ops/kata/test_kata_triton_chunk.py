@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -37,12 +38,14 @@ if CUDA:
 else:
     B, H, K, V = 2, 2, 16, 12  # K / groups: a power of two >= 4 for every variant
     T_GRID = [1, 63, 64, 65, 130]
-    CONFIG = KernelConfig(kata_block_m=32, kata_block_n=16, kata_chunk_size=32)  # 2 sub-tiles a chunk, 5 chunks at T = 130
+    # 2 sub-tiles a chunk, 5 chunks at T = 130; reads in tiles of 32 (not the walks' 16); the reverse walk in
+    # feature blocks of another size than the forward's
+    CONFIG = KernelConfig(kata_block_m=32, kata_block_n=16, kata_chunk_size=32, kata_read_block=32, kata_grad_state_block=32)
 VARIANTS = [(1, "concat"), (2, "concat"), (4, "concat"), (2, "sum"), (4, "sum")]
 
 
 def _state(N, groups, combine, seed):
-    return random_kata_state(N, H, make_feature_map("psd", K, groups, combine).dim(), V, seed=seed, device=DEVICE)
+    return random_kata_state(N, H, make_feature_map("psd", K, groups, combine), V, seed=seed, device=DEVICE)
 
 
 def _check(T, dtype, groups, combine, decay, normalize, with_state, Bx=1, seed=0, lengths=None):
@@ -148,8 +151,8 @@ def test_triton_chunk_refuses_other_group_widths():
 
 
 def test_triton_takes_the_chunked_form_past_its_crossover(monkeypatch):
-    """`impl="triton"` (and so `auto` on CUDA) runs a PSD call without gradients on the chunked form once the
-    longest sequence reaches the crossover, the quadratic kernel below it and whenever a gradient is wanted."""
+    """`impl="triton"` (and so `auto` on CUDA) runs a PSD call on the chunked form once the longest sequence
+    reaches the crossover, with or without gradients, and the quadratic kernel below it."""
     kt = importlib.import_module("polyattn.ops.kata.triton")  # the package (`polyattn.ops.kata` is also the op's name)
     calls = []
     for name in ("kata_triton_chunk", "kata_triton_parallel"):
@@ -158,11 +161,17 @@ def test_triton_takes_the_chunked_form_past_its_crossover(monkeypatch):
     x = seeded_inputs(1, 70, H, K, V, decay=True, seed=6, device=DEVICE, dtype=torch.float32)
     args = [x[n] for n in ("q", "k", "v", "g")]
     P = make_feature_map("psd", K, 2).dim()
-    with use_config(KernelConfig(kata_block_m=32, kata_block_n=16, kata_chunk_size=32, kata_chunk_crossover=70 / (P + 1024))):
+    with use_config(replace(CONFIG, kata_chunk_crossover=70 / (P + 1024))):
         with torch.no_grad():
             o_long, _ = ops.kata(*args, groups=2, impl="triton")
             o_short, _ = ops.kata(*(a[:, :69] for a in args), groups=2, impl="triton")
-        o_grad, _ = ops.kata(args[0].requires_grad_(), *args[1:], groups=2, impl="triton")
-    assert calls == ["kata_triton_chunk", "kata_triton_parallel", "kata_triton_parallel"]
-    assert_close_rel(o_long, o_grad.detach(), 1e-5, "chunked against quadratic")
-    assert_close_rel(o_short, o_grad.detach()[:, :69], 1e-5, "quadratic")
+        leaves = [a.clone().requires_grad_() for a in args]
+        o_grad, _ = ops.kata(*leaves, groups=2, impl="triton")
+        o_grad.sum().backward()
+        o_grad_short, _ = ops.kata(*(a[:, :69] for a in leaves), groups=2, impl="triton")
+        assert calls == ["kata_triton_chunk", "kata_triton_parallel", "kata_triton_chunk", "kata_triton_parallel"]
+        o_quadratic, _ = ops.kata(*args, groups=2, impl="triton_parallel")
+    assert_close_rel(o_long, o_quadratic, 1e-5, "chunked against quadratic")
+    assert_close_rel(o_grad.detach(), o_quadratic, 1e-5, "chunked with gradients against quadratic")
+    assert_close_rel(o_short, o_grad_short.detach(), 1e-5, "quadratic")
+    assert all(x.grad is not None and bool(torch.isfinite(x.grad).all()) for x in leaves)

@@ -224,7 +224,7 @@ def test_triton_forms_under_nonfinite_inputs(op, field, value, packed, position)
             return ops.kata(x["q"], x["k"], x["v"], x["g"], feature="lorentz", beta=x["beta"], normalize=False, **options)[0]
         return ops.linear_attn(x["q"], x["k"], x["v"], x["g"], **options)[0]
 
-    with use_config(KernelConfig(kata_block_m=64, kata_block_n=16, kata_chunk_size=64) if DEVICE == "cpu" else get_config()):
+    with use_config(KernelConfig(kata_block_m=64, kata_block_n=16, kata_chunk_size=64, kata_read_block=32) if DEVICE == "cpu" else get_config()):
         clean = call(x)
         x[field][:, position, 0] = float(value)
         o = call(x)
@@ -245,7 +245,7 @@ def test_triton_forms_under_a_nan_gate(op, position):
     T, H, K, V = (150, 2, 8, 12) if DEVICE == "cpu" else (1000, 16, 128, 96)
     x = {n: t.float() for n, t in seeded_inputs(1, T, H, K, V, decay=True, beta=True, seed=5, device=DEVICE).items()}
     x["lam"] = torch.rand(1, T, H, num_levels(T), generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    with use_config(KernelConfig(kata_block_m=32, kata_block_n=16, kata_chunk_size=64) if DEVICE == "cpu" else get_config()):
+    with use_config(KernelConfig(kata_block_m=32, kata_block_n=16, kata_chunk_size=64, kata_read_block=32) if DEVICE == "cpu" else get_config()):
         clean = _triton_call(op, x)
         x["g"][:, position, 0] = float("nan")  # head 0
         o = _triton_call(op, x)

@@ -23,7 +23,7 @@ KATA_FORMS = {
     "parallel": kata_parallel,
     "triton_parallel": kata_triton_parallel,
     "triton_chunk": kata_triton_chunk,
-    "triton": kata_triton,  # PSD: the quadratic kernel, or the chunked one without gradients past its crossover; first order: linear attention's
+    "triton": kata_triton,  # PSD: the quadratic kernel, or the chunked one past its crossover; first order: linear attention's
 }
 
 DELTAKATA_FORMS = {
@@ -87,7 +87,7 @@ def kata(
         impl: KATA ``"naive" | "recurrent" | "chunk" | "scan" | "parallel" | "triton_parallel" | "triton_chunk" | "triton" | "auto"``
             (``"triton_parallel"``: the flash-style quadratic kernel, PSD maps only; ``"triton_chunk"``: the
             chunked lifted-state kernels, PSD maps, forward and backward; ``"triton"``: for PSD maps the quadratic
-            kernel, or the chunked one for a call without gradients past its crossover length, and linear
+            kernel, or the chunked one past its crossover length (with or without gradients), and linear
             attention's kernels for the first-order ones; with a PSD map all three run one-token calls without
             gradients on the fused decoding step);
             DeltaKATA ``"naive" | "recurrent" | "chunk" | "triton" | "auto"`` (``"triton"``: the delta-rule kernels

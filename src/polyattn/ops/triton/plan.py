@@ -46,9 +46,14 @@ class KernelConfig:
     the tests' error bound) in two halves, precision.mma_left_fp32, two products with ~16
     mantissa bits; "rounded" one product of the rounded tile (flash attention's precision).
     KATA's chunked form (ops/kata/triton/chunk.py) cuts sequences into state chunks of kata_chunk_size
-    tokens (a multiple of kata_block_m and kata_block_n; inside a chunk the quadratic kernel runs), walks
-    them in sub-tiles of kata_block_n tokens with blocks of about kata_state_block lifted features per
-    program, and runs its two kernels with kata_chunk_warps warps; `impl="triton"` takes it for calls without
+    tokens (a multiple of kata_block_m, kata_block_n and kata_read_block; inside a chunk the quadratic
+    kernel runs), walks them in sub-tiles of kata_block_n tokens with blocks of about kata_state_block
+    lifted features per program, reads the states (and forms the backward's lift gradients) in tiles of
+    kata_read_block tokens, and runs these kernels with kata_chunk_warps warps; its backward walks the state
+    gradient with blocks of about kata_grad_state_block features and kata_grad_warps warps, its fp32 x fp32
+    product run as kata_grad_dot says (`precision.FP32_DOTS`; on the H200 at 128K tokens the reverse walk
+    took 61.7 / 21.7 ms for KATA-M2 with 128 / 64 features a block, the reads 10.3 / 6.4 ms in tiles of
+    64 / 128 tokens: benchmarks/results/2026-12-02-h200/kata-chunk-probe.json); `impl="triton"` takes it for calls without
     gradients from kata_chunk_crossover·(P + 1024) tokens per sequence (P lifted features; a fit to the H200's
     crossovers at K = V = 64: about 11K tokens for KATA-M2, 8.6K for Σ2, 21K for M1).
     gdn_block_v and gdn_num_warps are the value tile and warps of log-linear Gated DeltaNet's level
@@ -77,6 +82,10 @@ class KernelConfig:
     kata_chunk_size: int = 512
     kata_state_block: int = 128
     kata_chunk_warps: int = 4
+    kata_read_block: int = 128
+    kata_grad_state_block: int = 64
+    kata_grad_warps: int = 4
+    kata_grad_dot: str = "split"
     kata_chunk_crossover: float = 4.0
     gdn_block_v: int = 32
     gdn_num_warps: int = 8

@@ -65,6 +65,14 @@ def mma_right_fp32(x, y, F32: tl.constexpr):
 FP32_DOTS = {"split": 0, "tf32": 1, "rounded": 2}  # how mma_fp32 runs on bf16/fp16 inputs
 
 
+def fp32_dot_mode(config, field: str) -> int:
+    """The `FP32_DOTS` mode that the KernelConfig field `field` names; ValueError for another name."""
+    name = getattr(config, field)
+    if name not in FP32_DOTS:
+        raise ValueError(f"KernelConfig: expected {field} in {sorted(FP32_DOTS)}, got {name!r}")
+    return FP32_DOTS[name]
+
+
 @triton.jit
 def mma_fp32(x, y, dtype: tl.constexpr, F32: tl.constexpr, MODE: tl.constexpr):
     """`x @ y` for two fp32 operands. With F32 (fp32 inputs, the interpreter) one IEEE product;

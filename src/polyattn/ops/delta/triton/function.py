@@ -15,18 +15,12 @@ import torch
 import triton
 
 from polyattn.ops.triton.plan import block, chunk_table, get_config, kernel_call, no_output, reverse_cumsum, segment_table
-from polyattn.ops.triton.precision import FP32_DOTS, dot_f32
+from polyattn.ops.triton.precision import dot_f32, fp32_dot_mode
 
 from .backward import delta_grad_factors_kernel, delta_grads_kernel, delta_score_grads, delta_state_grad_kernel
 from .forward import delta_outputs_kernel, delta_states_kernel
 from .step import delta_rule_step_inplace
 from .wy import wy_factors, wy_solve
-
-
-def fp32_dot(config) -> int:
-    if config.delta_fp32_dot not in FP32_DOTS:
-        raise ValueError(f"expected delta_fp32_dot in {sorted(FP32_DOTS)}, got {config.delta_fp32_dot!r}")
-    return FP32_DOTS[config.delta_fp32_dot]
 
 
 def _num_chunks(seq_lens, C: int) -> int:
@@ -62,7 +56,7 @@ def delta_rule_forward(
     hs = torch.empty(chunks[2], H, K, V, dtype=torch.float32, device=q.device)
     us = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device)
     BK, BV = block(K), min(block(V), config.delta_block_v)
-    F32, FP32_DOT, USE_G = dot_f32(q.dtype), fp32_dot(config), gf is not None
+    F32, FP32_DOT, USE_G = dot_f32(q.dtype), fp32_dot_mode(config, "delta_fp32_dot"), gf is not None
     delta_states_kernel[(triton.cdiv(V, BV), N, H)](
         kf, gf, w, u_bar, firsts, seqs, chunks[1], h0, ht, hs, us, H, K, V,
         C=C, BK=BK, BV=BV, USE_G=USE_G, USE_H0=h0 is not None, STORE_HT=store_ht, F32=F32, FP32_DOT=FP32_DOT,
@@ -111,17 +105,17 @@ def delta_rule_backward(
     xs, ys = torch.empty_like(us), torch.empty(B * T, H, K, dtype=torch.float32, device=qf.device)
     delta_grad_factors_kernel[(chunks[2], H)](
         qf, kf, dof, gf, t_inv, chunks[0], xs, ys, scale, H, K, V,
-        C=C, BK=BK, BD=64, USE_G=gf is not None, F32=F32, FP32_DOT=fp32_dot(config), num_warps=config.num_warps,
+        C=C, BK=BK, BD=64, USE_G=gf is not None, F32=F32, FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"), num_warps=config.num_warps,
     )
     delta_state_grad_kernel[(n_v, N, H)](
         qf, kf, dof, bf, gf, xs, ys, seqs, chunks[1], dht, dh0, dhs, drs,
         scale, H, K, V,
         C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        F32=F32, FP32_DOT=fp32_dot(config), num_warps=config.delta_num_warps, num_stages=config.num_stages,
+        F32=F32, FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"), num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
     del xs, ys
     dss, mms, dv, dbeta, vdv = delta_score_grads(
-        kf, vf, bf, gf, dof, us, drs, scale=scale, chunks=chunks, chunk_size=C, block_v=BV, fp32_dot=fp32_dot(config),
+        kf, vf, bf, gf, dof, us, drs, scale=scale, chunks=chunks, chunk_size=C, block_v=BV, fp32_dot=fp32_dot_mode(config, "delta_fp32_dot"),
         num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
     )
     BKT = min(BK, 64)
@@ -131,7 +125,7 @@ def delta_rule_backward(
     delta_grads_kernel[(chunks[2], H, n_k)](
         qf, kf, gf, bf, dof, chunks[0], hs, dhs, us, drs, dss, mms, dq, dk, dbh, qdq,
         scale, B * T, H, K, V,
-        C=C, BK=BKT, BV=BV, USE_G=gf is not None, F32=F32, FP32_DOT=fp32_dot(config),
+        C=C, BK=BKT, BV=BV, USE_G=gf is not None, F32=F32, FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
         num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
     )
     del dss, mms

@@ -106,15 +106,15 @@ kata_triton_first_order.native_varlen = True
 
 
 def chunk_pays(q, k, v, g, *, groups=1, combine="concat", initial_state=None, cu_seqlens=None, **_) -> bool:
-    """Whether `impl="triton"` runs a PSD call on the chunked form: no gradient wanted (its backward has not
-    been measured on the GPU yet), `K / groups` a power of two >= 4, and the longest sequence at least
-    `KernelConfig.kata_chunk_crossover · (P + 1024)` tokens, where the quadratic kernel's T² work overtakes
-    the chunked form's (ops/kata/README.md, "Chunked Triton kernel")."""
-    from polyattn.ops.common import wants_grad
+    """Whether `impl="triton"` runs a PSD call on the chunked form, with or without gradients: `K / groups` a
+    power of two >= 4 and the longest sequence at least `KernelConfig.kata_chunk_crossover · (P + 1024)`
+    tokens, where the quadratic kernel's T² work overtakes the chunked form's (ops/kata/README.md, "Chunked
+    Triton kernel": on the H200 the forward crosses over near 11K tokens for M2 and 21K for M1, the forward
+    + backward near 8K and 23K)."""
     from polyattn.ops.triton.plan import get_config, sequence_lengths
 
     E = q.shape[-1] // groups
-    if wants_grad((q, k, v, g, initial_state)) or E < 4 or E & (E - 1):
+    if E < 4 or E & (E - 1):
         return False
     P = make_feature_map("psd", q.shape[-1], groups, combine).dim()
     return max(sequence_lengths(cu_seqlens, *q.shape[:2]), default=0) >= get_config().kata_chunk_crossover * (P + 1024)

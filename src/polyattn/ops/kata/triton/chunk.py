@@ -68,10 +68,10 @@ def lifted_tile(x, t, m_t, H, i_h, K, E, slot, e0, G: tl.constexpr, SUM: tl.cons
 
 @triton.jit
 def kata_states_kernel(
-    k, v, g, h0, z0, hs, zs, ht, zt, seqs, cu_chunks, H, K, V, E, P, NE,
+    k, v, g, h0, z0, hs, zs, ht, zt, seqs, cu_chunks, scale2, H, K, V, E, P, NE,
     G: tl.constexpr, SUM: tl.constexpr, BE: tl.constexpr, BF: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr,
     SUB: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr,
-    REVERSE: tl.constexpr,
+    REVERSE: tl.constexpr, DOT: tl.constexpr,
 ):
     """grid: (slots·NE, N, H), NE = E / BE. One feature block `(slot, e0)` of one sequence and head:
     the fp32 tiles `[BE·BF, BV]` (S) and `[BE·BF]` (z) stay in registers while the program walks the
@@ -82,12 +82,13 @@ def kata_states_kernel(
     entering earlier chunks, stored before, are untouched.
 
     REVERSE: the backward's walk of the state gradient D (ops/kata/README.md, "Chunked backward"), chunks
-    and sub-tiles last to first, `k` holding q and `v` the fp32 `[N_tok, H, V + 1]` cotangents y of the
-    reads (`scale² dprior`): per sub-tile `D = exp(γ) D + Yᵀ y[:, :V]`, `Dz = exp(γ) Dz + Yᵀ y[:, V]` with
+    and sub-tiles last to first, `k` holding q and `v` the fp32 `[N_tok, H, V + 1]` cotangents of the
+    reads (dprior; y = `scale2 · dprior`): per sub-tile `D = exp(γ) D + Yᵀ y[:, :V]`, `Dz = exp(γ) Dz + Yᵀ y[:, V]` with
     `Y = diag(exp(gc)) ψ(Q)` (gc: the inclusive log-decay from the sub-tile's start), so that a chunk leaves
     `exp(γ_c) D_(c+1) + Σ_t exp(G_t - G_(cs-1)) ψ(q_t) y_tᵀ`; `hs`, `zs` get D_(c+1) (the gradient of the
     state leaving chunk c) before the chunk, `h0`, `z0` the gradient of the final state, `ht`, `zt` that
-    of the initial one."""
+    of the initial one. Both factors of its product are fp32: they enter the tensor cores as the mode DOT
+    of `precision.FP32_DOTS` says (0: both split in halves, three products)."""
     i_p, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = i_p // NE
     e0 = (i_p % NE) * BE
@@ -119,8 +120,8 @@ def kata_states_kernel(
             b_y = lifted_tile(k, t, m_t, H, i_h, K, E, slot, e0, G, SUM, BE, BF)  # [BS, BE·BF]
             if REVERSE:
                 row_y = (t.to(tl.int64) * H + i_h) * (V + 1)  # [BS]
-                b_v = tl.load(v + row_y[:, None] + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BS, BV] fp32
-                b_one = tl.load(v + row_y + V, mask=m_t, other=0.0)  # [BS]: the normaliser's column
+                b_v = scale2 * tl.load(v + row_y[:, None] + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BS, BV] fp32
+                b_one = scale2 * tl.load(v + row_y + V, mask=m_t, other=0.0)  # [BS]: the normaliser's column
             else:
                 b_v = tl.load(v + (t.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BS, BV]
             if USE_G:
@@ -132,7 +133,7 @@ def kata_states_kernel(
                 b_h = b_h * tl.exp2(b_last)
                 b_z = b_z * tl.exp2(b_last)
             if REVERSE:
-                b_h += mma_fp32(tl.trans(b_y), b_v, k.dtype.element_ty, F32, 0)  # [BE·BF, BS] @ [BS, BV], both split
+                b_h += mma_fp32(tl.trans(b_y), b_v, k.dtype.element_ty, F32, DOT)  # [BE·BF, BS] @ [BS, BV], both fp32
                 b_z += tl.sum(b_y * b_one[:, None], axis=0)  # [BE·BF]
             else:
                 b_h += mma_left_fp32(tl.trans(b_y), b_v, F32)  # [BE·BF, BS] @ [BS, BV] -> [BE·BF, BV]
@@ -198,6 +199,7 @@ def kata_read_kernel(
 def kata_lift_grad_kernel(
     x, y, hs, zs, dx, tiles, H, K, V, E, P,
     G: tl.constexpr, SUM: tl.constexpr, BF: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, F32: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     """grid: (tiles, H). The gradient of `ψ(x_t)ᵀ [S | z]_c y_t` with respect to x_t, for one tile of BT
     tokens of chunk c and head: with `U_t = [S | z]_c y_t` read as one E×E matrix per slot,
@@ -206,7 +208,7 @@ def kata_lift_grad_kernel(
     split in halves, plus the normaliser's column), which adds `Σ_f U_e[t, f] x_if` to column e and
     `U_e[t, f] x_ie` to column f of each group. The groups of a slot are one `[BT, GS, E]` tile (Σg: all G
     share slot 0, so U_e is formed once for them; Mg: one group a slot). `dx [N_tok, H, K]` fp32 is written,
-    not accumulated; `tiles` as `kata_read_kernel`'s."""
+    or with ACCUMULATE added to (every token belongs to one tile); `tiles` as `kata_read_kernel`'s."""
     GS: tl.constexpr = G if SUM else 1  # groups reading one slot
     i_h, t0, i_c, t, m_t, o_f, o_v, m_v = read_tile(tiles, V, BF, BT, BV)
     row_y = (t * H + i_h) * (V + 1)  # [BT]
@@ -228,6 +230,8 @@ def kata_lift_grad_kernel(
             b_xe = tl.load(x + row[:, None] + groups[None, :] + e, mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, GS]: columns x_ie
             b_row = tl.sum(b_u[:, None, :] * b_x, axis=2)  # [BT, GS]: Σ_f U_e[t, f] x_if
             b_dx += b_u[:, None, :] * b_xe[:, :, None] + tl.where(o_f[None, None, :] == e, b_row[:, :, None], 0.0)
+        if ACCUMULATE:
+            b_dx += tl.load(dx + cols, mask=m_t[:, None, None], other=0.0)
         tl.store(dx + cols, b_dx, mask=m_t[:, None, None])
 
 

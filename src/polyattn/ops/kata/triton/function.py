@@ -22,7 +22,7 @@ from polyattn.ops.triton.decay import reset_limit_ref
 from polyattn.ops.triton.plan import (
     block, chunk_table, get_config, no_output, prefix_cumsum, reverse_cumsum, segment_table, sequence_lengths, sequence_starts,
 )
-from polyattn.ops.triton.precision import check_kernel_inputs, dot_f32
+from polyattn.ops.triton.precision import check_kernel_inputs, dot_f32, fp32_dot_mode
 
 from .backward import kata_dkdv_kernel, kata_dq_kernel
 from .chunk import chunk_lengths, kata_lift_grad_kernel, kata_read_kernel, kata_states_kernel
@@ -267,15 +267,15 @@ def kata_parallel_fused(
     return o, split_state(final)
 
 
-def feature_blocks(K: int, V: int, groups: int, combine: str) -> dict:
+def feature_blocks(K: int, V: int, groups: int, combine: str, state_block: int) -> dict:
     """The chunked form's feature tiling: the group width `E` (a power of two, at least 4: its rows of the
     state are whole tiles), `BF = E`, the block of `BE` rows of e per program (`BE·E` lifted features: about
-    `kata_state_block`, at most 8,192 fp32 state values with the whole padded V, at least 16 for the tensor
+    `state_block`, at most 8,192 fp32 state values with the whole padded V, at least 16 for the tensor
     cores), `NE` blocks per slot, the slots and `P`. ValueError for another E."""
     E = K // groups
     if E < 4 or E & (E - 1):
         raise ValueError(f"impl='triton_chunk': expected K / groups a power of two >= 4, got K = {K}, groups = {groups}")
-    target = max(16, min(get_config().kata_state_block, 8192 // block(V)))
+    target = max(16, min(state_block, 8192 // block(V)))
     BE = max(16 // E, min(E, target // E))
     slots = 1 if combine == "sum" else groups
     return dict(E=E, BF=E, BE=BE, BV=block(V), NE=E // BE, slots=slots, P=slots * E * E)
@@ -283,44 +283,48 @@ def feature_blocks(K: int, V: int, groups: int, combine: str) -> dict:
 
 def _chunk_plan(q, v, seq_lens, groups: int, combine: str) -> dict:
     """What the chunked form's launches share: the state chunks (`pieces`, `cu_chunks`, NC), the feature
-    tiling, the sequence table, the sub-tile and the kernels' meta-parameters."""
+    tilings of the forward and the reverse walk, the sequence table, the walks' sub-tile BS, the reads'
+    tile BT and the kernels' meta-parameters."""
     config = get_config()
-    CS, BS = config.kata_chunk_size, config.kata_block_n
-    if CS % BS or CS % config.kata_block_m:
-        raise ValueError(f"KernelConfig: expected kata_chunk_size a multiple of kata_block_m and kata_block_n, got {CS}")
+    CS, BS, BT = config.kata_chunk_size, config.kata_block_n, config.kata_read_block
+    if CS % BS or CS % config.kata_block_m or CS % BT:
+        raise ValueError(f"KernelConfig: expected kata_chunk_size a multiple of kata_block_m, kata_block_n and kata_read_block, got {CS}")
     K = q.shape[-1]
-    tiling = feature_blocks(K, v.shape[-1], groups, combine)
+    tiling = feature_blocks(K, v.shape[-1], groups, combine, config.kata_state_block)
     pieces = chunk_lengths(tuple(seq_lens), CS)
     _, cu_chunks, NC = chunk_table(tuple(seq_lens), CS, q.device)
     return dict(
-        CS=CS, BS=BS, tiling=tiling, pieces=pieces, cu_chunks=cu_chunks, NC=NC,
+        CS=CS, BS=BS, BT=BT, tiling=tiling, grad_tiling=feature_blocks(K, v.shape[-1], groups, combine, config.kata_grad_state_block),
+        grad_warps=config.kata_grad_warps, grad_dot=fp32_dot_mode(config, "kata_grad_dot"), pieces=pieces, cu_chunks=cu_chunks, NC=NC,
         seqs=segment_table(tuple(seq_lens), 1, CS, q.device)[0], sizes=(q.shape[2], K, v.shape[-1], tiling["E"], tiling["P"]),
         meta=dict(G=groups, SUM=combine == "sum", BF=tiling["BF"], BV=tiling["BV"], F32=dot_f32(q.dtype),
                   num_warps=config.kata_chunk_warps, num_stages=config.kata_num_stages),
     )
 
 
-def chunk_states(x, y, g, h0, z0, plan: dict, N: int, store_ht: bool, reverse: bool = False):
+def chunk_states(x, y, g, h0, z0, plan: dict, N: int, store_ht: bool, reverse: bool = False, scale2: float = 1.0):
     """`kata_states_kernel` on flattened tokens: `(hs [NC, H, P, V], zs [NC, H, P], ht [N, H, P, V], zt [N, H, P])`
     fp32, the last two empty [0] tensors without `store_ht`. Forward: x = k, y = v, h0 / z0 the initial state;
-    `reverse`: x = q, y the reads' fp32 cotangents `[N_tok, H, V + 1]`, h0 / z0 the final state's gradient."""
+    `reverse`: x = q, `scale2 · y` the reads' fp32 cotangents `[N_tok, H, V + 1]`, h0 / z0 the final state's
+    gradient, in the reverse walk's feature blocks and warps."""
     H, _, V, _, P = plan["sizes"]
     hs = torch.empty(plan["NC"], H, P, V, dtype=torch.float32, device=x.device)
     zs = torch.empty(plan["NC"], H, P, dtype=torch.float32, device=x.device)
     ht = torch.empty(N, H, P, V, dtype=torch.float32, device=x.device) if store_ht else no_output(x)
     zt = torch.empty(N, H, P, dtype=torch.float32, device=x.device) if store_ht else no_output(x)
-    tiling = plan["tiling"]
+    tiling = plan["grad_tiling" if reverse else "tiling"]
+    meta = plan["meta"] | (dict(num_warps=plan["grad_warps"]) if reverse else {})
     kata_states_kernel[(tiling["slots"] * tiling["NE"], N, H)](
-        x, y, g, h0, z0, hs, zs, ht, zt, plan["seqs"], plan["cu_chunks"], *plan["sizes"], tiling["NE"],
+        x, y, g, h0, z0, hs, zs, ht, zt, plan["seqs"], plan["cu_chunks"], scale2, *plan["sizes"], tiling["NE"],
         BE=tiling["BE"], BS=plan["BS"], SUB=plan["CS"] // plan["BS"], USE_G=g is not None, USE_H0=h0 is not None,
-        STORE_HT=store_ht, REVERSE=reverse, **plan["meta"],
+        STORE_HT=store_ht, REVERSE=reverse, DOT=plan["grad_dot"], **meta,
     )
     return hs, zs, ht, zt
 
 
 def _chunk_tiles(plan: dict, device):
-    """The read-side tiles of BS tokens inside the state chunks, and each chunk's first token."""
-    tiles, _, NT = chunk_table(plan["pieces"], plan["BS"], device)
+    """The read-side tiles of BT tokens inside the state chunks, and each chunk's first token."""
+    tiles, _, NT = chunk_table(plan["pieces"], plan["BT"], device)
     return tiles, NT, sequence_starts(plan["pieces"], device)
 
 
@@ -330,18 +334,19 @@ def chunk_read(x, g, hs, zs, scale2: float, plan: dict):
     H, _, V, _, _ = plan["sizes"]
     tiles, NT, starts = _chunk_tiles(plan, x.device)
     out = torch.empty(x.shape[0], H, V + 1, dtype=torch.float32, device=x.device)
-    kata_read_kernel[(NT, H)](x, g, hs, zs, out, tiles, starts, scale2, *plan["sizes"], BT=plan["BS"], USE_G=g is not None, **plan["meta"])
+    kata_read_kernel[(NT, H)](x, g, hs, zs, out, tiles, starts, scale2, *plan["sizes"], BT=plan["BT"], USE_G=g is not None, **plan["meta"])
     return out
 
 
-def chunk_lift_grad(x, y, hs, zs, plan: dict):
-    """`kata_lift_grad_kernel`: `∇_x ψ(x_t)ᵀ [S | z]_c y_t` for every token, `[N_tok, H, K]` fp32 (y: `[N_tok, H, V + 1]` fp32)."""
+def chunk_lift_grad(x, y, hs, zs, plan: dict, into: torch.Tensor | None = None):
+    """`kata_lift_grad_kernel`: `∇_x ψ(x_t)ᵀ [S | z]_c y_t` for every token, `[N_tok, H, K]` fp32 (y: `[N_tok, H, V + 1]`
+    fp32), added to `into` (fp32, x's shape) and returned where given."""
     tiles, NT, _ = _chunk_tiles(plan, x.device)
     meta = plan["meta"]
-    dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    dx = torch.empty(x.shape, dtype=torch.float32, device=x.device) if into is None else into
     kata_lift_grad_kernel[(NT, x.shape[1])](
-        x, y, hs, zs, dx, tiles, *plan["sizes"], G=meta["G"], SUM=meta["SUM"], BF=meta["BF"], BT=plan["BS"], BV=meta["BV"],
-        F32=meta["F32"], num_warps=meta["num_warps"],
+        x, y, hs, zs, dx, tiles, *plan["sizes"], G=meta["G"], SUM=meta["SUM"], BF=meta["BF"], BT=plan["BT"], BV=meta["BV"],
+        F32=meta["F32"], ACCUMULATE=into is not None, num_warps=meta["num_warps"],
     )
     return dx
 
@@ -405,12 +410,13 @@ def kata_chunk_backward(
     dprior = dprior.view(B * T, H, V + 1)  # [B, T, H, V + 1] -> [B*T, H, V + 1]
     gl = torch.zeros(B * T, H, dtype=torch.float32, device=q.device) if g is None else reset_limit_ref(gf.float())  # [B*T, H]
     w_read = (scale * scale) * torch.exp(prefix_cumsum(gl, plan["pieces"]))  # [B*T, H]: scale² exp(G_t - G_(cs-1))
-    w_write = torch.exp(reverse_cumsum(gl, plan["pieces"]) - gl)  # [B*T, H]: exp(G_(ce) - G_s)
-    dq += chunk_lift_grad(qf, w_read[..., None] * dprior, hs, zs, plan)
+    chunk_lift_grad(qf, w_read[..., None] * dprior, hs, zs, plan, into=dq)
     del hs, zs  # the entering states go before their gradients come: one of the two sequences at a time
-    ds, dzs, dh0, dz0 = chunk_states(qf, (scale * scale) * dprior, gf, dht, dzt, plan, N, want_dh0, reverse=True)
-    dk += chunk_lift_grad(kf, w_write[..., None] * with_ones(vf.float()), ds, dzs, plan)  # values [B*T, H, V + 1]
-    dv += w_write[..., None] * chunk_read(kf, None, ds, dzs, 1.0, plan)[..., :V]
+    ds, dzs, dh0, dz0 = chunk_states(qf, dprior, gf, dht, dzt, plan, N, want_dh0, reverse=True, scale2=scale * scale)
+    del dprior
+    w_write = torch.exp(reverse_cumsum(gl, plan["pieces"]) - gl)[..., None]  # [B*T, H, 1]: exp(G_(ce) - G_s)
+    chunk_lift_grad(kf, with_ones(vf.float()).mul_(w_write), ds, dzs, plan, into=dk)  # values [B*T, H, V + 1]
+    dv.addcmul_(w_write, chunk_read(kf, None, ds, dzs, 1.0, plan)[..., :V])
     del ds, dzs
     dg = no_output(q)
     if want_dg:

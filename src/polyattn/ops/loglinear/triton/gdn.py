@@ -53,12 +53,11 @@ from polyattn.ops.chunked import delta_rule_system
 from polyattn.ops.common.fenwick import level_table
 from polyattn.ops.common.segsum import causal_scores, suffix_sum
 from polyattn.ops.delta.triton.forward import chunk_program, chunk_scores, sequence_tile
-from polyattn.ops.delta.triton.function import fp32_dot
 from polyattn.ops.delta.triton.wy import wy_factors, wy_solve
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.plan import block, get_config, grid_chunk_table, segment_table
 from polyattn.ops.triton.precision import (
-    dot_f32, mma, mma_fp32, mma_left_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
+    dot_f32, fp32_dot_mode, mma, mma_fp32, mma_left_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
 )
 
 from .level_pass import bit_length, intra_levels
@@ -685,7 +684,7 @@ def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=N
     config, C, LOG_C, N, NLC, chunks, seqs = _walk_plan(seq_lens, position, L)
     t_inv, firsts = wy_solve(k, beta, g, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
     w, u_bar = wy_factors(k, v, beta, g, t_inv, firsts, chunks=chunks, num_warps=config.num_warps)
-    BK, F32, FP32_DOT = block(K), dot_f32(q.dtype), fp32_dot(config)
+    BK, F32, FP32_DOT = block(K), dot_f32(q.dtype), fp32_dot_mode(config, "delta_fp32_dot")
     qt = torch.empty(N_tok, H, K, dtype=torch.float32, device=q.device)
     o_intra = torch.empty(N_tok, H, V, dtype=torch.float32, device=q.device)
     gdn_chunk_kernel[(chunks[2], H)](
@@ -731,7 +730,7 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     gdn_levels_backward_kernel[(n_v, N, H)](
         k, g, fwd.w, fwd.u_bar, fwd.qt, lam, fwd.firsts, do.contiguous(), fwd.ck, cu_blocks, fstate, hs, dstate,
         dqt, dw, dkt, du, dlast, dlam, seqs, chunks[0], chunks[1], position, N_tok, NC, H, K, V, L, NLC, S,
-        C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=dot_f32(k.dtype), FP32_DOT=fp32_dot(config),
+        C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=dot_f32(k.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
         ATOMIC=atomic, num_warps=config.gdn_num_warps, num_stages=config.num_stages,
     )
     del fstate, hs
@@ -756,7 +755,7 @@ def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chun
         q, k, v, g, beta, lam, t_inv, w, grads.o_intra.contiguous(), grads.qt, grads.w, grads.kt, grads.u_bar,
         grads.t_inv, grads.gc_last, dq, dk, dv, dbeta, dg, dlam, chunks[0], scale, H, K, V, L,
         C=C, LOG_C=LOG_C, BK=block(K), BV=min(block(V), config.gdn_block_v), USE_G=g is not None,
-        USE_DT=grads.t_inv is not None, F32=dot_f32(q.dtype), FP32_DOT=fp32_dot(config),
+        USE_DT=grads.t_inv is not None, F32=dot_f32(q.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
         num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
     )
     return dq, dk, dv, dg, dbeta, dlam
