@@ -140,6 +140,9 @@ def test_chunk_stages_match_twins(groups, combine, decay):
         assert_close_rel(dh0, initial[..., :-1], 1e-5, "gradient of the initial S")
         assert_close_rel(dz0, initial[..., -1], 1e-5, "gradient of the initial z")
         assert_close_rel(chunk_lift_grad(q, y, hs, zs, plan), kata_lift_grad_ref(q, y, states, lengths, CS, fmap), 1e-5, "lift gradient")
+        w = torch.rand(N_tok, H, generator=gen).to(DEVICE)  # per-token weights, added into a buffer already holding ones
+        weighted = chunk_lift_grad(q, y, hs, zs, plan, into=torch.ones(N_tok, H, K, device=DEVICE), weight=w)
+        assert_close_rel(weighted - 1.0, kata_lift_grad_ref(q, w[..., None] * y, states, lengths, CS, fmap), 1e-5, "weighted lift gradient, added")
 
 
 def test_triton_chunk_refuses_other_group_widths():

@@ -197,9 +197,9 @@ def kata_read_kernel(
 
 @triton.jit
 def kata_lift_grad_kernel(
-    x, y, hs, zs, dx, tiles, H, K, V, E, P,
+    x, y, w, hs, zs, dx, tiles, H, K, V, E, P,
     G: tl.constexpr, SUM: tl.constexpr, BF: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, F32: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    USE_W: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """grid: (tiles, H). The gradient of `ψ(x_t)ᵀ [S | z]_c y_t` with respect to x_t, for one tile of BT
     tokens of chunk c and head: with `U_t = [S | z]_c y_t` read as one E×E matrix per slot,
@@ -208,12 +208,17 @@ def kata_lift_grad_kernel(
     split in halves, plus the normaliser's column), which adds `Σ_f U_e[t, f] x_if` to column e and
     `U_e[t, f] x_ie` to column f of each group. The groups of a slot are one `[BT, GS, E]` tile (Σg: all G
     share slot 0, so U_e is formed once for them; Mg: one group a slot). `dx [N_tok, H, K]` fp32 is written,
-    or with ACCUMULATE added to (every token belongs to one tile); `tiles` as `kata_read_kernel`'s."""
+    or with ACCUMULATE added to (every token belongs to one tile); USE_W: y_t weighted by `w [N_tok, H]` fp32;
+    `tiles` as `kata_read_kernel`'s."""
     GS: tl.constexpr = G if SUM else 1  # groups reading one slot
     i_h, t0, i_c, t, m_t, o_f, o_v, m_v = read_tile(tiles, V, BF, BT, BV)
     row_y = (t * H + i_h) * (V + 1)  # [BT]
     b_y = tl.load(y + row_y[:, None] + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BT, BV] fp32
     b_yz = tl.load(y + row_y + V, mask=m_t, other=0.0)  # [BT]
+    if USE_W:
+        b_w = tl.load(w + t * H + i_h, mask=m_t, other=0.0)  # [BT]
+        b_y = b_y * b_w[:, None]
+        b_yz = b_yz * b_w
     p_h = hs + (i_c * H + i_h) * P * V
     p_z = zs + (i_c * H + i_h) * P
     row = (t * H + i_h) * K  # [BT]

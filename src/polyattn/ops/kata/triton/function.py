@@ -114,9 +114,12 @@ def quadratic_backward(do, q, k, v, g, o, den, scale: float, eps: float, seq_len
     `[r·do | −c]` (`[B, T, H, V + 1]` fp32; None otherwise) from the normalised read's `r = 1 / max(den, eps)`
     and `c = r (do·o)` (0 where clamped; ones and zeros without normalize)."""
     plan = _launch(q, v, seq_lens, groups, combine, get_config().kata_bwd_warps)
+    V = v.shape[-1]
+    # [B, T, H, V + 1] fp32: do ⊙ o as scratch first, then the prior's gradient (no copy of do or o is made)
+    dprior = torch.empty(*do.shape[:-1], V + 1, dtype=torch.float32, device=do.device) if normalize or want_dprior else None
     if normalize:
         r = 1.0 / den.clamp_min(eps)  # [B, T, H]
-        c = torch.where(den > eps, r * (do.float() * o.float()).sum(-1), 0.0)  # [B, T, H]: r (do·o), 0 where clamped
+        c = torch.where(den > eps, r * torch.mul(do, o, out=dprior[..., :V]).sum(-1), 0.0)  # [B, T, H]: r (do·o), 0 where clamped
     else:
         r, c = torch.ones_like(den), torch.zeros_like(den)
     qf, kf, vf, gf, dof, rf, cf = (_flat(x) for x in (q, k, v, g, do.to(v.dtype), r, c))
@@ -130,7 +133,10 @@ def quadratic_backward(do, q, k, v, g, o, den, scale: float, eps: float, seq_len
         qf, kf, vf, gf, dof, rf, cf, dk, dv, kdk, plan["tiles"], plan["starts"], scale * scale, *plan["sizes"],
         USE_G=g is not None, SPLIT=plan["split"], **plan["meta"],
     )
-    dprior = torch.cat([r[..., None] * do.float(), -c[..., None]], dim=-1) if want_dprior else None  # [B, T, H, V + 1]
+    if not want_dprior:
+        return dq, dk, dv, qdq, kdk, None
+    torch.mul(do, r[..., None], out=dprior[..., :V])
+    dprior[..., V] = -c
     return dq, dk, dv, qdq, kdk, dprior
 
 
@@ -338,15 +344,15 @@ def chunk_read(x, g, hs, zs, scale2: float, plan: dict):
     return out
 
 
-def chunk_lift_grad(x, y, hs, zs, plan: dict, into: torch.Tensor | None = None):
-    """`kata_lift_grad_kernel`: `∇_x ψ(x_t)ᵀ [S | z]_c y_t` for every token, `[N_tok, H, K]` fp32 (y: `[N_tok, H, V + 1]`
-    fp32), added to `into` (fp32, x's shape) and returned where given."""
+def chunk_lift_grad(x, y, hs, zs, plan: dict, into: torch.Tensor | None = None, weight: torch.Tensor | None = None):
+    """`kata_lift_grad_kernel`: `∇_x ψ(x_t)ᵀ [S | z]_c w_t y_t` for every token, `[N_tok, H, K]` fp32 (y: `[N_tok, H, V + 1]`
+    fp32; w: `weight [N_tok, H]` fp32, or 1), added to `into` (fp32, x's shape) and returned where given."""
     tiles, NT, _ = _chunk_tiles(plan, x.device)
     meta = plan["meta"]
     dx = torch.empty(x.shape, dtype=torch.float32, device=x.device) if into is None else into
     kata_lift_grad_kernel[(NT, x.shape[1])](
-        x, y, hs, zs, dx, tiles, *plan["sizes"], G=meta["G"], SUM=meta["SUM"], BF=meta["BF"], BT=plan["BT"], BV=meta["BV"],
-        F32=meta["F32"], ACCUMULATE=into is not None, num_warps=meta["num_warps"],
+        x, y, weight, hs, zs, dx, tiles, *plan["sizes"], G=meta["G"], SUM=meta["SUM"], BF=meta["BF"], BT=plan["BT"],
+        BV=meta["BV"], F32=meta["F32"], USE_W=weight is not None, ACCUMULATE=into is not None, num_warps=meta["num_warps"],
     )
     return dx
 
@@ -410,13 +416,16 @@ def kata_chunk_backward(
     dprior = dprior.view(B * T, H, V + 1)  # [B, T, H, V + 1] -> [B*T, H, V + 1]
     gl = torch.zeros(B * T, H, dtype=torch.float32, device=q.device) if g is None else reset_limit_ref(gf.float())  # [B*T, H]
     w_read = (scale * scale) * torch.exp(prefix_cumsum(gl, plan["pieces"]))  # [B*T, H]: scale² exp(G_t - G_(cs-1))
-    chunk_lift_grad(qf, w_read[..., None] * dprior, hs, zs, plan, into=dq)
+    chunk_lift_grad(qf, dprior, hs, zs, plan, into=dq, weight=w_read)
     del hs, zs  # the entering states go before their gradients come: one of the two sequences at a time
     ds, dzs, dh0, dz0 = chunk_states(qf, dprior, gf, dht, dzt, plan, N, want_dh0, reverse=True, scale2=scale * scale)
     del dprior
-    w_write = torch.exp(reverse_cumsum(gl, plan["pieces"]) - gl)[..., None]  # [B*T, H, 1]: exp(G_(ce) - G_s)
-    chunk_lift_grad(kf, with_ones(vf.float()).mul_(w_write), ds, dzs, plan, into=dk)  # values [B*T, H, V + 1]
-    dv.addcmul_(w_write, chunk_read(kf, None, ds, dzs, 1.0, plan)[..., :V])
+    w_write = torch.exp(reverse_cumsum(gl, plan["pieces"]) - gl)  # [B*T, H]: exp(G_(ce) - G_s)
+    values = torch.ones(B * T, H, V + 1, dtype=torch.float32, device=q.device)  # [v | 1], filled in place
+    values[..., :V] = vf
+    chunk_lift_grad(kf, values, ds, dzs, plan, into=dk, weight=w_write)
+    del values
+    dv.addcmul_(w_write[..., None], chunk_read(kf, None, ds, dzs, 1.0, plan)[..., :V])
     del ds, dzs
     dg = no_output(q)
     if want_dg:
