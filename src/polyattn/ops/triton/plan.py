@@ -53,9 +53,10 @@ class KernelConfig:
     gradient with blocks of about kata_grad_state_block features and kata_grad_warps warps, its fp32 x fp32
     product run as kata_grad_dot says (`precision.FP32_DOTS`; on the H200 at 128K tokens the reverse walk
     took 61.7 / 21.7 ms for KATA-M2 with 128 / 64 features a block, the reads 10.3 / 6.4 ms in tiles of
-    64 / 128 tokens: benchmarks/results/2026-12-02-h200/kata-chunk-probe.json); `impl="triton"` takes it for calls without
-    gradients from kata_chunk_crossover·(P + 1024) tokens per sequence (P lifted features; a fit to the H200's
-    crossovers at K = V = 64: about 11K tokens for KATA-M2, 8.6K for Σ2, 21K for M1).
+    64 / 128 tokens: benchmarks/results/2026-12-02-h200/kata-chunk-probe.json); `impl="triton"` takes it, with
+    or without gradients, from kata_chunk_crossover·(P + 1024) tokens per sequence (P lifted features; a fit to
+    the H200's crossovers at K = V = 64: forward about 11K tokens for KATA-M2, 8.6K for Σ2, 21K for M1;
+    forward + backward 8K for M2, 23K for M1).
     gdn_block_v and gdn_num_warps are the value tile and warps of log-linear Gated DeltaNet's level
     walks, forward and backward (ops/loglinear/triton/gdn.py; ptxas for sm_90a at K = 128, a 32-column
     tile: the forward walk spills 408 bytes per thread at 8 warps, 2.2 KB at 4); its per-chunk kernels

@@ -1,5 +1,6 @@
-"""KATA's chunked lifted-state form on the GPU (PSD maps, forward): chunk states, their read, the quadratic
-kernel inside each chunk.
+"""KATA's chunked lifted-state form on the GPU (PSD maps): chunk states, their read, the quadratic kernel
+inside each chunk; for the backward, the same states kernel walking the state gradient in reverse and the
+lift gradient of a read (ops/kata/README.md, "Chunked backward").
 
 Every sequence is cut into *state chunks* of CS tokens (`KernelConfig.kata_chunk_size`; the last one
 shorter). With `[S | z]` the augmented state `[P, V + 1]` (ops/kata/state.py), G the inclusive cumsum of g
@@ -23,7 +24,8 @@ A block of lifted features is `(e, f)` for e in `[e0, e0 + BE)` and every f, in 
 KATA-Mg; KATA-Σg has one slot that every group writes): `ψ_(e,f)(u) = u_e u_f` (Σg: `Σ_i u_ie u_if`),
 state row `slot·E² + e·E + f`; E is a power of two. A product of two bf16/fp16 values is exact in fp32, so
 ψ(k) is exact; the decayed `Y` and the fp32 state enter the tensor cores split in two halves (precision.py),
-q and v as they are. `kata_states_ref` and `kata_read_ref` are the PyTorch twins.
+q and v as they are. `kata_states_ref`, `kata_read_ref`, `kata_state_grads_ref` and `kata_lift_grad_ref` are
+the PyTorch twins.
 """
 import torch
 import triton
