@@ -3,8 +3,8 @@
 python benchmarks/kata_chunk_kernels.py OUT.json --T 131072 [--decay] [--ops kata_m2 kata_m1] --configs '{}' '{"kata_grad_warps": 8}' ...
 Per op (K = V = 64, H = 16, bf16, one sequence of T tokens) and config: the forward state walk, the
 backward's reverse walk, the read of the states and the lift gradient (function.py's launchers on random
-inputs, `--decay` with a log-decay), ms per call by CUDA events over five calls after a warm-up. Prints one
-JSON line per (op, config) and writes them all to OUT.json.
+inputs, `--decay` with a log-decay), ms per call (`polyattn.bench.timing.bench_ms`: the median of
+do_bench). Prints one JSON line per (op, config) and writes them all to OUT.json.
 """
 import argparse
 import json
@@ -12,20 +12,9 @@ import json
 import torch
 
 from polyattn.bench.kernels import KATA
+from polyattn.bench.timing import bench_ms
 from polyattn.ops.kata.triton.function import _chunk_plan, _flat, chunk_lift_grad, chunk_read, chunk_states
 from polyattn.ops.triton.plan import KernelConfig, use_config
-
-
-def cuda_ms(fn, reps: int = 5) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:
@@ -50,10 +39,10 @@ def main() -> None:
             with use_config(KernelConfig(**fields)):
                 plan = _chunk_plan(q, v, [T], groups, combine)
                 hs, zs, _, _ = chunk_states(kf, vf, gf, None, None, plan, 1, False)
-                row["states"] = cuda_ms(lambda: chunk_states(kf, vf, gf, None, None, plan, 1, False))
-                row["reverse"] = cuda_ms(lambda: chunk_states(qf, y, gf, None, None, plan, 1, False, reverse=True))
-                row["read"] = cuda_ms(lambda: chunk_read(qf, gf, hs, zs, 0.125, plan))
-                row["lift_grad"] = cuda_ms(lambda: chunk_lift_grad(qf, y, hs, zs, plan))
+                row["states"] = bench_ms(lambda: chunk_states(kf, vf, gf, None, None, plan, 1, False))
+                row["reverse"] = bench_ms(lambda: chunk_states(qf, y, gf, None, None, plan, 1, False, reverse=True))
+                row["read"] = bench_ms(lambda: chunk_read(qf, gf, hs, zs, 0.125, plan))
+                row["lift_grad"] = bench_ms(lambda: chunk_lift_grad(qf, y, hs, zs, plan))
             print(json.dumps(row), flush=True)
             rows.append(row)
     with open(args.out, "w") as f:

@@ -101,21 +101,21 @@ def delta_rule_backward(
     drs = torch.empty_like(us)
     BK, BV = block(K), min(block(V), config.delta_block_v)
     n_v = triton.cdiv(V, BV)
-    F32 = dot_f32(qf.dtype)
+    F32, FP32_DOT = dot_f32(qf.dtype), fp32_dot_mode(config, "delta_fp32_dot")
     xs, ys = torch.empty_like(us), torch.empty(B * T, H, K, dtype=torch.float32, device=qf.device)
     delta_grad_factors_kernel[(chunks[2], H)](
         qf, kf, dof, gf, t_inv, chunks[0], xs, ys, scale, H, K, V,
-        C=C, BK=BK, BD=64, USE_G=gf is not None, F32=F32, FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"), num_warps=config.num_warps,
+        C=C, BK=BK, BD=64, USE_G=gf is not None, F32=F32, FP32_DOT=FP32_DOT, num_warps=config.num_warps,
     )
     delta_state_grad_kernel[(n_v, N, H)](
         qf, kf, dof, bf, gf, xs, ys, seqs, chunks[1], dht, dh0, dhs, drs,
         scale, H, K, V,
         C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        F32=F32, FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"), num_warps=config.delta_num_warps, num_stages=config.num_stages,
+        F32=F32, FP32_DOT=FP32_DOT, num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
     del xs, ys
     dss, mms, dv, dbeta, vdv = delta_score_grads(
-        kf, vf, bf, gf, dof, us, drs, scale=scale, chunks=chunks, chunk_size=C, block_v=BV, fp32_dot=fp32_dot_mode(config, "delta_fp32_dot"),
+        kf, vf, bf, gf, dof, us, drs, scale=scale, chunks=chunks, chunk_size=C, block_v=BV, fp32_dot=FP32_DOT,
         num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
     )
     BKT = min(BK, 64)
@@ -125,7 +125,7 @@ def delta_rule_backward(
     delta_grads_kernel[(chunks[2], H, n_k)](
         qf, kf, gf, bf, dof, chunks[0], hs, dhs, us, drs, dss, mms, dq, dk, dbh, qdq,
         scale, B * T, H, K, V,
-        C=C, BK=BKT, BV=BV, USE_G=gf is not None, F32=F32, FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
+        C=C, BK=BKT, BV=BV, USE_G=gf is not None, F32=F32, FP32_DOT=FP32_DOT,
         num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
     )
     del dss, mms
