@@ -31,11 +31,11 @@ LONG_T = 4096 if CUDA else 300
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _inputs(Bx, T, decay=True, seed=0, L=None):
-    x = seeded_inputs(Bx, T, H, K, V, decay=decay, beta=True, seed=seed, device=DEVICE)
+def _inputs(Bx, T, decay=True, seed=0, L=None, heads=(H, K, V)):
+    x = seeded_inputs(Bx, T, *heads, decay=decay, beta=True, seed=seed, device=DEVICE)
     x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
     L = L or num_levels(T + 200) + 1  # room for a state up to position 200, plus an unused column
-    lam = torch.rand(Bx, T, H, L, generator=torch.Generator().manual_seed(seed + 100), dtype=torch.float64) + 0.5
+    lam = torch.rand(Bx, T, heads[0], L, generator=torch.Generator().manual_seed(seed + 100), dtype=torch.float64) + 0.5
     return {"q": x["q"], "k": x["k"], "v": x["v"], "lam": lam.to(DEVICE), "g": x["g"], "beta": x["beta"]}
 
 
@@ -71,6 +71,12 @@ def test_gdn_triton_matches_naive(T, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_gdn_triton_without_decay(dtype):
     _check(_inputs(B, 200, decay=False, seed=2), dtype)
+
+
+def test_gdn_triton_model_heads():
+    """The heads of a width-64 layer (two of 32 dims) over a batch of many sequences, as the recall sweeps
+    train it: at 4 warps the chunk-gradient kernel raised an illegal memory access here on the H200."""
+    _check(_inputs(64 if CUDA else 2, 128 if CUDA else 70, seed=14, heads=(2, 32, 32)), torch.bfloat16)
 
 
 def test_gdn_triton_long_sequence():

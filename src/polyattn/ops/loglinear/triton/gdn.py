@@ -690,7 +690,7 @@ def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=N
     gdn_chunk_kernel[(chunks[2], H)](
         q, k, v, g, beta, lam, w, t_inv, firsts, qt, o_intra, chunks[0], scale, H, K, V, L,
         C=C, LOG_C=LOG_C, BK=BK, BV=min(block(V), config.delta_out_block_v), USE_G=g is not None, F32=F32,
-        FP32_DOT=FP32_DOT, num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
+        FP32_DOT=FP32_DOT, num_warps=config.gdn_chunk_warps, num_stages=config.num_stages,
     )
     R = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=q.device) if r0 is None else r0.float().contiguous().clone()
     S, cu_blocks, NB = checkpoint_plan(seq_lens, C, q.device)
@@ -756,6 +756,6 @@ def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chun
         grads.t_inv, grads.gc_last, dq, dk, dv, dbeta, dg, dlam, chunks[0], scale, H, K, V, L,
         C=C, LOG_C=LOG_C, BK=block(K), BV=min(block(V), config.gdn_block_v), USE_G=g is not None,
         USE_DT=grads.t_inv is not None, F32=dot_f32(q.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
-        num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
+        num_warps=config.gdn_chunk_warps, num_stages=config.num_stages,
     )
     return dq, dk, dv, dg, dbeta, dlam
