@@ -13,7 +13,7 @@ import torch
 
 from polyattn.bench.kernels import KATA
 from polyattn.bench.timing import bench_ms
-from polyattn.ops.kata.triton.function import _chunk_plan, _flat, chunk_lift_grad, chunk_read, chunk_states
+from polyattn.ops.kata.triton.function import Cotangents, _chunk_plan, _flat, chunk_lift_grad, chunk_read, chunk_states
 from polyattn.ops.triton.plan import KernelConfig, use_config
 
 
@@ -29,7 +29,8 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, T, H, K, device="cuda", generator=gen).bfloat16() for _ in range(3))
     g = -0.1 * torch.rand(1, T, H, device="cuda", generator=gen) if args.decay else None  # [1, T, H]
-    y = torch.randn(T, H, V + 1, device="cuda", generator=gen)  # the reads' cotangents
+    do = torch.randn(T, H, V, device="cuda", generator=gen).bfloat16()
+    y = Cotangents(do, *(torch.rand(T, H, device="cuda", generator=gen) for _ in range(2)))  # the reads' cotangent rows
     qf, kf, vf, gf = (_flat(x) for x in (q, k, v, g))
     rows = []
     for op in args.ops:

@@ -108,7 +108,7 @@ def test_chunk_stages_match_twins(groups, combine, decay):
     """The state walk and the read against `kata_states_ref` / `kata_read_ref`, the backward's reverse walk
     against `kata_state_grads_ref` and its lift gradient against `kata_lift_grad_ref` (autograd of the read in
     float64), on packed sequences from initial states, with a huge log-decay or a reset planted inside a sub-tile."""
-    from polyattn.ops.kata.triton.function import _chunk_plan, chunk_lift_grad, chunk_read, chunk_states
+    from polyattn.ops.kata.triton.function import Cotangents, _chunk_plan, chunk_lift_grad, chunk_read, chunk_states
 
     lengths = (70, 5, 40)
     N_tok, N = sum(lengths), len(lengths)
@@ -129,20 +129,26 @@ def test_chunk_stages_match_twins(groups, combine, decay):
         assert_close_rel(zt, finals[..., -1], 1e-5, "final z")
         prior = chunk_read(q, g, hs, zs, 0.09, plan)
         assert_close_rel(prior, kata_read_ref(q, g, states, lengths, CS, fmap, 0.3), 1e-5, "prior")
-        # the backward's stages: the reverse walk of the state gradient, and the lift gradient of a read
+        # the backward's stages: the reverse walk of the state gradient, the lift gradient of a read, the read
+        # of the state gradients; the reads' cotangents as the kernels take them, rows [a·y | b] (y in bf16)
         gen = torch.Generator().manual_seed(6)
-        y = torch.randn(N_tok, H, V + 1, generator=gen).to(DEVICE)  # the reads' cotangents
+        rows = Cotangents(*(torch.randn(N_tok, H, *d, generator=gen).to(DEVICE) for d in ((V,), (), ())))
+        rows = rows._replace(y=rows.y.bfloat16())
+        y = torch.cat([rows.a[..., None] * rows.y.float(), rows.b[..., None]], -1)  # [N_tok, H, V + 1]: the rows formed
         dfinal = torch.randn(N, H, fmap.dim(), V + 1, generator=gen).to(DEVICE)
-        ds, dzs, dh0, dz0 = chunk_states(q, y, g, dfinal[..., :-1].contiguous(), dfinal[..., -1].contiguous(), plan, N, True, reverse=True)
+        ds, dzs, dh0, dz0 = chunk_states(q, rows, g, dfinal[..., :-1].contiguous(), dfinal[..., -1].contiguous(), plan, N, True, reverse=True)
         grads, initial = kata_state_grads_ref(q, y, g, dfinal, lengths, CS, fmap)
         assert_close_rel(ds, grads[..., :-1], 1e-5, "gradients of the chunks' leaving states, S")
         assert_close_rel(dzs, grads[..., -1], 1e-5, "gradients of the chunks' leaving states, z")
         assert_close_rel(dh0, initial[..., :-1], 1e-5, "gradient of the initial S")
         assert_close_rel(dz0, initial[..., -1], 1e-5, "gradient of the initial z")
-        assert_close_rel(chunk_lift_grad(q, y, hs, zs, plan), kata_lift_grad_ref(q, y, states, lengths, CS, fmap), 1e-5, "lift gradient")
-        w = torch.rand(N_tok, H, generator=gen).to(DEVICE)  # per-token weights, added into a buffer already holding ones
-        weighted = chunk_lift_grad(q, y, hs, zs, plan, into=torch.ones(N_tok, H, K, device=DEVICE), weight=w)
-        assert_close_rel(weighted - 1.0, kata_lift_grad_ref(q, w[..., None] * y, states, lengths, CS, fmap), 1e-5, "weighted lift gradient, added")
+        assert_close_rel(chunk_lift_grad(q, rows, hs, zs, plan), kata_lift_grad_ref(q, y, states, lengths, CS, fmap), 1e-5, "lift gradient")
+        added = chunk_lift_grad(q, rows, hs, zs, plan, into=torch.ones(N_tok, H, K, device=DEVICE))  # into a buffer holding ones
+        assert_close_rel(added - 1.0, kata_lift_grad_ref(q, y, states, lengths, CS, fmap), 1e-5, "lift gradient, added")
+        w = torch.rand(N_tok, H, generator=gen).to(DEVICE)  # per-token weights of a read added into ones
+        read = chunk_read(k, None, ds, dzs, 1.0, plan, into=torch.ones(N_tok, H, V, device=DEVICE), weight=w)
+        expected = w[..., None] * kata_read_ref(k, None, grads, lengths, CS, fmap, 1.0)[..., :V]
+        assert_close_rel(read - 1.0, expected, 1e-5, "weighted read of the state gradients, added")
 
 
 def test_triton_chunk_refuses_other_group_widths():

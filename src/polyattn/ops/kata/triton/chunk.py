@@ -69,8 +69,16 @@ def lifted_tile(x, t, m_t, H, i_h, K, E, slot, e0, G: tl.constexpr, SUM: tl.cons
 
 
 @triton.jit
+def cotangent_rows(y, ya, yb, row, m_t, V, o_v, m_v):
+    """The rows `[a_t y_t | b_t]` of the tokens `row = t·H + h` (masked by `m_t`), fp32: `([R, BV], [R])`."""
+    b_a = tl.load(ya + row, mask=m_t, other=0.0)  # [R]
+    b_y = tl.load(y + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [R, BV]
+    return b_y * b_a[:, None], tl.load(yb + row, mask=m_t, other=0.0)
+
+
+@triton.jit
 def kata_states_kernel(
-    k, v, g, h0, z0, hs, zs, ht, zt, seqs, cu_chunks, scale2, H, K, V, E, P, NE,
+    k, v, ya, yb, g, h0, z0, hs, zs, ht, zt, seqs, cu_chunks, H, K, V, E, P, NE,
     G: tl.constexpr, SUM: tl.constexpr, BE: tl.constexpr, BF: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr,
     SUB: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr,
     REVERSE: tl.constexpr, DOT: tl.constexpr,
@@ -84,8 +92,9 @@ def kata_states_kernel(
     entering earlier chunks, stored before, are untouched.
 
     REVERSE: the backward's walk of the state gradient D (ops/kata/README.md, "Chunked backward"), chunks
-    and sub-tiles last to first, `k` holding q and `v` the fp32 `[N_tok, H, V + 1]` cotangents of the
-    reads (dprior; y = `scale2 · dprior`): per sub-tile `D = exp(γ) D + Yᵀ y[:, :V]`, `Dz = exp(γ) Dz + Yᵀ y[:, V]` with
+    and sub-tiles last to first, `k` holding q and the reads' cotangents given as rows `y_t = [a_t v_t | b_t]`
+    (`v [N_tok, H, V]` in any dtype, `ya`, `yb [N_tok, H]` fp32 the a and b): per sub-tile
+    `D = exp(γ) D + Yᵀ y[:, :V]`, `Dz = exp(γ) Dz + Yᵀ y[:, V]` with
     `Y = diag(exp(gc)) ψ(Q)` (gc: the inclusive log-decay from the sub-tile's start), so that a chunk leaves
     `exp(γ_c) D_(c+1) + Σ_t exp(G_t - G_(cs-1)) ψ(q_t) y_tᵀ`; `hs`, `zs` get D_(c+1) (the gradient of the
     state leaving chunk c) before the chunk, `h0`, `z0` the gradient of the final state, `ht`, `zt` that
@@ -121,9 +130,7 @@ def kata_states_kernel(
             m_t = t < eos
             b_y = lifted_tile(k, t, m_t, H, i_h, K, E, slot, e0, G, SUM, BE, BF)  # [BS, BE·BF]
             if REVERSE:
-                row_y = (t.to(tl.int64) * H + i_h) * (V + 1)  # [BS]
-                b_v = scale2 * tl.load(v + row_y[:, None] + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BS, BV] fp32
-                b_one = scale2 * tl.load(v + row_y + V, mask=m_t, other=0.0)  # [BS]: the normaliser's column
+                b_v, b_one = cotangent_rows(v, ya, yb, t.to(tl.int64) * H + i_h, m_t, V, o_v, m_v)  # [BS, BV], [BS] fp32
             else:
                 b_v = tl.load(v + (t.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BS, BV]
             if USE_G:
@@ -159,18 +166,22 @@ def read_tile(tiles, V, BF: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
 
 @triton.jit
 def kata_read_kernel(
-    q, g, hs, zs, prior, tiles, starts, scale2, H, K, V, E, P,
+    q, g, w, hs, zs, prior, tiles, starts, scale2, H, K, V, E, P,
     G: tl.constexpr, SUM: tl.constexpr, BF: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, F32: tl.constexpr,
+    USE_G: tl.constexpr, F32: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """grid: (tiles, H). `prior [N_tok, H, V + 1]` fp32 for one tile of BT tokens of one chunk and head,
     the bilinear form read row block by row block of the state: for every group i reading a slot and every
     e < E, `Σ_f q_if S_(e,f) = Q_i [S | z]_e` (`[BT, E] @ [E, V]`, the fp32 rows split in two halves, q
     exact), weighted by the column `q_ie`, then the rows by `scale² exp(G_t - G_{cs-1})`; ψ is never built.
-    `tiles` rows: `(t0, t1, chunk, .)`, the chunk indexing `hs`, `zs` and `starts` (its first token)."""
+    `tiles` rows: `(t0, t1, chunk, .)`, the chunk indexing `hs`, `zs` and `starts` (its first token).
+    ACCUMULATE: the rows weighted by `w [N_tok, H]` fp32 instead (g, scale2 unused) are added into
+    `prior [N_tok, H, V]` fp32, the normaliser's column dropped (the backward's dv)."""
     i_h, t0, i_c, t, m_t, o_f, o_v, m_v = read_tile(tiles, V, BF, BT, BV)
     b_w = tl.full([BT], scale2, dtype=tl.float32)
-    if USE_G:  # log-decay from the chunk's start: direct sums of the chunk's earlier tiles, then the tile's cumsum
+    if ACCUMULATE:
+        b_w = tl.load(w + t * H + i_h, mask=m_t, other=0.0)  # [BT]
+    elif USE_G:  # log-decay from the chunk's start: direct sums of the chunk's earlier tiles, then the tile's cumsum
         b_prev = tl.sum(tl.zeros([BT], dtype=tl.float32), axis=0)
         for u0 in range(tl.load(starts + i_c).to(tl.int64), t0, BT):
             u = u0 + tl.arange(0, BT)
@@ -192,16 +203,21 @@ def kata_read_kernel(
             b_qe = tl.load(q + row + i * E + e, mask=m_t, other=0.0).to(tl.float32)  # [BT]: the column q_ie
             b_num += mma_right_fp32(b_q, b_s, F32) * b_qe[:, None]  # [BT, E] @ [E, BV] -> [BT, BV]
             b_den += tl.sum(b_q.to(tl.float32) * b_z[None, :], axis=1) * b_qe  # [BT]
-    out = (t * H + i_h) * (V + 1)  # [BT]
-    tl.store(prior + out[:, None] + o_v[None, :], b_num * b_w[:, None], mask=m_t[:, None] & m_v[None, :])
-    tl.store(prior + out + V, b_den * b_w, mask=m_t)
+    m_tv = m_t[:, None] & m_v[None, :]
+    if ACCUMULATE:
+        p_out = prior + ((t * H + i_h) * V)[:, None] + o_v[None, :]  # [BT, BV]
+        tl.store(p_out, tl.load(p_out, mask=m_tv, other=0.0) + b_num * b_w[:, None], mask=m_tv)
+    else:
+        out = (t * H + i_h) * (V + 1)  # [BT]
+        tl.store(prior + out[:, None] + o_v[None, :], b_num * b_w[:, None], mask=m_tv)
+        tl.store(prior + out + V, b_den * b_w, mask=m_t)
 
 
 @triton.jit
 def kata_lift_grad_kernel(
-    x, y, w, hs, zs, dx, tiles, H, K, V, E, P,
+    x, y, ya, yb, hs, zs, dx, tiles, H, K, V, E, P,
     G: tl.constexpr, SUM: tl.constexpr, BF: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, F32: tl.constexpr,
-    USE_W: tl.constexpr, ACCUMULATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     """grid: (tiles, H). The gradient of `ψ(x_t)ᵀ [S | z]_c y_t` with respect to x_t, for one tile of BT
     tokens of chunk c and head: with `U_t = [S | z]_c y_t` read as one E×E matrix per slot,
@@ -210,17 +226,12 @@ def kata_lift_grad_kernel(
     split in halves, plus the normaliser's column), which adds `Σ_f U_e[t, f] x_if` to column e and
     `U_e[t, f] x_ie` to column f of each group. The groups of a slot are one `[BT, GS, E]` tile (Σg: all G
     share slot 0, so U_e is formed once for them; Mg: one group a slot). `dx [N_tok, H, K]` fp32 is written,
-    or with ACCUMULATE added to (every token belongs to one tile); USE_W: y_t weighted by `w [N_tok, H]` fp32;
+    or with ACCUMULATE added to (every token belongs to one tile); the rows `y_t = [a_t v_t | b_t]` as
+    `kata_states_kernel`'s reverse walk takes them (`y [N_tok, H, V]`, `ya`, `yb [N_tok, H]` fp32);
     `tiles` as `kata_read_kernel`'s."""
     GS: tl.constexpr = G if SUM else 1  # groups reading one slot
     i_h, t0, i_c, t, m_t, o_f, o_v, m_v = read_tile(tiles, V, BF, BT, BV)
-    row_y = (t * H + i_h) * (V + 1)  # [BT]
-    b_y = tl.load(y + row_y[:, None] + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BT, BV] fp32
-    b_yz = tl.load(y + row_y + V, mask=m_t, other=0.0)  # [BT]
-    if USE_W:
-        b_w = tl.load(w + t * H + i_h, mask=m_t, other=0.0)  # [BT]
-        b_y = b_y * b_w[:, None]
-        b_yz = b_yz * b_w
+    b_y, b_yz = cotangent_rows(y, ya, yb, t * H + i_h, m_t, V, o_v, m_v)  # [BT, BV], [BT] fp32
     p_h = hs + (i_c * H + i_h) * P * V
     p_z = zs + (i_c * H + i_h) * P
     row = (t * H + i_h) * K  # [BT]

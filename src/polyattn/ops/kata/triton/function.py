@@ -9,10 +9,12 @@ which the forward kernel adds to its numerator and normaliser before the normali
 `o = (num + prior[:V]) / max(den + prior[V], eps)` is one division of the combined parts. The final
 state is one write of all keys on the host, `exp(G_T) [S_0 | z_0] + Σ_s exp(G_T − G_s) ψ(k_s) [v_s | 1]ᵀ`
 (fmap.write, ψ never built). Both host parts are PyTorch, so autograd differentiates them; the
-backward op returns the prior's gradient `[r·do | −c]` (backward.py's r and c) for them. A bf16/fp16
+backward op returns the prior's gradient `[r·do | −c]` (`prior_cotangents`' r and c) for them. A bf16/fp16
 call that differentiates through a state hands the ops and the host parts one fp32 copy of q, k, v, so
 that the gradients of both add in fp32 and are rounded once (the ops take the kernels' `dtype`).
 """
+from typing import NamedTuple
+
 import torch
 
 from polyattn.ops.common import suffix_sum, wants_grad
@@ -106,38 +108,44 @@ def _(q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize, keep_
     return v.new_empty(B, T, H, v.shape[-1], dtype=dtype), q.new_empty(B, T, H, dtype=torch.float32), o32
 
 
-def quadratic_backward(do, q, k, v, g, o, den, scale: float, eps: float, seq_lens, groups: int, combine: str,
-                       normalize: bool, grads, want_dprior: bool):
-    """Launch backward.py's two kernels on q, k, v in the kernels' dtype, writing `grads = (dq, dk, dv)`
-    (`[B*T, H, D]`, in their own dtypes): `(dq, dk, dv, qdq, kdk [B*T, H], dprior)` with `q·dq`, `k·dk` per
-    token (fp32, the log-decay identity's terms) and, with `want_dprior`, the prior's gradient
-    `[r·do | −c]` (`[B, T, H, V + 1]` fp32; None otherwise) from the normalised read's `r = 1 / max(den, eps)`
-    and `c = r (do·o)` (0 where clamped; ones and zeros without normalize)."""
+def rowdot(x, y):
+    """`Σ_d x[..., d] y[..., d]` in fp32 for `[N, ...]` tensors of one shape (dtypes may differ), 2^24 elements at a
+    time: no fp32 temporary of the whole call."""
+    rows = max(1, (1 << 24) // max(x[0].numel(), 1))
+    return torch.cat([(a.float() * b).sum(-1) for a, b in zip(x.split(rows), y.split(rows))])
+
+
+def prior_cotangents(do, o, den, eps: float, normalize: bool):
+    """`(r, c)` `[B, T, H]` fp32 of the normalised read's backward: the prior's gradient is `[r·do | −c]` with
+    `r = 1 / max(den, eps)` and `c = r (do·o)` (0 where clamped); ones and zeros without normalize."""
+    if not normalize:
+        return torch.ones_like(den), torch.zeros_like(den)
+    B, T, H = den.shape
+    r = 1.0 / den.clamp_min(eps)
+    return r, torch.where(den > eps, r * rowdot(_flat(do), _flat(o)).view(B, T, H), 0.0)
+
+
+def quadratic_backward(do, q, k, v, g, r, c, scale: float, seq_lens, groups: int, combine: str, dq=None, dkdv=None):
+    """Launch backward.py's kernels on q, k, v in the kernels' dtype, given `prior_cotangents`' r and c:
+    `kata_dq_kernel` writing `dq` and `kata_dkdv_kernel` writing `dkdv = (dk, dv)` (`[B*T, H, D]` in their
+    own dtypes), each where given. Returns `(qdq, kdk)`, the kernels' `q·dq`, `k·dk` per token (`[B*T, H]`
+    fp32, the log-decay identity's terms; None for a kernel not launched)."""
     plan = _launch(q, v, seq_lens, groups, combine, get_config().kata_bwd_warps)
-    V = v.shape[-1]
-    # [B, T, H, V + 1] fp32: do ⊙ o as scratch first, then the prior's gradient (no copy of do or o is made)
-    dprior = torch.empty(*do.shape[:-1], V + 1, dtype=torch.float32, device=do.device) if normalize or want_dprior else None
-    if normalize:
-        r = 1.0 / den.clamp_min(eps)  # [B, T, H]
-        c = torch.where(den > eps, r * torch.mul(do, o, out=dprior[..., :V]).sum(-1), 0.0)  # [B, T, H]: r (do·o), 0 where clamped
-    else:
-        r, c = torch.ones_like(den), torch.zeros_like(den)
     qf, kf, vf, gf, dof, rf, cf = (_flat(x) for x in (q, k, v, g, do.to(v.dtype), r, c))
-    dq, dk, dv = grads
-    qdq, kdk = torch.empty_like(rf), torch.empty_like(rf)
-    kata_dq_kernel[plan["grid"]](
-        qf, kf, vf, gf, dof, rf, cf, dq, qdq, plan["tiles"], plan["starts"], scale * scale, *plan["sizes"],
-        USE_G=g is not None, SPLIT=plan["split"], **plan["meta"],
-    )
-    kata_dkdv_kernel[plan["grid"]](
-        qf, kf, vf, gf, dof, rf, cf, dk, dv, kdk, plan["tiles"], plan["starts"], scale * scale, *plan["sizes"],
-        USE_G=g is not None, SPLIT=plan["split"], **plan["meta"],
-    )
-    if not want_dprior:
-        return dq, dk, dv, qdq, kdk, None
-    torch.mul(do, r[..., None], out=dprior[..., :V])
-    dprior[..., V] = -c
-    return dq, dk, dv, qdq, kdk, dprior
+    qdq = kdk = None
+    if dq is not None:
+        qdq = torch.empty_like(rf)
+        kata_dq_kernel[plan["grid"]](
+            qf, kf, vf, gf, dof, rf, cf, dq, qdq, plan["tiles"], plan["starts"], scale * scale, *plan["sizes"],
+            USE_G=g is not None, SPLIT=plan["split"], **plan["meta"],
+        )
+    if dkdv is not None:
+        kdk = torch.empty_like(rf)
+        kata_dkdv_kernel[plan["grid"]](
+            qf, kf, vf, gf, dof, rf, cf, *dkdv, kdk, plan["tiles"], plan["starts"], scale * scale, *plan["sizes"],
+            USE_G=g is not None, SPLIT=plan["split"], **plan["meta"],
+        )
+    return qdq, kdk
 
 
 @torch.library.custom_op("polyattn::kata_parallel_backward", mutates_args=())
@@ -151,15 +159,15 @@ def kata_parallel_backward(
     then write them unrounded), the kernels run on the inputs cast to dtype."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    grads = tuple(torch.empty(x.shape[0] * x.shape[1], *x.shape[2:], dtype=x.dtype, device=x.device) for x in (q, k, v))  # [B*T, H, D]
+    dq, dk, dv = (torch.empty(x.shape[0] * x.shape[1], *x.shape[2:], dtype=x.dtype, device=x.device) for x in (q, k, v))  # [B*T, H, D]
     q, k, v = (x.to(dtype) for x in (q, k, v))
-    dq, dk, dv, qdq, kdk, dprior = quadratic_backward(
-        do, q, k, v, g, o, den, scale, eps, seq_lens, groups, combine, normalize, grads, want_dprior,
-    )
+    r, c = prior_cotangents(do, o, den, eps, normalize)
+    qdq, kdk = quadratic_backward(do, q, k, v, g, r, c, scale, seq_lens, groups, combine, dq=dq, dkdv=(dk, dv))
+    dprior = torch.cat([do * r[..., None], -c[..., None]], -1) if want_dprior else no_output(q)  # [B, T, H, V + 1] fp32
     dg = no_output(q)
     if want_dg:
         dg = reverse_cumsum(0.5 * (qdq - kdk), tuple(seq_lens)).view(B, T, H).to(g.dtype)  # [B*T, H] -> [B, T, H]
-    return dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, H, V), dg, dprior if want_dprior else no_output(q)
+    return dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, H, V), dg, dprior
 
 
 @kata_parallel_backward.register_fake
@@ -308,11 +316,20 @@ def _chunk_plan(q, v, seq_lens, groups: int, combine: str) -> dict:
     )
 
 
-def chunk_states(x, y, g, h0, z0, plan: dict, N: int, store_ht: bool, reverse: bool = False, scale2: float = 1.0):
+class Cotangents(NamedTuple):
+    """The reads' cotangents as the backward's kernels take them, rows `[a_t y_t | b_t]`: never formed as one
+    `[N_tok, H, V + 1]` fp32 tensor."""
+
+    y: torch.Tensor  # [N_tok, H, V], any dtype
+    a: torch.Tensor  # [N_tok, H] fp32
+    b: torch.Tensor  # [N_tok, H] fp32: the normaliser's column
+
+
+def chunk_states(x, y, g, h0, z0, plan: dict, N: int, store_ht: bool, reverse: bool = False):
     """`kata_states_kernel` on flattened tokens: `(hs [NC, H, P, V], zs [NC, H, P], ht [N, H, P, V], zt [N, H, P])`
     fp32, the last two empty [0] tensors without `store_ht`. Forward: x = k, y = v, h0 / z0 the initial state;
-    `reverse`: x = q, `scale2 · y` the reads' fp32 cotangents `[N_tok, H, V + 1]`, h0 / z0 the final state's
-    gradient, in the reverse walk's feature blocks and warps."""
+    `reverse`: x = q, y the reads' `Cotangents`, h0 / z0 the final state's gradient, in the reverse walk's
+    feature blocks and warps."""
     H, _, V, _, P = plan["sizes"]
     hs = torch.empty(plan["NC"], H, P, V, dtype=torch.float32, device=x.device)
     zs = torch.empty(plan["NC"], H, P, dtype=torch.float32, device=x.device)
@@ -320,8 +337,9 @@ def chunk_states(x, y, g, h0, z0, plan: dict, N: int, store_ht: bool, reverse: b
     zt = torch.empty(N, H, P, dtype=torch.float32, device=x.device) if store_ht else no_output(x)
     tiling = plan["grad_tiling" if reverse else "tiling"]
     meta = plan["meta"] | (dict(num_warps=plan["grad_warps"]) if reverse else {})
+    rows = tuple(y) if reverse else (y, None, None)
     kata_states_kernel[(tiling["slots"] * tiling["NE"], N, H)](
-        x, y, g, h0, z0, hs, zs, ht, zt, plan["seqs"], plan["cu_chunks"], scale2, *plan["sizes"], tiling["NE"],
+        x, *rows, g, h0, z0, hs, zs, ht, zt, plan["seqs"], plan["cu_chunks"], *plan["sizes"], tiling["NE"],
         BE=tiling["BE"], BS=plan["BS"], SUB=plan["CS"] // plan["BS"], USE_G=g is not None, USE_H0=h0 is not None,
         STORE_HT=store_ht, REVERSE=reverse, DOT=plan["grad_dot"], **meta,
     )
@@ -334,25 +352,27 @@ def _chunk_tiles(plan: dict, device):
     return tiles, NT, sequence_starts(plan["pieces"], device)
 
 
-def chunk_read(x, g, hs, zs, scale2: float, plan: dict):
+def chunk_read(x, g, hs, zs, scale2: float, plan: dict, into: torch.Tensor | None = None, weight: torch.Tensor | None = None):
     """`kata_read_kernel`: `exp(G_t - G_(cs-1))·scale2·ψ(x_t)ᵀ [S | z]_c` for every token, `[N_tok, H, V + 1]` fp32
-    (g None: no decay weight)."""
+    (g None: no decay weight); with `into` (`[N_tok, H, V]` fp32), `weight_t ψ(x_t)ᵀ S_c` (`weight [N_tok, H]` fp32)
+    is added to it instead."""
     H, _, V, _, _ = plan["sizes"]
     tiles, NT, starts = _chunk_tiles(plan, x.device)
-    out = torch.empty(x.shape[0], H, V + 1, dtype=torch.float32, device=x.device)
-    kata_read_kernel[(NT, H)](x, g, hs, zs, out, tiles, starts, scale2, *plan["sizes"], BT=plan["BT"], USE_G=g is not None, **plan["meta"])
+    out = torch.empty(x.shape[0], H, V + 1, dtype=torch.float32, device=x.device) if into is None else into
+    kata_read_kernel[(NT, H)](x, g, weight, hs, zs, out, tiles, starts, scale2, *plan["sizes"], BT=plan["BT"], USE_G=g is not None,
+                              ACCUMULATE=into is not None, **plan["meta"])
     return out
 
 
-def chunk_lift_grad(x, y, hs, zs, plan: dict, into: torch.Tensor | None = None, weight: torch.Tensor | None = None):
-    """`kata_lift_grad_kernel`: `∇_x ψ(x_t)ᵀ [S | z]_c w_t y_t` for every token, `[N_tok, H, K]` fp32 (y: `[N_tok, H, V + 1]`
-    fp32; w: `weight [N_tok, H]` fp32, or 1), added to `into` (fp32, x's shape) and returned where given."""
+def chunk_lift_grad(x, y: Cotangents, hs, zs, plan: dict, into: torch.Tensor | None = None):
+    """`kata_lift_grad_kernel`: `∇_x ψ(x_t)ᵀ [S | z]_c y_t` for every token, `[N_tok, H, K]` fp32 (y: the rows
+    `[a_t y_t | b_t]`), added to `into` (fp32, x's shape) and returned where given."""
     tiles, NT, _ = _chunk_tiles(plan, x.device)
     meta = plan["meta"]
     dx = torch.empty(x.shape, dtype=torch.float32, device=x.device) if into is None else into
     kata_lift_grad_kernel[(NT, x.shape[1])](
-        x, y, weight, hs, zs, dx, tiles, *plan["sizes"], G=meta["G"], SUM=meta["SUM"], BF=meta["BF"], BT=plan["BT"],
-        BV=meta["BV"], F32=meta["F32"], USE_W=weight is not None, ACCUMULATE=into is not None, num_warps=meta["num_warps"],
+        x, *y, hs, zs, dx, tiles, *plan["sizes"], G=meta["G"], SUM=meta["SUM"], BF=meta["BF"], BT=plan["BT"],
+        BV=meta["BV"], F32=meta["F32"], ACCUMULATE=into is not None, num_warps=meta["num_warps"],
     )
     return dx
 
@@ -399,43 +419,47 @@ def kata_chunk_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunked form's backward as a custom op (ops/kata/README.md, "Chunked backward"): `(dq, dk, dv, dg,
     dh0, dz0)`, dq, dk, dv in the inputs' dtype (summed in fp32, rounded once), dg (g's dtype) and the initial
-    state's gradient (fp32) empty [0] tensors when not wanted. The states entering the chunks are recomputed;
-    the quadratic part's kernels give the gradients inside the chunks and the prior's `dprior`; the reverse
-    walk gives the gradient D of the state leaving every chunk; the lift-gradient kernel the reads' dq and the
-    writes' dk, the read kernel on D the writes' dv; dg by the log-decay identity."""
+    state's gradient (fp32) empty [0] tensors when not wanted. The quadratic part's kernels give the gradients
+    inside the chunks; the reads' cotangents `[r·do | −c]` go to the other kernels as `Cotangents` rows; the
+    recomputed entering states and the lift-gradient kernel give the reads' dq; the reverse walk gives the
+    gradient D of the state leaving every chunk, the lift-gradient kernel on it the writes' dk and the read
+    kernel the writes' dv; dg comes from the log-decay identity. dq is whole (and rounded) before dk and dv
+    are allocated, and the two state sequences never coexist."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = len(seq_lens)
     plan = _chunk_plan(q, v, seq_lens, groups, combine)
-    qf, kf, vf, gf = (_flat(x) for x in (q, k, v, g))
-    hs, zs, _, _ = chunk_states(kf, vf, gf, h0, z0, plan, N, False)
-    grads = tuple(torch.empty(B * T, H, x.shape[-1], dtype=torch.float32, device=q.device) for x in (q, k, v))  # [B*T, H, D]
-    dq, dk, dv, _, _, dprior = quadratic_backward(
-        do, q, k, v, g, o, den, scale, eps, plan["pieces"], groups, combine, normalize, grads, True,
-    )
-    dprior = dprior.view(B * T, H, V + 1)  # [B, T, H, V + 1] -> [B*T, H, V + 1]
+    qf, kf, vf, gf, dof = (_flat(x) for x in (q, k, v, g, do))
+    r, c = (_flat(x) for x in prior_cotangents(do, o, den, eps, normalize))  # [B*T, H]
     gl = torch.zeros(B * T, H, dtype=torch.float32, device=q.device) if g is None else reset_limit_ref(gf.float())  # [B*T, H]
+    # one fp32 gradient at a time beside one sequence of chunk states: each is rounded once it is whole
+    dq = torch.empty(B * T, H, K, dtype=torch.float32, device=q.device)
+    quadratic_backward(do, q, k, v, g, r, c, scale, plan["pieces"], groups, combine, dq=dq)
+    hs, zs, _, _ = chunk_states(kf, vf, gf, h0, z0, plan, N, False)
     w_read = (scale * scale) * torch.exp(prefix_cumsum(gl, plan["pieces"]))  # [B*T, H]: scale² exp(G_t - G_(cs-1))
-    chunk_lift_grad(qf, dprior, hs, zs, plan, into=dq, weight=w_read)
+    chunk_lift_grad(qf, Cotangents(dof, w_read * r, -w_read * c), hs, zs, plan, into=dq)
     del hs, zs  # the entering states go before their gradients come: one of the two sequences at a time
-    ds, dzs, dh0, dz0 = chunk_states(qf, dprior, gf, dht, dzt, plan, N, want_dh0, reverse=True, scale2=scale * scale)
-    del dprior
+    term = 0.5 * rowdot(qf, dq) if want_dg else None  # [B*T, H]: the log-decay identity's ½ q·dq
+    dq = dq.view(B, T, H, K).to(q.dtype)
+    dk, dv = (torch.empty(B * T, H, x.shape[-1], dtype=torch.float32, device=q.device) for x in (k, v))
+    quadratic_backward(do, q, k, v, g, r, c, scale, plan["pieces"], groups, combine, dkdv=(dk, dv))
+    ds, dzs, dh0, dz0 = chunk_states(qf, Cotangents(dof, (scale * scale) * r, -(scale * scale) * c), gf, dht, dzt, plan, N, want_dh0,
+                                     reverse=True)
     w_write = torch.exp(reverse_cumsum(gl, plan["pieces"]) - gl)  # [B*T, H]: exp(G_(ce) - G_s)
-    values = torch.ones(B * T, H, V + 1, dtype=torch.float32, device=q.device)  # [v | 1], filled in place
-    values[..., :V] = vf
-    chunk_lift_grad(kf, values, ds, dzs, plan, into=dk, weight=w_write)
-    del values
-    dv.addcmul_(w_write[..., None], chunk_read(kf, None, ds, dzs, 1.0, plan)[..., :V])
+    chunk_lift_grad(kf, Cotangents(vf, w_write, w_write), ds, dzs, plan, into=dk)
+    if want_dg:
+        term -= 0.5 * rowdot(kf, dk)  # ½ (q·dq − k·dk)
+    dk = dk.view(B, T, H, K).to(k.dtype)
+    chunk_read(kf, None, ds, dzs, 1.0, plan, into=dv, weight=w_write)
     del ds, dzs
     dg = no_output(q)
     if want_dg:
-        term = 0.5 * ((qf.float() * dq).sum(-1) - (kf.float() * dk).sum(-1))  # [B*T, H]: the log-decay identity
         if dht is not None:
             ends = torch.tensor(seq_lens, device=q.device).cumsum(0) - 1  # [N]
             term[ends] += (dht * ht).sum((-1, -2)) + (dzt * zt).sum(-1)  # [N, H]: <final state, its gradient>
         dg = reverse_cumsum(term, tuple(seq_lens)).view(B, T, H).to(g.dtype)
     return (
-        dq.view(B, T, H, K).to(q.dtype), dk.view(B, T, H, K).to(k.dtype), dv.view(B, T, H, V).to(v.dtype), dg,
+        dq, dk, dv.view(B, T, H, V).to(v.dtype), dg,
         dh0 if want_dh0 else no_output(q), dz0 if want_dh0 else no_output(q),
     )
 
