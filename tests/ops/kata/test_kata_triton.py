@@ -266,13 +266,17 @@ def test_stages_match_twins(groups, combine):
     prior = torch.rand(1, sum(lengths), H, V + 1, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     opts = dict(groups=groups, combine=combine, scale=scale)
     with use_config(CONFIG):
-        o, den, o32 = kata_parallel_forward(q, k, v, g, prior, scale, eps, lengths, groups, combine, True, True, q.dtype)
+        o, den, no_lo = kata_parallel_forward(q, k, v, g, prior, scale, eps, lengths, groups, combine, True, False, q.dtype)
         o_ref, den_ref = kata_forward_ref(*(_flat(t) for t in (q, k, v, g, prior)), lengths, eps=eps, normalize=True, **opts)
         assert rel_err(_flat(o), o_ref) <= 1e-5 and rel_err(_flat(den), den_ref) <= 1e-5
-        assert rel_err(_flat(o32), o_ref) <= 1e-5 and o32.dtype == torch.float32
+        # a bf16 call keeps o's rounding error in bf16: o + o_lo is o before its downcast to about 16 bits
+        qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+        ob, _, o_lo = kata_parallel_forward(qb, kb, vb, g, prior, scale, eps, lengths, groups, combine, True, True, torch.bfloat16)
+        ob_ref, _ = kata_forward_ref(*(_flat(t) for t in (qb.float(), kb.float(), vb.float(), g, prior)), lengths, eps=eps, normalize=True, **opts)
+        assert o_lo.dtype == torch.bfloat16 and rel_err(_flat(ob.float() + o_lo.float()), ob_ref) <= 1e-4 < rel_err(_flat(ob), ob_ref)
         do = torch.randn_like(v)
-        dq, dk, dv, dg, dprior = kata_parallel_backward(do, q, k, v, g, o, den, scale, eps, lengths, groups, combine, True, True, True,
-                                                         q.dtype)
+        dq, dk, dv, dg, dprior = kata_parallel_backward(do, q, k, v, g, o, no_lo, den, scale, eps, lengths, groups, combine, True, True,
+                                                         True, q.dtype)
     r = 1 / den.clamp_min(eps)
     c = r * (do * o).sum(-1)
     args = [_flat(t) for t in (q, k, v, g, do, r, c)]
@@ -299,8 +303,9 @@ def test_custom_ops_pass_opcheck():
             torch.library.opcheck(torch.ops.polyattn.kata_parallel_forward.default, args,
                                   test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
         for dtype in (torch.float32, torch.bfloat16):
-            o, den, _ = torch.ops.polyattn.kata_parallel_forward(q, k, v, g, prior, 0.3, 1e-6, [40], 2, "concat", True, False, dtype)
-            args = (torch.randn_like(o), q, k, v, g, o, den, 0.3, 1e-6, [40], 2, "concat", True, True, True, dtype)
+            keep_lo = dtype != torch.float32  # a bf16 call keeps o's rounding error
+            o, den, o_lo = torch.ops.polyattn.kata_parallel_forward(q, k, v, g, prior, 0.3, 1e-6, [40], 2, "concat", True, keep_lo, dtype)
+            args = (torch.randn_like(o), q, k, v, g, o, o_lo, den, 0.3, 1e-6, [40], 2, "concat", True, True, True, dtype)
             torch.library.opcheck(torch.ops.polyattn.kata_parallel_backward.default, args, test_utils=("test_schema", "test_faketensor"))
 
 

@@ -24,11 +24,11 @@ from .tiles import key_tile, pair_dots, query_tile, score_values, square_sum
 
 @triton.jit
 def kata_forward_kernel(
-    q, k, v, g, prior, o, o32, den, tiles, starts,
+    q, k, v, g, prior, o, o_lo, den, tiles, starts,
     scale2, eps, H, K, V, E,
     G: tl.constexpr, SUM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BE: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_PRIOR: tl.constexpr, NORMALIZE: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
-    STORE_O32: tl.constexpr,
+    STORE_LO: tl.constexpr,
 ):
     """One query tile of one head.
 
@@ -37,7 +37,8 @@ def kata_forward_kernel(
     (normaliser) in registers. Per key tile: the group products (scores), the square-sum, the
     decay tile, `[BM, BN] @ [BN, BV]`. q, k, v, o: `[N_tok, H, D]`; g, den: `[N_tok, H]`;
     prior: `[N_tok, H, V + 1]` fp32; tiles: `[NT, 4]` (start, end, sequence, flags); starts: `[N + 1]`.
-    STORE_O32: also `o32 [N_tok, H, V]`, o before its downcast (the normalized backward's `do·o`).
+    STORE_LO: also `o_lo [N_tok, H, V]` bf16, the rounding error of o's downcast (o + o_lo: o before it to about
+    16 bits, for the normalized backward's `do·o`).
     A NaN or Inf in a value row on the diagonal changes no earlier output: the row is zeroed in the
     product and the outputs from its token on are NaN (the scores of a non-finite key are masked by
     select already).
@@ -83,9 +84,10 @@ def kata_forward_kernel(
         b_num = b_num / tl.maximum(b_den, eps)[:, None]
     b_num = tl.where(t[:, None] < bad_from, b_num, float("nan"))  # [BM, BV]: from the non-finite value on
     offs = (t.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :]
-    tl.store(o + offs, to_output(b_num, o.dtype.element_ty, F32), mask=m_t[:, None] & m_v[None, :])  # downcast: output dtype
-    if STORE_O32:
-        tl.store(o32 + offs, b_num, mask=m_t[:, None] & m_v[None, :])
+    b_o = to_output(b_num, o.dtype.element_ty, F32)  # downcast: output dtype
+    tl.store(o + offs, b_o, mask=m_t[:, None] & m_v[None, :])
+    if STORE_LO:
+        tl.store(o_lo + offs, to_output(b_num - b_o.to(tl.float32), tl.bfloat16, F32), mask=m_t[:, None] & m_v[None, :])  # downcast: bf16
     tl.store(den + t * H + i_h, b_den, mask=m_t)
 
 

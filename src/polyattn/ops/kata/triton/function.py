@@ -65,47 +65,47 @@ def _flat(x):
 
 
 def quadratic_forward(q, k, v, g, prior, scale: float, eps: float, seq_lens, groups: int, combine: str, normalize: bool,
-                      keep_o32: bool):
-    """Launch forward.py's kernel on q, k, v in the kernels' dtype: `(o [B*T, H, V], den [B*T, H] fp32, o32)`,
-    o32 the fp32 o (`keep_o32`) or an empty [0] tensor; prior `[B, T, H, V + 1]` fp32 or None; `seq_lens` the
+                      keep_lo: bool):
+    """Launch forward.py's kernel on q, k, v in the kernels' dtype: `(o [B*T, H, V], den [B*T, H] fp32, o_lo)`,
+    o_lo the bf16 rounding error of o (`keep_lo`) or an empty [0] tensor; prior `[B, T, H, V + 1]` fp32 or None; `seq_lens` the
     pieces the keys never cross (the sequences, or the chunked form's state chunks)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     plan = _launch(q, v, seq_lens, groups, combine, get_config().kata_num_warps)
     o = torch.empty(B * T, H, V, dtype=v.dtype, device=q.device)
-    o32 = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device) if keep_o32 else no_output(q)
+    o_lo = torch.empty(B * T, H, V, dtype=torch.bfloat16, device=q.device) if keep_lo else no_output(q)
     den = torch.empty(B * T, H, dtype=torch.float32, device=q.device)
     kata_forward_kernel[plan["grid"]](
-        _flat(q), _flat(k), _flat(v), _flat(g), _flat(prior), o, o32, den, plan["tiles"], plan["starts"],
+        _flat(q), _flat(k), _flat(v), _flat(g), _flat(prior), o, o_lo, den, plan["tiles"], plan["starts"],
         scale * scale, eps, *plan["sizes"],
-        USE_G=g is not None, USE_PRIOR=prior is not None, NORMALIZE=normalize, SPLIT=plan["split"], STORE_O32=keep_o32,
+        USE_G=g is not None, USE_PRIOR=prior is not None, NORMALIZE=normalize, SPLIT=plan["split"], STORE_LO=keep_lo,
         **plan["meta"],
     )
-    return o, den, o32
+    return o, den, o_lo
 
 
 @torch.library.custom_op("polyattn::kata_parallel_forward", mutates_args=())
 def kata_parallel_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, prior: torch.Tensor | None,
-    scale: float, eps: float, seq_lens: list[int], groups: int, combine: str, normalize: bool, keep_o32: bool,
+    scale: float, eps: float, seq_lens: list[int], groups: int, combine: str, normalize: bool, keep_lo: bool,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward kernel as a custom op: `(o [B, T, H, V] in dtype, den [B, T, H] fp32, o32)`, o32 the
-    fp32 o before its downcast with `keep_o32` (else an empty [0] tensor); prior: `[B, T, H, V + 1]` fp32 or None.
+    """The forward kernel as a custom op: `(o [B, T, H, V] in dtype, den [B, T, H] fp32, o_lo)`, o_lo the
+    bf16 rounding error of o's downcast with `keep_lo` (else an empty [0] tensor); prior: `[B, T, H, V + 1]` fp32 or None.
     dtype: the kernels' input dtype; q, k, v may come in fp32 (copies of dtype values, see
     `kata_parallel_fused`), and are cast to it first."""
     q, k, v = (x.to(dtype) for x in (q, k, v))
     B, T, H, _ = q.shape
     V = v.shape[-1]
-    o, den, o32 = quadratic_forward(q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize, keep_o32)
-    return o.view(B, T, H, V), den.view(B, T, H), (o32.view(B, T, H, V) if keep_o32 else o32)  # [B*T, H, ...] -> [B, T, H, ...]
+    o, den, o_lo = quadratic_forward(q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize, keep_lo)
+    return o.view(B, T, H, V), den.view(B, T, H), (o_lo.view(B, T, H, V) if keep_lo else o_lo)  # [B*T, H, ...] -> [B, T, H, ...]
 
 
 @kata_parallel_forward.register_fake
-def _(q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize, keep_o32, dtype):
+def _(q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize, keep_lo, dtype):
     B, T, H, _ = q.shape
-    o32 = v.new_empty(B, T, H, v.shape[-1], dtype=torch.float32) if keep_o32 else no_output(q)
-    return v.new_empty(B, T, H, v.shape[-1], dtype=dtype), q.new_empty(B, T, H, dtype=torch.float32), o32
+    o_lo = v.new_empty(B, T, H, v.shape[-1], dtype=torch.bfloat16) if keep_lo else no_output(q)
+    return v.new_empty(B, T, H, v.shape[-1], dtype=dtype), q.new_empty(B, T, H, dtype=torch.float32), o_lo
 
 
 def rowdot(x, y):
@@ -115,14 +115,18 @@ def rowdot(x, y):
     return torch.cat([(a.float() * b).sum(-1) for a, b in zip(x.split(rows), y.split(rows))])
 
 
-def prior_cotangents(do, o, den, eps: float, normalize: bool):
+def prior_cotangents(do, o, o_lo, den, eps: float, normalize: bool):
     """`(r, c)` `[B, T, H]` fp32 of the normalised read's backward: the prior's gradient is `[r·do | −c]` with
-    `r = 1 / max(den, eps)` and `c = r (do·o)` (0 where clamped); ones and zeros without normalize."""
+    `r = 1 / max(den, eps)` and `c = r (do·o)` (0 where clamped), o taken as `o + o_lo` where the forward kept
+    its rounding error (an empty o_lo: o alone); ones and zeros without normalize."""
     if not normalize:
         return torch.ones_like(den), torch.zeros_like(den)
     B, T, H = den.shape
     r = 1.0 / den.clamp_min(eps)
-    return r, torch.where(den > eps, r * rowdot(_flat(do), _flat(o)).view(B, T, H), 0.0)
+    dot = rowdot(_flat(do), _flat(o))  # [B*T, H]
+    if o_lo.numel():
+        dot += rowdot(_flat(do), _flat(o_lo))
+    return r, torch.where(den > eps, r * dot.view(B, T, H), 0.0)
 
 
 def quadratic_backward(do, q, k, v, g, r, c, scale: float, seq_lens, groups: int, combine: str, dq=None, dkdv=None):
@@ -151,17 +155,17 @@ def quadratic_backward(do, q, k, v, g, r, c, scale: float, seq_lens, groups: int
 @torch.library.custom_op("polyattn::kata_parallel_backward", mutates_args=())
 def kata_parallel_backward(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None,
-    o: torch.Tensor, den: torch.Tensor, scale: float, eps: float, seq_lens: list[int], groups: int, combine: str,
-    normalize: bool, want_dg: bool, want_dprior: bool, dtype: torch.dtype,
+    o: torch.Tensor, o_lo: torch.Tensor, den: torch.Tensor, scale: float, eps: float, seq_lens: list[int], groups: int,
+    combine: str, normalize: bool, want_dg: bool, want_dprior: bool, dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The two gradient kernels and dg as a custom op: `(dq, dk, dv, dg, dprior)`, dg and dprior
-    empty [0] tensors when not wanted; dq, dk, dv in q's, k's, v's dtype (fp32 for fp32 copies: the kernels
+    empty [0] tensors when not wanted (o_lo: the forward's rounding error of o, or an empty [0] tensor); dq, dk, dv in q's, k's, v's dtype (fp32 for fp32 copies: the kernels
     then write them unrounded), the kernels run on the inputs cast to dtype."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dq, dk, dv = (torch.empty(x.shape[0] * x.shape[1], *x.shape[2:], dtype=x.dtype, device=x.device) for x in (q, k, v))  # [B*T, H, D]
     q, k, v = (x.to(dtype) for x in (q, k, v))
-    r, c = prior_cotangents(do, o, den, eps, normalize)
+    r, c = prior_cotangents(do, o, o_lo, den, eps, normalize)
     qdq, kdk = quadratic_backward(do, q, k, v, g, r, c, scale, seq_lens, groups, combine, dq=dq, dkdv=(dk, dv))
     dprior = torch.cat([do * r[..., None], -c[..., None]], -1) if want_dprior else no_output(q)  # [B, T, H, V + 1] fp32
     dg = no_output(q)
@@ -171,7 +175,7 @@ def kata_parallel_backward(
 
 
 @kata_parallel_backward.register_fake
-def _(do, q, k, v, g, o, den, scale, eps, seq_lens, groups, combine, normalize, want_dg, want_dprior, dtype):
+def _(do, q, k, v, g, o, o_lo, den, scale, eps, seq_lens, groups, combine, normalize, want_dg, want_dprior, dtype):
     B, T, H, _ = q.shape
     dg = g.new_empty(g.shape) if want_dg else no_output(q)
     dprior = q.new_empty(B, T, H, v.shape[-1] + 1, dtype=torch.float32) if want_dprior else no_output(q)
@@ -180,17 +184,17 @@ def _(do, q, k, v, g, o, den, scale, eps, seq_lens, groups, combine, normalize, 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize, _, dtype = inputs
-    o, den, o32 = output
-    ctx.save_for_backward(q, k, v, g, o32 if o32.numel() else o, den)  # the backward's do·o: o before its downcast where kept
+    o, den, o_lo = output
+    ctx.save_for_backward(q, k, v, g, o, o_lo, den)  # the backward's do·o: o + o_lo
     ctx.options = (scale, eps, seq_lens, groups, combine, normalize)
     ctx.has_prior, ctx.dtype = prior is not None, dtype
 
 
 def _backward(ctx, do, _, __):
-    q, k, v, g, o, den = ctx.saved_tensors
+    q, k, v, g, o, o_lo, den = ctx.saved_tensors
     want_dg = g is not None and ctx.needs_input_grad[3]
     want_dprior = ctx.has_prior and ctx.needs_input_grad[4]
-    dq, dk, dv, dg, dprior = kata_parallel_backward(do, q, k, v, g, o, den, *ctx.options, want_dg, want_dprior, ctx.dtype)
+    dq, dk, dv, dg, dprior = kata_parallel_backward(do, q, k, v, g, o, o_lo, den, *ctx.options, want_dg, want_dprior, ctx.dtype)
     return dq, dk, dv, dg if want_dg else None, dprior if want_dprior else None, None, None, None, None, None, None, None, None
 
 
@@ -269,11 +273,11 @@ def kata_parallel_fused(
         # their gradients add in fp32 and are rounded once (ops/kata/README.md, "Backward")
         q, k, v = q.float(), k.float(), v.float()
     prior = None if state is None else state_read(fmap, q, g, state, seq_lens, packed, scale)
-    # normalized low-precision calls that will differentiate keep o in fp32 too: do·o from the rounded o
-    # put dq at 1.4x the tests' bound (ops/kata/README.md, "Backward")
-    keep_o32 = normalize and dtype != torch.float32 and grads
+    # normalized low-precision calls that will differentiate keep o's rounding error too: do·o from the
+    # rounded o put dq at 1.4x the tests' bound (ops/kata/README.md, "Backward")
+    keep_lo = normalize and dtype != torch.float32 and grads
     o, _, _ = kata_parallel_forward(
-        q, k, v, g, prior, float(scale), float(eps), list(seq_lens), groups, combine, normalize, keep_o32, dtype,
+        q, k, v, g, prior, float(scale), float(eps), list(seq_lens), groups, combine, normalize, keep_lo, dtype,
     )
     if not output_final_state:
         return o, None
@@ -381,11 +385,11 @@ def chunk_lift_grad(x, y: Cotangents, hs, zs, plan: dict, into: torch.Tensor | N
 def kata_chunk_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, h0: torch.Tensor | None,
     z0: torch.Tensor | None, scale: float, eps: float, seq_lens: list[int], groups: int, combine: str,
-    normalize: bool, store_ht: bool, keep_o32: bool,
+    normalize: bool, store_ht: bool, keep_lo: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunked form's three kernels as a custom op (chunk.py): `(o [B, T, H, V], ht [N, H, P, V], zt [N, H, P],
-    den [B, T, H], o32)`, the final state fp32 with `store_ht` (else empty [0] tensors), den the quadratic part's
-    normaliser (fp32) and o32 the fp32 o with `keep_o32` (else an empty [0] tensor); h0, z0: the initial `S`,
+    den [B, T, H], o_lo)`, the final state fp32 with `store_ht` (else empty [0] tensors), den the quadratic part's
+    normaliser (fp32) and o_lo o's bf16 rounding error with `keep_lo` (else an empty [0] tensor); h0, z0: the initial `S`,
     `z` (fp32) or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -394,27 +398,27 @@ def kata_chunk_forward(
     hs, zs, ht, zt = chunk_states(kf, vf, gf, h0, z0, plan, len(seq_lens), store_ht)
     prior = chunk_read(qf, gf, hs, zs, scale * scale, plan)
     del hs, zs
-    o, den, o32 = quadratic_forward(q, k, v, g, prior.view(B, T, H, V + 1), scale, eps, plan["pieces"], groups, combine,
-                                    normalize, keep_o32)
-    return o.view(B, T, H, V), ht, zt, den.view(B, T, H), (o32.view(B, T, H, V) if keep_o32 else o32)  # [B*T, H, ...] -> [B, T, H, ...]
+    o, den, o_lo = quadratic_forward(q, k, v, g, prior.view(B, T, H, V + 1), scale, eps, plan["pieces"], groups, combine,
+                                     normalize, keep_lo)
+    return o.view(B, T, H, V), ht, zt, den.view(B, T, H), (o_lo.view(B, T, H, V) if keep_lo else o_lo)  # [B*T, H, ...] -> [B, T, H, ...]
 
 
 @kata_chunk_forward.register_fake
-def _(q, k, v, g, h0, z0, scale, eps, seq_lens, groups, combine, normalize, store_ht, keep_o32):
+def _(q, k, v, g, h0, z0, scale, eps, seq_lens, groups, combine, normalize, store_ht, keep_lo):
     B, T, H, K = q.shape
     V = v.shape[-1]
     P = make_feature_map("psd", K, groups, combine).dim()
     ht = q.new_empty(len(seq_lens), H, P, V, dtype=torch.float32) if store_ht else no_output(q)
     zt = q.new_empty(len(seq_lens), H, P, dtype=torch.float32) if store_ht else no_output(q)
-    o32 = v.new_empty(B, T, H, V, dtype=torch.float32) if keep_o32 else no_output(q)
-    return v.new_empty(B, T, H, V), ht, zt, q.new_empty(B, T, H, dtype=torch.float32), o32
+    o_lo = v.new_empty(B, T, H, V, dtype=torch.bfloat16) if keep_lo else no_output(q)
+    return v.new_empty(B, T, H, V), ht, zt, q.new_empty(B, T, H, dtype=torch.float32), o_lo
 
 
 @torch.library.custom_op("polyattn::kata_chunk_backward", mutates_args=())
 def kata_chunk_backward(
     do: torch.Tensor, dht: torch.Tensor | None, dzt: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, g: torch.Tensor | None, h0: torch.Tensor | None, z0: torch.Tensor | None, o: torch.Tensor,
-    den: torch.Tensor, ht: torch.Tensor | None, zt: torch.Tensor | None, scale: float, eps: float, seq_lens: list[int],
+    o_lo: torch.Tensor, den: torch.Tensor, ht: torch.Tensor | None, zt: torch.Tensor | None, scale: float, eps: float, seq_lens: list[int],
     groups: int, combine: str, normalize: bool, want_dg: bool, want_dh0: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunked form's backward as a custom op (ops/kata/README.md, "Chunked backward"): `(dq, dk, dv, dg,
@@ -430,7 +434,7 @@ def kata_chunk_backward(
     N = len(seq_lens)
     plan = _chunk_plan(q, v, seq_lens, groups, combine)
     qf, kf, vf, gf, dof = (_flat(x) for x in (q, k, v, g, do))
-    r, c = (_flat(x) for x in prior_cotangents(do, o, den, eps, normalize))  # [B*T, H]
+    r, c = (_flat(x) for x in prior_cotangents(do, o, o_lo, den, eps, normalize))  # [B*T, H]
     gl = torch.zeros(B * T, H, dtype=torch.float32, device=q.device) if g is None else reset_limit_ref(gf.float())  # [B*T, H]
     # one fp32 gradient at a time beside one sequence of chunk states: each is rounded once it is whole
     dq = torch.empty(B * T, H, K, dtype=torch.float32, device=q.device)
@@ -465,7 +469,7 @@ def kata_chunk_backward(
 
 
 @kata_chunk_backward.register_fake
-def _(do, dht, dzt, q, k, v, g, h0, z0, o, den, ht, zt, scale, eps, seq_lens, groups, combine, normalize, want_dg, want_dh0):
+def _(do, dht, dzt, q, k, v, g, h0, z0, o, o_lo, den, ht, zt, scale, eps, seq_lens, groups, combine, normalize, want_dg, want_dh0):
     dg = g.new_empty(g.shape) if want_dg else no_output(q)
     dh0 = h0.new_empty(h0.shape) if want_dh0 else no_output(q)
     dz0 = z0.new_empty(z0.shape) if want_dh0 else no_output(q)
@@ -474,14 +478,13 @@ def _(do, dht, dzt, q, k, v, g, h0, z0, o, den, ht, zt, scale, eps, seq_lens, gr
 
 def _chunk_setup_context(ctx, inputs, output):
     q, k, v, g, h0, z0, scale, eps, seq_lens, groups, combine, normalize, store_ht, _ = inputs
-    o, ht, zt, den, o32 = output
-    saved_o = o32 if o32.numel() else o  # the backward's do·o: o before its downcast where kept
-    ctx.save_for_backward(q, k, v, g, h0, z0, saved_o, den, ht if store_ht else None, zt if store_ht else None)
+    o, ht, zt, den, o_lo = output
+    ctx.save_for_backward(q, k, v, g, h0, z0, o, o_lo, den, ht if store_ht else None, zt if store_ht else None)  # do·o: o + o_lo
     ctx.options = (scale, eps, seq_lens, groups, combine, normalize)
 
 
 def _chunk_backward(ctx, do, dht, dzt, _, __):
-    q, k, v, g, h0, z0, o, den, ht, zt = ctx.saved_tensors
+    q, k, v, g, h0, z0, o, o_lo, den, ht, zt = ctx.saved_tensors
     want_dg = g is not None and ctx.needs_input_grad[3]
     want_dh0 = h0 is not None and (ctx.needs_input_grad[4] or ctx.needs_input_grad[5])
     if ht is not None and any(x is not None and x.numel() for x in (dht, dzt)):  # the final state is used
@@ -490,7 +493,7 @@ def _chunk_backward(ctx, do, dht, dzt, _, __):
     else:
         dht, dzt = None, None
     dq, dk, dv, dg, dh0, dz0 = kata_chunk_backward(
-        do.contiguous(), dht, dzt, q, k, v, g, h0, z0, o, den, ht, zt, *ctx.options, want_dg, want_dh0,
+        do.contiguous(), dht, dzt, q, k, v, g, h0, z0, o, o_lo, den, ht, zt, *ctx.options, want_dg, want_dh0,
     )
     return (dq, dk, dv, dg if want_dg else None, dh0 if want_dh0 else None, dz0 if want_dh0 else None,
             None, None, None, None, None, None, None, None)
@@ -512,8 +515,8 @@ def kata_chunk_fused(
         return kata_parallel_fused(q, k, v, g, groups=groups, combine=combine, normalize=normalize, eps=eps, scale=scale,
                                    initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     h0, z0 = (None, None) if initial_state is None else (x.float().contiguous() for x in initial_state)
-    # normalized low-precision calls that will differentiate keep o in fp32 for the backward's do·o, as the quadratic form
-    keep_o32 = normalize and q.dtype != torch.float32 and wants_grad((q, k, v, g, initial_state))
+    # normalized low-precision calls that will differentiate keep o's rounding error for the backward's do·o, as the quadratic form
+    keep_lo = normalize and q.dtype != torch.float32 and wants_grad((q, k, v, g, initial_state))
     o, ht, zt, _, _ = kata_chunk_forward(q, k, v, g, h0, z0, float(scale), float(eps), list(seq_lens), groups, combine,
-                                         normalize, output_final_state, keep_o32)
+                                         normalize, output_final_state, keep_lo)
     return o, (KataState(ht, zt) if output_final_state else None)
