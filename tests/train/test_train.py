@@ -160,6 +160,33 @@ def test_sweep_rerun_with_the_same_out_reads_its_cells(tmp_path, monkeypatch, ca
     assert untimed(json.loads((tmp_path / "sweep.json").read_text())["runs"]) == untimed(first["runs"])
 
 
+def test_a_failing_sweep_cell_keeps_the_others(tmp_path, monkeypatch):
+    """A cell that raises (a GPU fault, say) is named once the others have ended, their results written; the
+    same sweep again trains only it."""
+    import polyattn.train.sweep as sweep_module
+
+    real_cell = sweep_module.run_cell
+
+    def faulty(config, quiet):
+        if config.mixer == "linear" and config.lr == 1e-3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_cell(config, quiet)
+
+    monkeypatch.setattr(sweep_module, "run_cell", faulty)
+    base = TrainConfig(mixer="softmax", **TINY)
+    args = (base, ["softmax", "linear"], [16], [1e-3, 1e-2])
+    with pytest.raises(sweep_module.CellsFailed, match=r"1 of 4 sweep cells failed \(the others are in .*cells\): linear d=16 "
+                                                      r"lr=0.001: RuntimeError: CUDA error: an illegal memory access"):
+        sweep(*args, out_dir=str(tmp_path), quiet=True)
+    assert sorted(p.name for p in (tmp_path / "cells").glob("*.json")) == [
+        "linear-d16-lr0.01.json", "softmax-d16-lr0.001.json", "softmax-d16-lr0.01.json"]
+    assert not (tmp_path / "sweep.json").exists()
+    trained = []
+    monkeypatch.setattr(sweep_module, "run_cell", lambda config, quiet: trained.append(config.lr) or real_cell(config, quiet))
+    summary, _ = sweep(*args, out_dir=str(tmp_path), quiet=True)
+    assert trained == [1e-3] and len(summary["runs"]) == 4 and (tmp_path / "sweep.json").exists()
+
+
 def test_sweep_refuses_a_cell_file_of_another_config(tmp_path, monkeypatch):
     import polyattn.train.sweep as sweep_module
 

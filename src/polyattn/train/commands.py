@@ -318,13 +318,17 @@ def plan_sweep(args):
 def run_sweep(args):
     from polyattn.train.claims import claim_rows, claims_markdown, format_value
     from polyattn.train.loop import prepare_out_dir
-    from polyattn.train.sweep import format_table, sweep
+    from polyattn.train.sweep import CellsFailed, format_table, sweep
 
     plan = plan_sweep(args)
     if plan.out:
         prepare_out_dir(plan.out)
-    summary, best = sweep(plan.base, plan.mixers, plan.widths, plan.lrs, plan.out, mixer_configs=plan.mixer_configs,
-                          workers=plan.workers, hybrids=plan.hybrids, metric=plan.score)
+    try:
+        summary, best = sweep(plan.base, plan.mixers, plan.widths, plan.lrs, plan.out, mixer_configs=plan.mixer_configs,
+                              workers=plan.workers, hybrids=plan.hybrids, metric=plan.score)
+    except CellsFailed as err:
+        print(f"polyattn: error: {err}", file=sys.stderr)
+        return 1
     columns = [("best lr", lambda r: f"{r['config']['lr']:g}")]
     if plan.score == "loss":
         columns += [(f"loss@{e['length']}", lambda r, i=i: f"{r['eval'][i]['loss']:.3f}") for i, e in enumerate(best[0]["eval"])]

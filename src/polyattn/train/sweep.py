@@ -15,6 +15,10 @@ from polyattn.train.workers import in_processes
 SCORES = ("accuracy", "loss")
 
 
+class CellsFailed(RuntimeError):
+    """Some cells of a sweep raised while training; the others ran to their end."""
+
+
 def check_score(metric):
     if metric not in SCORES:
         raise ValueError(f"score: expected one of {list(SCORES)}, got {metric!r}")
@@ -88,6 +92,15 @@ def run_cell(config, quiet):
     return as_json(result)
 
 
+def run_cell_or_error(config, quiet):
+    """`run_cell`'s `(result, None)`, or `(None, the error as text)` where training raised: a failing cell (a
+    kernel fault on the GPU, say) takes no other cell's result with it."""
+    try:
+        return run_cell(config, quiet), None
+    except Exception as err:  # reported with the cell's name once every other cell has finished
+        return None, f"{type(err).__name__}: {err}"
+
+
 def stored_cells(cells, folder):
     """``{index: result}`` of the cells with a result file in `folder`; ValueError naming a file that is not
     a cell's result or holds a run of another config (never reused)."""
@@ -125,9 +138,11 @@ def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False, mixer_configs=No
     (each cell's best lr by `best_of` under `metric`) and writes ``sweep.json`` + ``accuracy_vs_state.png`` +
     ``accuracy_vs_length.png`` under `out_dir`.
 
-    ``workers`` > 1: that many cells at a time, each in a process of one CPU thread (`in_processes`; on CUDA
+    ``workers`` > 1: that many cells at a time, each in a fresh process of one CPU thread (`in_processes`; on CUDA
     they share the GPU); ``runs`` stay in `sweep_cells` order. With `out_dir`, every cell's result is written to
-    ``out_dir/cells/`` as it ends, and a cell whose file holds a run of the same config is read, not trained."""
+    ``out_dir/cells/`` as it ends, and a cell whose file holds a run of the same config is read, not trained. A
+    cell whose training raises does not stop the others: once they have ended, `CellsFailed` names every failed
+    cell (the same call with the same `out_dir` then trains only those)."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected a positive integer, got {workers!r}")
     check_score(metric)
@@ -144,11 +159,17 @@ def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False, mixer_configs=No
     todo = [i for i, r in enumerate(runs) if r is None]
     workers = min(workers, len(todo))
     if workers > 1:  # the workers' progress bars would interleave: one line per finished cell instead
-        finished = in_processes(run_cell, [(cells[i], True) for i in todo], workers)
+        finished = in_processes(run_cell_or_error, [(cells[i], True) for i in todo], workers, fresh=True)
     else:
-        finished = ((j, run_cell(cells[i], quiet)) for j, i in enumerate(todo))
-    for done, (j, result) in enumerate(finished, 1):
+        finished = ((j, run_cell_or_error(cells[i], quiet)) for j, i in enumerate(todo))
+    failed = []
+    for done, (j, (result, error)) in enumerate(finished, 1):
         config = cells[todo[j]]
+        if error is not None:
+            failed.append(f"{run_label(config)}: {error}")
+            if not quiet:
+                print(f"[{done}/{len(todo)}] {run_label(config)} failed: {error}", flush=True)
+            continue
         runs[todo[j]] = result
         if folder:
             write_cell(cell_file(folder, config), result)
@@ -156,6 +177,9 @@ def sweep(base, mixers, widths, lrs, out_dir=None, quiet=False, mixer_configs=No
             values = " ".join(f"{e[metric]:.2f}" for e in result["eval"])
             print(f"[{done}/{len(todo)}] {run_label(config)} {'acc' if metric == 'accuracy' else metric} {values} "
                   f"({result['train']['steps']} steps, {result['train']['seconds']:.0f}s)", flush=True)
+    if failed:
+        kept = f"the others are in {folder}" if folder else "no output folder keeps the others"
+        raise CellsFailed(f"{len(failed)} of {len(todo)} sweep cells failed ({kept}): " + "; ".join(failed))
     best = []
     for mixer in mixers:
         for width in widths:

@@ -23,11 +23,13 @@ def start_worker():
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
 
 
-def in_processes(fn, jobs, workers):
+def in_processes(fn, jobs, workers, fresh=False):
     """Run ``fn(*job)`` for every job (submitted in the order given) in `workers` spawned processes of one
     CPU thread each; yields ``(index into jobs, result)`` as each finishes. A job's error is raised here, and
-    it, or the caller stopping early, cancels the jobs not yet started."""
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=start_worker)
+    it, or the caller stopping early, cancels the jobs not yet started. `fresh`: every job in a new process
+    (a job that leaves its process unusable, a GPU fault say, cannot fail the jobs after it there)."""
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=start_worker,
+                               max_tasks_per_child=1 if fresh else None)
     try:
         futures = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
         for future in as_completed(futures):
