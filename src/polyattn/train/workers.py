@@ -2,6 +2,7 @@
 CUDA works in each (all of them share the visible GPUs), one CPU thread each, and gone with the main process."""
 
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -27,9 +28,10 @@ def in_processes(fn, jobs, workers, fresh=False):
     """Run ``fn(*job)`` for every job (submitted in the order given) in `workers` spawned processes of one
     CPU thread each; yields ``(index into jobs, result)`` as each finishes. A job's error is raised here, and
     it, or the caller stopping early, cancels the jobs not yet started. `fresh`: every job in a new process
-    (a job that leaves its process unusable, a GPU fault say, cannot fail the jobs after it there)."""
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=start_worker,
-                               max_tasks_per_child=1 if fresh else None)
+    (a job that leaves its process unusable, a GPU fault say, cannot fail the jobs after it there), from
+    Python 3.11 on (3.10's pool has no such option and reuses its processes)."""
+    options = {"max_tasks_per_child": 1} if fresh and sys.version_info >= (3, 11) else {}
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=start_worker, **options)
     try:
         futures = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
         for future in as_completed(futures):
