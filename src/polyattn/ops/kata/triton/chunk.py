@@ -199,10 +199,10 @@ def kata_read_kernel(
         for e in range(0, E):
             rows = (slot * E + e) * E + o_f  # [E]
             b_s = tl.load(p_h + rows[:, None] * V + o_v[None, :], mask=(rows >= 0)[:, None] & m_v[None, :], other=0.0)  # [E, BV]
-            b_z = tl.load(p_z + rows)  # [E]
             b_qe = tl.load(q + row + i * E + e, mask=m_t, other=0.0).to(tl.float32)  # [BT]: the column q_ie
             b_num += mma_right_fp32(b_q, b_s, F32) * b_qe[:, None]  # [BT, E] @ [E, BV] -> [BT, BV]
-            b_den += tl.sum(b_q.to(tl.float32) * b_z[None, :], axis=1) * b_qe  # [BT]
+            if not ACCUMULATE:  # the normaliser's column (dropped by the backward's dv)
+                b_den += tl.sum(b_q.to(tl.float32) * tl.load(p_z + rows)[None, :], axis=1) * b_qe  # [BT]
     m_tv = m_t[:, None] & m_v[None, :]
     if ACCUMULATE:
         p_out = prior + ((t * H + i_h) * V)[:, None] + o_v[None, :]  # [BT, BV]

@@ -436,7 +436,7 @@ def kata_chunk_backward(
     qf, kf, vf, gf, dof = (_flat(x) for x in (q, k, v, g, do))
     r, c = (_flat(x) for x in prior_cotangents(do, o, o_lo, den, eps, normalize))  # [B*T, H]
     gl = torch.zeros(B * T, H, dtype=torch.float32, device=q.device) if g is None else reset_limit_ref(gf.float())  # [B*T, H]
-    # one fp32 gradient at a time beside one sequence of chunk states: each is rounded once it is whole
+    # dq alone beside the entering states, then dk and dv beside the state gradients; each rounded once whole
     dq = torch.empty(B * T, H, K, dtype=torch.float32, device=q.device)
     quadratic_backward(do, q, k, v, g, r, c, scale, plan["pieces"], groups, combine, dq=dq)
     hs, zs, _, _ = chunk_states(kf, vf, gf, h0, z0, plan, N, False)
