@@ -741,7 +741,12 @@ def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chun
     """`gdn_chunk_grads_kernel` over every grid chunk (`chunks`, the forward's table): `gdn_chunk_locals_backward`'s
     result `(dq, dk, dv (in grad_dtype, default the inputs' dtypes), dg (fp32, None without g), dbeta, dlam
     (fp32; the in-chunk level columns))` from flattened tokens, the forward's `t_inv` and `w`, and the
-    cotangents `grads` (`o_intra` the output's gradient; `t_inv` may be None, the others not)."""
+    cotangents `grads` (`o_intra` the output's gradient; `t_inv` may be None, the others not).
+
+    Key tiles are at least 64 wide: at 32 or fewer columns Triton 3.6 compiles this kernel (at 4 and 8 warps,
+    two pipeline stages) into out-of-bounds shared-memory reads on the H200 (compute-sanitizer: `Invalid
+    __shared__ read` in an `mma_fp32` product), an illegal memory access at a width-64 model's two 32-wide
+    heads; a 64-wide tile (masked) or one pipeline stage runs clean there."""
     N_tok, H, K = q.shape
     V, L = v.shape[-1], lam.shape[-1]
     config = get_config()
@@ -754,7 +759,7 @@ def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chun
     gdn_chunk_grads_kernel[(chunks[2], H)](
         q, k, v, g, beta, lam, t_inv, w, grads.o_intra.contiguous(), grads.qt, grads.w, grads.kt, grads.u_bar,
         grads.t_inv, grads.gc_last, dq, dk, dv, dbeta, dg, dlam, chunks[0], scale, H, K, V, L,
-        C=C, LOG_C=LOG_C, BK=block(K), BV=min(block(V), config.gdn_block_v), USE_G=g is not None,
+        C=C, LOG_C=LOG_C, BK=max(block(K), 64), BV=min(block(V), config.gdn_block_v), USE_G=g is not None,
         USE_DT=grads.t_inv is not None, F32=dot_f32(q.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
         num_warps=config.gdn_chunk_warps, num_stages=config.num_stages,
     )
