@@ -269,9 +269,11 @@ def kata_parallel_fused(
     dtype = q.dtype
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, state))
     if grads and dtype != torch.float32 and (state is not None or output_final_state):
-        # q, k, v also feed the state's read and write: one fp32 copy of each feeds all three, so that
-        # their gradients add in fp32 and are rounded once (ops/kata/README.md, "Backward")
+        # q, k, v and g also feed the state's read and write: one fp32 copy of each feeds all three, so
+        # that their gradients add in fp32 and are rounded once (ops/kata/README.md, "Backward"); a bf16
+        # dg rounded twice (kernel, then state write) was 2x the PyTorch form's error at T = 1000
         q, k, v = q.float(), k.float(), v.float()
+        g = None if g is None else g.float()
     prior = None if state is None else state_read(fmap, q, g, state, seq_lens, packed, scale)
     # normalized low-precision calls that will differentiate keep o's rounding error too: do·o from the
     # rounded o put dq at 1.4x the tests' bound (ops/kata/README.md, "Backward")
