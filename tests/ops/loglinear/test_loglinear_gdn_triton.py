@@ -73,10 +73,12 @@ def test_gdn_triton_without_decay(dtype):
     _check(_inputs(B, 200, decay=False, seed=2), dtype)
 
 
-def test_gdn_triton_model_heads():
-    """The heads of a width-64 layer (two of 32 dims) over a batch of many sequences, as the recall sweeps
-    train it: at 4 warps the chunk-gradient kernel raised an illegal memory access here on the H200."""
-    _check(_inputs(64 if CUDA else 2, 128 if CUDA else 70, seed=14, heads=(2, 32, 32)), torch.bfloat16)
+@pytest.mark.parametrize("head_dim", [32, 16])
+def test_gdn_triton_model_heads(head_dim):
+    """Small heads (two of 32 or 16 dims) over a batch of many sequences, as the recall sweeps train
+    them: with key tiles as narrow as the heads, the chunk-gradient kernel (32) and the forward's chunk
+    kernel (16) raised illegal memory accesses here on the H200 (`gdn.key_block`)."""
+    _check(_inputs(64 if CUDA else 2, 128 if CUDA else 70, seed=14, heads=(2, head_dim, head_dim)), torch.bfloat16)
 
 
 def test_gdn_triton_long_sequence():

@@ -60,9 +60,9 @@ class KernelConfig:
     gdn_block_v and gdn_num_warps are the value tile and warps of log-linear Gated DeltaNet's level
     walks, forward and backward (ops/loglinear/triton/gdn.py; ptxas for sm_90a at K = 128, a 32-column
     tile: the forward walk spills 408 bytes per thread at 8 warps, 2.2 KB at 4); gdn_chunk_warps the warps
-    of its per-chunk kernels (8: at 4, Triton 3.6's build of the chunk-gradient kernel raised an illegal
-    memory access on the H200 at head dim 32 with 64 sequences, benchmarks/results/2026-12-02-h200,
-    call 34; at K = 128 a forward + backward took the same time at 4 and 8).
+    of its per-chunk kernels (8; at K = 128 a forward + backward took the same time at 4 and 8. The illegal
+    memory accesses of small heads came from narrow key tiles at either count, not from the warps:
+    gdn.key_block).
     """
 
     chunk_size: int = 64

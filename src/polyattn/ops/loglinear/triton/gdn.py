@@ -653,6 +653,15 @@ class GdnForward(NamedTuple):
     ck: torch.Tensor | None
 
 
+def key_block(K: int) -> int:
+    """The key tile of every kernel here: at least 64 columns (masked). With narrower tiles Triton 3.6
+    compiles them into out-of-bounds shared-memory accesses on the H200 (compute-sanitizer), the illegal
+    memory accesses of small models: `gdn_chunk_grads_kernel` at 32 columns (`Invalid __shared__ read` in
+    an `mma_fp32` product; at 4 and 8 warps, two pipeline stages), `gdn_chunk_kernel` at 16 (`Out-of-range
+    shared or local address` at its `mma_fp32` product with W). 64-wide tiles run clean at both widths."""
+    return max(block(K), 64)
+
+
 def checkpoint_plan(seq_lens: tuple, C: int, device) -> tuple[int, torch.Tensor, int]:
     """How the backward splits each sequence's walk: `(S, cu_blocks [N] int32, NB)`, blocks of S chunks
     (S = isqrt of the most grid rows a sequence owns, which balances the checkpoints, `NB` of them, against
@@ -684,7 +693,7 @@ def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=N
     config, C, LOG_C, N, NLC, chunks, seqs = _walk_plan(seq_lens, position, L)
     t_inv, firsts = wy_solve(k, beta, g, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
     w, u_bar = wy_factors(k, v, beta, g, t_inv, firsts, chunks=chunks, num_warps=config.num_warps)
-    BK, F32, FP32_DOT = block(K), dot_f32(q.dtype), fp32_dot_mode(config, "delta_fp32_dot")
+    BK, F32, FP32_DOT = key_block(K), dot_f32(q.dtype), fp32_dot_mode(config, "delta_fp32_dot")
     qt = torch.empty(N_tok, H, K, dtype=torch.float32, device=q.device)
     o_intra = torch.empty(N_tok, H, V, dtype=torch.float32, device=q.device)
     gdn_chunk_kernel[(chunks[2], H)](
@@ -715,7 +724,7 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     N_tok, H, K = k.shape
     V, L = do.shape[-1], lam.shape[-1]
     config, C, LOG_C, N, NLC, chunks, seqs = _walk_plan(seq_lens, position, L, fwd.chunks)
-    BK, BV = block(K), min(block(V), config.gdn_block_v)
+    BK, BV = key_block(K), min(block(V), config.gdn_block_v)
     n_v, NC = triton.cdiv(V, BV), chunks[2]
     dstate = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=k.device) if dR is None else dR.float().contiguous().clone()
     S, cu_blocks, _ = checkpoint_plan(seq_lens, C, k.device)
@@ -741,12 +750,7 @@ def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chun
     """`gdn_chunk_grads_kernel` over every grid chunk (`chunks`, the forward's table): `gdn_chunk_locals_backward`'s
     result `(dq, dk, dv (in grad_dtype, default the inputs' dtypes), dg (fp32, None without g), dbeta, dlam
     (fp32; the in-chunk level columns))` from flattened tokens, the forward's `t_inv` and `w`, and the
-    cotangents `grads` (`o_intra` the output's gradient; `t_inv` may be None, the others not).
-
-    Key tiles are at least 64 wide: at 32 or fewer columns Triton 3.6 compiles this kernel (at 4 and 8 warps,
-    two pipeline stages) into out-of-bounds shared-memory reads on the H200 (compute-sanitizer: `Invalid
-    __shared__ read` in an `mma_fp32` product), an illegal memory access at a width-64 model's two 32-wide
-    heads; a 64-wide tile (masked) or one pipeline stage runs clean there."""
+    cotangents `grads` (`o_intra` the output's gradient; `t_inv` may be None, the others not)."""
     N_tok, H, K = q.shape
     V, L = v.shape[-1], lam.shape[-1]
     config = get_config()
@@ -759,7 +763,7 @@ def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chun
     gdn_chunk_grads_kernel[(chunks[2], H)](
         q, k, v, g, beta, lam, t_inv, w, grads.o_intra.contiguous(), grads.qt, grads.w, grads.kt, grads.u_bar,
         grads.t_inv, grads.gc_last, dq, dk, dv, dbeta, dg, dlam, chunks[0], scale, H, K, V, L,
-        C=C, LOG_C=LOG_C, BK=max(block(K), 64), BV=min(block(V), config.gdn_block_v), USE_G=g is not None,
+        C=C, LOG_C=LOG_C, BK=key_block(K), BV=min(block(V), config.gdn_block_v), USE_G=g is not None,
         USE_DT=grads.t_inv is not None, F32=dot_f32(q.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
         num_warps=config.gdn_chunk_warps, num_stages=config.num_stages,
     )
