@@ -290,6 +290,22 @@ def test_stages_match_twins(groups, combine):
     assert rel_err(dprior[..., :V], r[..., None] * do) <= 1e-6 and rel_err(dprior[..., V], -c) <= 1e-6
 
 
+@pytest.mark.parametrize("D", [48, 200])
+def test_row_dots_match_twin(D):
+    """`row_dot_kernel` (the backward's fp32 row dots) against its float64 twin: mixed dtypes, rows not a
+    multiple of the kernel's row tile, D under and over one column tile, with and without the third term."""
+    from polyattn.ops.kata.triton.backward import row_dot_ref
+    from polyattn.ops.kata.triton.function import rowdot
+
+    gen = torch.Generator().manual_seed(5)
+    x, y, z = (torch.randn(3, 37, 5, D, generator=gen).to(DEVICE) for _ in range(3))
+    x, z = x.bfloat16(), z.bfloat16()
+    for third in (None, z):
+        got = rowdot(x, y, third)
+        assert got.dtype == torch.float32 and got.shape == (3 * 37 * 5,)
+        assert rel_err(got.view(3, 37, 5), row_dot_ref(x, y, third)) <= 1e-6
+
+
 def test_custom_ops_pass_opcheck():
     import polyattn.ops.kata.triton.function  # noqa: F401 -- registers polyattn::kata_parallel_*
 

@@ -149,6 +149,31 @@ def kata_dkdv_kernel(
     tl.store(kdk + s * H + i_h, group_rowdot(b_k.to(tl.float32), b_dk, G, BM), mask=m_s)
 
 
+@triton.jit
+def row_dot_kernel(x, y, z, out, N, D, HAS_Z: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """`out[n] = Σ_d x[n, d] (y[n, d] + z[n, d])` in fp32 for BR rows of `[N, D]` tensors of any dtypes
+    (z only with HAS_Z): the normalized read's `do·(o + o_lo)` and the log-decay identity's `q·dq`, `k·dk`
+    in one pass over the rows. grid: (cdiv(N, BR),)."""
+    n = tl.program_id(0) * BR + tl.arange(0, BR)
+    m_n = n < N
+    acc = tl.zeros([BR], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        o_d = d0 + tl.arange(0, BD)
+        offsets = n.to(tl.int64)[:, None] * D + o_d[None, :]  # [BR, BD]
+        m = m_n[:, None] & (o_d < D)[None, :]
+        b_y = tl.load(y + offsets, mask=m, other=0.0).to(tl.float32)
+        if HAS_Z:
+            b_y += tl.load(z + offsets, mask=m, other=0.0).to(tl.float32)
+        acc += tl.sum(tl.load(x + offsets, mask=m, other=0.0).to(tl.float32) * b_y, axis=1)
+    tl.store(out + n, acc, mask=m_n)
+
+
+def row_dot_ref(x, y, z=None):
+    """Twin of `row_dot_kernel` on `[..., D]` tensors: `Σ_d x (y + z)` in float64, `[...]`."""
+    y = y.double() if z is None else y.double() + z.double()
+    return (x.double() * y).sum(-1)
+
+
 def _per_sequence_grads(q, k, v, g, do, r, c, seq_lens, *, groups, combine, scale):
     """Dense float64 `(dq, dk, dv)` of the kernels' stage: the gradient of `Σ A ⊙ dA` with dA held fixed."""
     dqs, dks, dvs, bos = [], [], [], 0
@@ -178,4 +203,4 @@ def kata_dkdv_ref(q, k, v, g, do, r, c, seq_lens, *, groups, combine, scale):
     return dk, dv, (k.double() * dk).sum(-1)
 
 
-__all__ = ["kata_dkdv_kernel", "kata_dkdv_ref", "kata_dq_kernel", "kata_dq_ref"]
+__all__ = ["kata_dkdv_kernel", "kata_dkdv_ref", "kata_dq_kernel", "kata_dq_ref", "row_dot_kernel", "row_dot_ref"]

@@ -10,12 +10,13 @@ which the forward kernel adds to its numerator and normaliser before the normali
 state is one write of all keys on the host, `exp(G_T) [S_0 | z_0] + Σ_s exp(G_T − G_s) ψ(k_s) [v_s | 1]ᵀ`
 (fmap.write, ψ never built). Both host parts are PyTorch, so autograd differentiates them; the
 backward op returns the prior's gradient `[r·do | −c]` (`prior_cotangents`' r and c) for them. A bf16/fp16
-call that differentiates through a state hands the ops and the host parts one fp32 copy of q, k, v, so
+call that differentiates through a state hands the ops and the host parts one fp32 copy of q, k, v, g, so
 that the gradients of both add in fp32 and are rounded once (the ops take the kernels' `dtype`).
 """
 from typing import NamedTuple
 
 import torch
+import triton
 
 from polyattn.ops.common import suffix_sum, wants_grad
 from polyattn.ops.kata.feature_maps import make_feature_map
@@ -26,7 +27,7 @@ from polyattn.ops.triton.plan import (
 )
 from polyattn.ops.triton.precision import check_kernel_inputs, dot_f32, fp32_dot_mode
 
-from .backward import kata_dkdv_kernel, kata_dq_kernel
+from .backward import kata_dkdv_kernel, kata_dq_kernel, row_dot_kernel
 from .chunk import chunk_lengths, kata_lift_grad_kernel, kata_read_kernel, kata_states_kernel
 from .forward import kata_forward_kernel
 from .tiles import block_sizes
@@ -108,11 +109,16 @@ def _(q, k, v, g, prior, scale, eps, seq_lens, groups, combine, normalize, keep_
     return v.new_empty(B, T, H, v.shape[-1], dtype=dtype), q.new_empty(B, T, H, dtype=torch.float32), o_lo
 
 
-def rowdot(x, y):
-    """`Σ_d x[..., d] y[..., d]` in fp32 for `[N, ...]` tensors of one shape (dtypes may differ), 2^24 elements at a
-    time: no fp32 temporary of the whole call."""
-    rows = max(1, (1 << 24) // max(x[0].numel(), 1))
-    return torch.cat([(a.float() * b).sum(-1) for a, b in zip(x.split(rows), y.split(rows))])
+def rowdot(x, y, z=None):
+    """`Σ_d x[..., d] (y[..., d] + z[..., d])` in fp32 (`row_dot_kernel`, one pass, no temporaries) for tensors
+    of one shape `[..., D]` (dtypes may differ; z optional): `[...]`."""
+    D = x.shape[-1]
+    x, y, z = (None if t is None else t.reshape(-1, D).contiguous() for t in (x, y, z))
+    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    BD = min(block(D), 128)
+    BR = 4096 // BD
+    row_dot_kernel[(triton.cdiv(x.shape[0], BR),)](x, y, y if z is None else z, out, x.shape[0], D, HAS_Z=z is not None, BR=BR, BD=BD)
+    return out
 
 
 def prior_cotangents(do, o, o_lo, den, eps: float, normalize: bool):
@@ -123,9 +129,7 @@ def prior_cotangents(do, o, o_lo, den, eps: float, normalize: bool):
         return torch.ones_like(den), torch.zeros_like(den)
     B, T, H = den.shape
     r = 1.0 / den.clamp_min(eps)
-    dot = rowdot(_flat(do), _flat(o))  # [B*T, H]
-    if o_lo.numel():
-        dot += rowdot(_flat(do), _flat(o_lo))
+    dot = rowdot(do, o, o_lo if o_lo.numel() else None)  # [B*T*H]
     return r, torch.where(den > eps, r * dot.view(B, T, H), 0.0)
 
 
@@ -445,7 +449,7 @@ def kata_chunk_backward(
     w_read = (scale * scale) * torch.exp(prefix_cumsum(gl, plan["pieces"]))  # [B*T, H]: scale² exp(G_t - G_(cs-1))
     chunk_lift_grad(qf, Cotangents(dof, w_read * r, -w_read * c), hs, zs, plan, into=dq)
     del hs, zs  # the entering states go before their gradients come: one of the two sequences at a time
-    term = 0.5 * rowdot(qf, dq) if want_dg else None  # [B*T, H]: the log-decay identity's ½ q·dq
+    term = 0.5 * rowdot(qf, dq).view(B * T, H) if want_dg else None  # [B*T, H]: the log-decay identity's ½ q·dq
     dq = dq.view(B, T, H, K).to(q.dtype)
     dk, dv = (torch.empty(B * T, H, x.shape[-1], dtype=torch.float32, device=q.device) for x in (k, v))
     quadratic_backward(do, q, k, v, g, r, c, scale, plan["pieces"], groups, combine, dkdv=(dk, dv))
@@ -454,7 +458,7 @@ def kata_chunk_backward(
     w_write = torch.exp(reverse_cumsum(gl, plan["pieces"]) - gl)  # [B*T, H]: exp(G_(ce) - G_s)
     chunk_lift_grad(kf, Cotangents(vf, w_write, w_write), ds, dzs, plan, into=dk)
     if want_dg:
-        term -= 0.5 * rowdot(kf, dk)  # ½ (q·dq − k·dk)
+        term -= 0.5 * rowdot(kf, dk).view(B * T, H)  # ½ (q·dq − k·dk)
     dk = dk.view(B, T, H, K).to(k.dtype)
     chunk_read(kf, None, ds, dzs, 1.0, plan, into=dv, weight=w_write)
     del ds, dzs
