@@ -1,9 +1,10 @@
 """Time each kernel of KATA's chunked form alone, under several KernelConfigs, on one GPU.
 
-python benchmarks/kata_chunk_kernels.py OUT.json --T 131072 [--decay] [--ops kata_m2 kata_m1] --configs '{}' '{"kata_grad_warps": 8}' ...
+python benchmarks/kata_chunk_kernels.py OUT.json --T 131072 [--decay] [--ops kata_m2 kata_m1] --configs '{}' '{"kata_chunk_warps": 8}' ...
 Per op (K = V = 64, H = 16, bf16, one sequence of T tokens) and config: the forward state walk, the
-backward's reverse walk, the read of the states and the lift gradient (function.py's launchers on random
-inputs, `--decay` with a log-decay), ms per call (`polyattn.bench.timing.bench_ms`: the median of
+backward's reverse walk, the read of the states, the lift gradient, and the lift gradient with the read
+fused as the backward runs it for the writes' dk and dv (function.py's launchers on random inputs,
+`--decay` with a log-decay), ms per call (`polyattn.bench.timing.bench_ms`: the median of
 do_bench). Prints one JSON line per (op, config) and writes them all to OUT.json.
 """
 import argparse
@@ -44,6 +45,8 @@ def main() -> None:
                 row["reverse"] = bench_ms(lambda: chunk_states(qf, y, gf, None, None, plan, 1, False, reverse=True))
                 row["read"] = bench_ms(lambda: chunk_read(qf, gf, hs, zs, 0.125, plan))
                 row["lift_grad"] = bench_ms(lambda: chunk_lift_grad(qf, y, hs, zs, plan))
+                dv = torch.zeros(T, H, V, device="cuda")  # the writes' dk and dv in one pass, as the backward runs it
+                row["lift_grad_read"] = bench_ms(lambda: chunk_lift_grad(kf, y, hs, zs, plan, read_into=dv))
             print(json.dumps(row), flush=True)
             rows.append(row)
     with open(args.out, "w") as f:

@@ -38,9 +38,9 @@ if CUDA:
 else:
     B, H, K, V = 2, 2, 16, 12  # K / groups: a power of two >= 4 for every variant
     T_GRID = [1, 63, 64, 65, 130]
-    # 2 sub-tiles a chunk, 5 chunks at T = 130; reads in tiles of 32 (not the walks' 16); the reverse walk in
-    # feature blocks of another size than the forward's
-    CONFIG = KernelConfig(kata_block_m=32, kata_block_n=16, kata_chunk_size=32, kata_read_block=32, kata_grad_state_block=32)
+    # 2 sub-tiles a chunk, 5 chunks at T = 130; reads in tiles of 32 (not the walks' 16); feature blocks of
+    # 32 lifted features (several per slot)
+    CONFIG = KernelConfig(kata_block_m=32, kata_block_n=16, kata_chunk_size=32, kata_read_block=32, kata_state_block=32)
 VARIANTS = [(1, "concat"), (2, "concat"), (4, "concat"), (2, "sum"), (4, "sum")]
 
 
@@ -145,9 +145,11 @@ def test_chunk_stages_match_twins(groups, combine, decay):
         assert_close_rel(chunk_lift_grad(q, rows, hs, zs, plan), kata_lift_grad_ref(q, y, states, lengths, CS, fmap), 1e-5, "lift gradient")
         added = chunk_lift_grad(q, rows, hs, zs, plan, into=torch.ones(N_tok, H, K, device=DEVICE))  # into a buffer holding ones
         assert_close_rel(added - 1.0, kata_lift_grad_ref(q, y, states, lengths, CS, fmap), 1e-5, "lift gradient, added")
-        w = torch.rand(N_tok, H, generator=gen).to(DEVICE)  # per-token weights of a read added into ones
-        read = chunk_read(k, None, ds, dzs, 1.0, plan, into=torch.ones(N_tok, H, V, device=DEVICE), weight=w)
-        expected = w[..., None] * kata_read_ref(k, None, grads, lengths, CS, fmap, 1.0)[..., :V]
+        # the writes' dk and dv in one pass on the state gradients: the read weighted by the rows' a, added into ones
+        read = torch.ones(N_tok, H, V, device=DEVICE)
+        dk = chunk_lift_grad(k, rows, ds, dzs, plan, into=torch.ones(N_tok, H, K, device=DEVICE), read_into=read)
+        assert_close_rel(dk - 1.0, kata_lift_grad_ref(k, y, grads, lengths, CS, fmap), 1e-5, "lift gradient on the state gradients")
+        expected = rows.a[..., None] * kata_read_ref(k, None, grads, lengths, CS, fmap, 1.0)[..., :V]
         assert_close_rel(read - 1.0, expected, 1e-5, "weighted read of the state gradients, added")
 
 

@@ -49,11 +49,9 @@ class KernelConfig:
     tokens (a multiple of kata_block_m, kata_block_n and kata_read_block; inside a chunk the quadratic
     kernel runs), walks them in sub-tiles of kata_block_n tokens with blocks of about kata_state_block
     lifted features per program, reads the states (and forms the backward's lift gradients) in tiles of
-    kata_read_block tokens, and runs these kernels with kata_chunk_warps warps; its backward walks the state
-    gradient with blocks of about kata_grad_state_block features and kata_grad_warps warps, its fp32 x fp32
-    product run as kata_grad_dot says (`precision.FP32_DOTS`; on the H200 at 128K tokens the reverse walk
-    took 61.7 / 21.7 ms for KATA-M2 with 128 / 64 features a block, the reads 10.3 / 6.4 ms in tiles of
-    64 / 128 tokens: benchmarks/results/2026-12-02-h200/kata-chunk-probe.json); `impl="triton"` takes it, with
+    kata_read_block tokens, and runs these kernels with kata_chunk_warps warps, its backward's reverse walk
+    included (on the H200 at 128K tokens the reads took 10.3 / 6.4 ms for KATA-M2 in tiles of 64 / 128
+    tokens: benchmarks/results/2026-12-02-h200/kata-chunk-probe.json); `impl="triton"` takes it, with
     or without gradients, from kata_chunk_crossover·(P + 1024) tokens per sequence (P lifted features; a fit to
     the H200's crossovers at K = V = 64: forward about 11K tokens for KATA-M2, 8.6K for Σ2, 21K for M1;
     forward + backward 8K for M2, 23K for M1).
@@ -86,9 +84,6 @@ class KernelConfig:
     kata_state_block: int = 128
     kata_chunk_warps: int = 4
     kata_read_block: int = 128
-    kata_grad_state_block: int = 64
-    kata_grad_warps: int = 4
-    kata_grad_dot: str = "split"
     kata_chunk_crossover: float = 4.0
     gdn_block_v: int = 32
     gdn_num_warps: int = 8

@@ -34,7 +34,7 @@ import triton.language as tl
 from polyattn.ops.common import suffix_sum
 from polyattn.ops.kata.state import with_ones
 from polyattn.ops.triton.decay import chunk_decay, chunk_suffix, reset_limit_ref, reset_limited
-from polyattn.ops.triton.precision import LOG2E, mma_fp32, mma_left_fp32, mma_right_fp32
+from polyattn.ops.triton.precision import LOG2E, mma_left_fp32, mma_right_fp32
 
 
 @triton.jit
@@ -69,11 +69,14 @@ def lifted_tile(x, t, m_t, H, i_h, K, E, slot, e0, G: tl.constexpr, SUM: tl.cons
 
 
 @triton.jit
-def cotangent_rows(y, ya, yb, row, m_t, V, o_v, m_v):
-    """The rows `[a_t y_t | b_t]` of the tokens `row = t·H + h` (masked by `m_t`), fp32: `([R, BV], [R])`."""
-    b_a = tl.load(ya + row, mask=m_t, other=0.0)  # [R]
-    b_y = tl.load(y + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)  # [R, BV]
-    return b_y * b_a[:, None], tl.load(yb + row, mask=m_t, other=0.0)
+def cotangent_rows(y, ya, yb, row, m_t, V, o_v, m_v, dtype: tl.constexpr):
+    """The rows `[a_t y_t | b_t]` of the tokens `row = t·H + h` (masked by `m_t`) as their three factors
+    `(y [R, BV], a [R], b [R])`: a, b fp32, y as stored when that is `dtype` (the other operand's, so y enters
+    the tensor cores exact and a multiplies the product's rows), else in fp32."""
+    b_y = tl.load(y + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [R, BV]
+    if b_y.dtype != dtype:
+        b_y = b_y.to(tl.float32)
+    return b_y, tl.load(ya + row, mask=m_t, other=0.0), tl.load(yb + row, mask=m_t, other=0.0)
 
 
 @triton.jit
@@ -81,7 +84,7 @@ def kata_states_kernel(
     k, v, ya, yb, g, h0, z0, hs, zs, ht, zt, seqs, cu_chunks, H, K, V, E, P, NE,
     G: tl.constexpr, SUM: tl.constexpr, BE: tl.constexpr, BF: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr,
     SUB: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr,
-    REVERSE: tl.constexpr, DOT: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """grid: (slots·NE, N, H), NE = E / BE. One feature block `(slot, e0)` of one sequence and head:
     the fp32 tiles `[BE·BF, BV]` (S) and `[BE·BF]` (z) stay in registers while the program walks the
@@ -98,8 +101,8 @@ def kata_states_kernel(
     `Y = diag(exp(gc)) ψ(Q)` (gc: the inclusive log-decay from the sub-tile's start), so that a chunk leaves
     `exp(γ_c) D_(c+1) + Σ_t exp(G_t - G_(cs-1)) ψ(q_t) y_tᵀ`; `hs`, `zs` get D_(c+1) (the gradient of the
     state leaving chunk c) before the chunk, `h0`, `z0` the gradient of the final state, `ht`, `zt` that
-    of the initial one. Both factors of its product are fp32: they enter the tensor cores as the mode DOT
-    of `precision.FP32_DOTS` says (0: both split in halves, three products)."""
+    of the initial one. The row weights a_t join Y (`diag(exp(gc) a) ψ(Q)`, fp32, split in halves) and v
+    enters exact: two products, as the forward's."""
     i_p, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = i_p // NE
     e0 = (i_p % NE) * BE
@@ -129,24 +132,25 @@ def kata_states_kernel(
             t = bos + (c * SUB + j) * BS + o_t
             m_t = t < eos
             b_y = lifted_tile(k, t, m_t, H, i_h, K, E, slot, e0, G, SUM, BE, BF)  # [BS, BE·BF]
-            if REVERSE:
-                b_v, b_one = cotangent_rows(v, ya, yb, t.to(tl.int64) * H + i_h, m_t, V, o_v, m_v)  # [BS, BV], [BS] fp32
+            if REVERSE:  # [BS, BV] (k's dtype or fp32), [BS], [BS] fp32
+                b_v, b_a, b_b = cotangent_rows(v, ya, yb, t.to(tl.int64) * H + i_h, m_t, V, o_v, m_v, k.dtype.element_ty)
             else:
                 b_v = tl.load(v + (t.to(tl.int64) * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [BS, BV]
             if USE_G:
                 b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, True)  # [BS], [BS], scalar
-                if REVERSE:
-                    b_y = b_y * tl.exp2(b_gc)[:, None]  # [BS, BE·BF]: decayed from the sub-tile's start
-                else:
-                    b_y = b_y * tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))[:, None]  # [BS, BE·BF]: decayed to the sub-tile's end
                 b_h = b_h * tl.exp2(b_last)
                 b_z = b_z * tl.exp2(b_last)
+                if REVERSE:  # decayed from the sub-tile's start
+                    b_a = b_a * tl.exp2(b_gc)
+                    b_b = b_b * tl.exp2(b_gc)
+                else:  # decayed to the sub-tile's end
+                    b_y = b_y * tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))[:, None]  # [BS, BE·BF]
             if REVERSE:
-                b_h += mma_fp32(tl.trans(b_y), b_v, k.dtype.element_ty, F32, DOT)  # [BE·BF, BS] @ [BS, BV], both fp32
-                b_z += tl.sum(b_y * b_one[:, None], axis=0)  # [BE·BF]
+                b_z += tl.sum(b_y * b_b[:, None], axis=0)  # [BE·BF]
+                b_y = b_y * b_a[:, None]  # [BS, BE·BF]
             else:
-                b_h += mma_left_fp32(tl.trans(b_y), b_v, F32)  # [BE·BF, BS] @ [BS, BV] -> [BE·BF, BV]
                 b_z += tl.sum(b_y, axis=0)  # [BE·BF]: the ones column (rows past the end are zero)
+            b_h += mma_left_fp32(tl.trans(b_y), b_v, F32)  # [BE·BF, BS] @ [BS, BV] -> [BE·BF, BV]
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * P * V + state, b_h, mask=m_s)
         tl.store(zt + (i_n * H + i_h).to(tl.int64) * P + rows, b_z)
@@ -166,22 +170,18 @@ def read_tile(tiles, V, BF: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
 
 @triton.jit
 def kata_read_kernel(
-    q, g, w, hs, zs, prior, tiles, starts, scale2, H, K, V, E, P,
+    q, g, hs, zs, prior, tiles, starts, scale2, H, K, V, E, P,
     G: tl.constexpr, SUM: tl.constexpr, BF: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, F32: tl.constexpr, ACCUMULATE: tl.constexpr,
+    USE_G: tl.constexpr, F32: tl.constexpr,
 ):
     """grid: (tiles, H). `prior [N_tok, H, V + 1]` fp32 for one tile of BT tokens of one chunk and head,
     the bilinear form read row block by row block of the state: for every group i reading a slot and every
     e < E, `Σ_f q_if S_(e,f) = Q_i [S | z]_e` (`[BT, E] @ [E, V]`, the fp32 rows split in two halves, q
     exact), weighted by the column `q_ie`, then the rows by `scale² exp(G_t - G_{cs-1})`; ψ is never built.
-    `tiles` rows: `(t0, t1, chunk, .)`, the chunk indexing `hs`, `zs` and `starts` (its first token).
-    ACCUMULATE: the rows weighted by `w [N_tok, H]` fp32 instead (g, scale2 unused) are added into
-    `prior [N_tok, H, V]` fp32, the normaliser's column dropped (the backward's dv)."""
+    `tiles` rows: `(t0, t1, chunk, .)`, the chunk indexing `hs`, `zs` and `starts` (its first token)."""
     i_h, t0, i_c, t, m_t, o_f, o_v, m_v = read_tile(tiles, V, BF, BT, BV)
     b_w = tl.full([BT], scale2, dtype=tl.float32)
-    if ACCUMULATE:
-        b_w = tl.load(w + t * H + i_h, mask=m_t, other=0.0)  # [BT]
-    elif USE_G:  # log-decay from the chunk's start: direct sums of the chunk's earlier tiles, then the tile's cumsum
+    if USE_G:  # log-decay from the chunk's start: direct sums of the chunk's earlier tiles, then the tile's cumsum
         b_prev = tl.sum(tl.zeros([BT], dtype=tl.float32), axis=0)
         for u0 in range(tl.load(starts + i_c).to(tl.int64), t0, BT):
             u = u0 + tl.arange(0, BT)
@@ -201,56 +201,61 @@ def kata_read_kernel(
             b_s = tl.load(p_h + rows[:, None] * V + o_v[None, :], mask=(rows >= 0)[:, None] & m_v[None, :], other=0.0)  # [E, BV]
             b_qe = tl.load(q + row + i * E + e, mask=m_t, other=0.0).to(tl.float32)  # [BT]: the column q_ie
             b_num += mma_right_fp32(b_q, b_s, F32) * b_qe[:, None]  # [BT, E] @ [E, BV] -> [BT, BV]
-            if not ACCUMULATE:  # the normaliser's column (dropped by the backward's dv)
-                b_den += tl.sum(b_q.to(tl.float32) * tl.load(p_z + rows)[None, :], axis=1) * b_qe  # [BT]
-    m_tv = m_t[:, None] & m_v[None, :]
-    if ACCUMULATE:
-        p_out = prior + ((t * H + i_h) * V)[:, None] + o_v[None, :]  # [BT, BV]
-        tl.store(p_out, tl.load(p_out, mask=m_tv, other=0.0) + b_num * b_w[:, None], mask=m_tv)
-    else:
-        out = (t * H + i_h) * (V + 1)  # [BT]
-        tl.store(prior + out[:, None] + o_v[None, :], b_num * b_w[:, None], mask=m_tv)
-        tl.store(prior + out + V, b_den * b_w, mask=m_t)
+            b_den += tl.sum(b_q.to(tl.float32) * tl.load(p_z + rows)[None, :], axis=1) * b_qe  # [BT]
+    out = (t * H + i_h) * (V + 1)  # [BT]
+    tl.store(prior + out[:, None] + o_v[None, :], b_num * b_w[:, None], mask=m_t[:, None] & m_v[None, :])
+    tl.store(prior + out + V, b_den * b_w, mask=m_t)
 
 
 @triton.jit
 def kata_lift_grad_kernel(
-    x, y, ya, yb, hs, zs, dx, tiles, H, K, V, E, P,
+    x, y, ya, yb, hs, zs, dx, dr, tiles, H, K, V, E, P,
     G: tl.constexpr, SUM: tl.constexpr, BF: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, F32: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, READ: tl.constexpr,
 ):
     """grid: (tiles, H). The gradient of `ψ(x_t)ᵀ [S | z]_c y_t` with respect to x_t, for one tile of BT
     tokens of chunk c and head: with `U_t = [S | z]_c y_t` read as one E×E matrix per slot,
     `dx_i = (U + Uᵀ) x_i` for every group i reading the slot (ψ_(e,f)(x) = x_e x_f). Row block e of the
-    slot gives row e of U for every token, `U_e = y [S | z]_eᵀ` (`[BT, V] @ [V, E]` with both fp32 operands
-    split in halves, plus the normaliser's column), which adds `Σ_f U_e[t, f] x_if` to column e and
+    slot gives row e of U for every token, `U_e = diag(a) v S_eᵀ + b z_eᵀ` (`[BT, V] @ [V, E]`, v exact, the
+    fp32 state split in halves, then the rows weighted), which adds `Σ_f U_e[t, f] x_if` to column e and
     `U_e[t, f] x_ie` to column f of each group. The groups of a slot are one `[BT, GS, E]` tile (Σg: all G
     share slot 0, so U_e is formed once for them; Mg: one group a slot). `dx [N_tok, H, K]` fp32 is written,
     or with ACCUMULATE added to (every token belongs to one tile); the rows `y_t = [a_t v_t | b_t]` as
     `kata_states_kernel`'s reverse walk takes them (`y [N_tok, H, V]`, `ya`, `yb [N_tok, H]` fp32);
-    `tiles` as `kata_read_kernel`'s."""
+    `tiles` as `kata_read_kernel`'s. READ: the same pass also adds the read `a_t (ψ(x_t)ᵀ S_c)` into
+    `dr [N_tok, H, V]` fp32 (the backward's dv: x = k, the rows' a its weight), its products
+    `X_i S_e` (`[BT·GS, E] @ [E, V]`) on the state rows just loaded, weighted by `x_ie` and summed over i."""
     GS: tl.constexpr = G if SUM else 1  # groups reading one slot
     i_h, t0, i_c, t, m_t, o_f, o_v, m_v = read_tile(tiles, V, BF, BT, BV)
-    b_y, b_yz = cotangent_rows(y, ya, yb, t * H + i_h, m_t, V, o_v, m_v)  # [BT, BV], [BT] fp32
+    b_y, b_ya, b_yz = cotangent_rows(y, ya, yb, t * H + i_h, m_t, V, o_v, m_v, x.dtype.element_ty)  # [BT, BV], [BT], [BT]
     p_h = hs + (i_c * H + i_h) * P * V
     p_z = zs + (i_c * H + i_h) * P
     row = (t * H + i_h) * K  # [BT]
     o_g = tl.arange(0, GS)
+    b_read = tl.zeros([BT, BV], dtype=tl.float32)
     for slot in range(0, G // GS):
         groups = (slot * GS + o_g) * E  # [GS]: the first column of each group reading the slot
         cols = row[:, None, None] + groups[None, :, None] + o_f[None, None, :]  # [BT, GS, E]
-        b_x = tl.load(x + cols, mask=m_t[:, None, None], other=0.0).to(tl.float32)  # [BT, GS, E]
+        b_xr = tl.load(x + cols, mask=m_t[:, None, None], other=0.0)  # [BT, GS, E]
+        b_x = b_xr.to(tl.float32)
         b_dx = tl.zeros([BT, GS, BF], dtype=tl.float32)
         for e in range(0, E):
             rows = (slot * E + e) * E + o_f  # [E]
             b_s = tl.load(p_h + rows[:, None] * V + o_v[None, :], mask=(rows >= 0)[:, None] & m_v[None, :], other=0.0)  # [E, BV]
-            b_u = mma_fp32(b_y, tl.trans(b_s), x.dtype.element_ty, F32, 0) + b_yz[:, None] * tl.load(p_z + rows)[None, :]  # [BT, BV] @ [BV, E]
+            b_u = mma_right_fp32(b_y, tl.trans(b_s), F32) * b_ya[:, None] + b_yz[:, None] * tl.load(p_z + rows)[None, :]  # [BT, BV] @ [BV, E]
             b_xe = tl.load(x + row[:, None] + groups[None, :] + e, mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, GS]: columns x_ie
             b_row = tl.sum(b_u[:, None, :] * b_x, axis=2)  # [BT, GS]: Σ_f U_e[t, f] x_if
             b_dx += b_u[:, None, :] * b_xe[:, :, None] + tl.where(o_f[None, None, :] == e, b_row[:, :, None], 0.0)
+            if READ:
+                b_r = mma_right_fp32(tl.reshape(b_xr, (BT * GS, BF)), b_s, F32)  # [BT·GS, E] @ [E, BV]
+                b_read += tl.sum(tl.reshape(b_r, (BT, GS, BV)) * b_xe[:, :, None], axis=1)  # [BT, BV]
         if ACCUMULATE:
             b_dx += tl.load(dx + cols, mask=m_t[:, None, None], other=0.0)
         tl.store(dx + cols, b_dx, mask=m_t[:, None, None])
+    if READ:
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_r = dr + ((t * H + i_h) * V)[:, None] + o_v[None, :]  # [BT, BV]
+        tl.store(p_r, tl.load(p_r, mask=m_tv, other=0.0) + b_read * b_ya[:, None], mask=m_tv)
 
 
 def chunk_lengths(seq_lens: tuple, chunk_size: int) -> tuple:

@@ -25,7 +25,7 @@ from polyattn.ops.triton.decay import reset_limit_ref
 from polyattn.ops.triton.plan import (
     block, chunk_table, get_config, no_output, prefix_cumsum, reverse_cumsum, segment_table, sequence_lengths, sequence_starts,
 )
-from polyattn.ops.triton.precision import check_kernel_inputs, dot_f32, fp32_dot_mode
+from polyattn.ops.triton.precision import check_kernel_inputs, dot_f32
 
 from .backward import kata_dkdv_kernel, kata_dq_kernel, row_dot_kernel
 from .chunk import chunk_lengths, kata_lift_grad_kernel, kata_read_kernel, kata_states_kernel
@@ -318,8 +318,7 @@ def _chunk_plan(q, v, seq_lens, groups: int, combine: str) -> dict:
     pieces = chunk_lengths(tuple(seq_lens), CS)
     _, cu_chunks, NC = chunk_table(tuple(seq_lens), CS, q.device)
     return dict(
-        CS=CS, BS=BS, BT=BT, tiling=tiling, grad_tiling=feature_blocks(K, v.shape[-1], groups, combine, config.kata_grad_state_block),
-        grad_warps=config.kata_grad_warps, grad_dot=fp32_dot_mode(config, "kata_grad_dot"), pieces=pieces, cu_chunks=cu_chunks, NC=NC,
+        CS=CS, BS=BS, BT=BT, tiling=tiling, pieces=pieces, cu_chunks=cu_chunks, NC=NC,
         seqs=segment_table(tuple(seq_lens), 1, CS, q.device)[0], sizes=(q.shape[2], K, v.shape[-1], tiling["E"], tiling["P"]),
         meta=dict(G=groups, SUM=combine == "sum", BF=tiling["BF"], BV=tiling["BV"], F32=dot_f32(q.dtype),
                   num_warps=config.kata_chunk_warps, num_stages=config.kata_num_stages),
@@ -338,20 +337,18 @@ class Cotangents(NamedTuple):
 def chunk_states(x, y, g, h0, z0, plan: dict, N: int, store_ht: bool, reverse: bool = False):
     """`kata_states_kernel` on flattened tokens: `(hs [NC, H, P, V], zs [NC, H, P], ht [N, H, P, V], zt [N, H, P])`
     fp32, the last two empty [0] tensors without `store_ht`. Forward: x = k, y = v, h0 / z0 the initial state;
-    `reverse`: x = q, y the reads' `Cotangents`, h0 / z0 the final state's gradient, in the reverse walk's
-    feature blocks and warps."""
+    `reverse`: x = q, y the reads' `Cotangents`, h0 / z0 the final state's gradient."""
     H, _, V, _, P = plan["sizes"]
     hs = torch.empty(plan["NC"], H, P, V, dtype=torch.float32, device=x.device)
     zs = torch.empty(plan["NC"], H, P, dtype=torch.float32, device=x.device)
     ht = torch.empty(N, H, P, V, dtype=torch.float32, device=x.device) if store_ht else no_output(x)
     zt = torch.empty(N, H, P, dtype=torch.float32, device=x.device) if store_ht else no_output(x)
-    tiling = plan["grad_tiling" if reverse else "tiling"]
-    meta = plan["meta"] | (dict(num_warps=plan["grad_warps"]) if reverse else {})
+    tiling = plan["tiling"]
     rows = tuple(y) if reverse else (y, None, None)
     kata_states_kernel[(tiling["slots"] * tiling["NE"], N, H)](
         x, *rows, g, h0, z0, hs, zs, ht, zt, plan["seqs"], plan["cu_chunks"], *plan["sizes"], tiling["NE"],
         BE=tiling["BE"], BS=plan["BS"], SUB=plan["CS"] // plan["BS"], USE_G=g is not None, USE_H0=h0 is not None,
-        STORE_HT=store_ht, REVERSE=reverse, DOT=plan["grad_dot"], **meta,
+        STORE_HT=store_ht, REVERSE=reverse, **plan["meta"],
     )
     return hs, zs, ht, zt
 
@@ -362,27 +359,26 @@ def _chunk_tiles(plan: dict, device):
     return tiles, NT, sequence_starts(plan["pieces"], device)
 
 
-def chunk_read(x, g, hs, zs, scale2: float, plan: dict, into: torch.Tensor | None = None, weight: torch.Tensor | None = None):
+def chunk_read(x, g, hs, zs, scale2: float, plan: dict):
     """`kata_read_kernel`: `exp(G_t - G_(cs-1))·scale2·ψ(x_t)ᵀ [S | z]_c` for every token, `[N_tok, H, V + 1]` fp32
-    (g None: no decay weight); with `into` (`[N_tok, H, V]` fp32), `weight_t ψ(x_t)ᵀ S_c` (`weight [N_tok, H]` fp32)
-    is added to it instead."""
+    (g None: no decay weight)."""
     H, _, V, _, _ = plan["sizes"]
     tiles, NT, starts = _chunk_tiles(plan, x.device)
-    out = torch.empty(x.shape[0], H, V + 1, dtype=torch.float32, device=x.device) if into is None else into
-    kata_read_kernel[(NT, H)](x, g, weight, hs, zs, out, tiles, starts, scale2, *plan["sizes"], BT=plan["BT"], USE_G=g is not None,
-                              ACCUMULATE=into is not None, **plan["meta"])
+    out = torch.empty(x.shape[0], H, V + 1, dtype=torch.float32, device=x.device)
+    kata_read_kernel[(NT, H)](x, g, hs, zs, out, tiles, starts, scale2, *plan["sizes"], BT=plan["BT"], USE_G=g is not None, **plan["meta"])
     return out
 
 
-def chunk_lift_grad(x, y: Cotangents, hs, zs, plan: dict, into: torch.Tensor | None = None):
+def chunk_lift_grad(x, y: Cotangents, hs, zs, plan: dict, into: torch.Tensor | None = None, read_into: torch.Tensor | None = None):
     """`kata_lift_grad_kernel`: `∇_x ψ(x_t)ᵀ [S | z]_c y_t` for every token, `[N_tok, H, K]` fp32 (y: the rows
-    `[a_t y_t | b_t]`), added to `into` (fp32, x's shape) and returned where given."""
+    `[a_t y_t | b_t]`), added to `into` (fp32, x's shape) and returned where given; with `read_into`
+    (`[N_tok, H, V]` fp32) the same pass adds the read `a_t ψ(x_t)ᵀ S_c` to it."""
     tiles, NT, _ = _chunk_tiles(plan, x.device)
     meta = plan["meta"]
     dx = torch.empty(x.shape, dtype=torch.float32, device=x.device) if into is None else into
     kata_lift_grad_kernel[(NT, x.shape[1])](
-        x, *y, hs, zs, dx, tiles, *plan["sizes"], G=meta["G"], SUM=meta["SUM"], BF=meta["BF"], BT=plan["BT"],
-        BV=meta["BV"], F32=meta["F32"], ACCUMULATE=into is not None, num_warps=meta["num_warps"],
+        x, *y, hs, zs, dx, read_into, tiles, *plan["sizes"], G=meta["G"], SUM=meta["SUM"], BF=meta["BF"], BT=plan["BT"],
+        BV=meta["BV"], F32=meta["F32"], ACCUMULATE=into is not None, READ=read_into is not None, num_warps=meta["num_warps"],
     )
     return dx
 
@@ -456,12 +452,11 @@ def kata_chunk_backward(
     ds, dzs, dh0, dz0 = chunk_states(qf, Cotangents(dof, (scale * scale) * r, -(scale * scale) * c), gf, dht, dzt, plan, N, want_dh0,
                                      reverse=True)
     w_write = torch.exp(reverse_cumsum(gl, plan["pieces"]) - gl)  # [B*T, H]: exp(G_(ce) - G_s)
-    chunk_lift_grad(kf, Cotangents(vf, w_write, w_write), ds, dzs, plan, into=dk)
+    chunk_lift_grad(kf, Cotangents(vf, w_write, w_write), ds, dzs, plan, into=dk, read_into=dv)  # dk and dv: one pass on D
+    del ds, dzs
     if want_dg:
         term -= 0.5 * rowdot(kf, dk).view(B * T, H)  # ½ (q·dq − k·dk)
     dk = dk.view(B, T, H, K).to(k.dtype)
-    chunk_read(kf, None, ds, dzs, 1.0, plan, into=dv, weight=w_write)
-    del ds, dzs
     dg = no_output(q)
     if want_dg:
         if dht is not None:
