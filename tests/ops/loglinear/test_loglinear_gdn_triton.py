@@ -77,7 +77,8 @@ def test_gdn_triton_without_decay(dtype):
 def test_gdn_triton_model_heads(head_dim):
     """Small heads (two of 32 or 16 dims) over a batch of many sequences, as the recall sweeps train
     them: with key tiles as narrow as the heads, the chunk-gradient kernel (32) and the forward's chunk
-    kernel (16) raised illegal memory accesses here on the H200 (`gdn.key_block`)."""
+    kernel (16) raised illegal memory accesses here on the H200, and 64-wide masked tiles gave a wrong o at
+    32; the kernels now run such heads zero-padded to 64 (`gdn.kernel_heads`)."""
     _check(_inputs(64 if CUDA else 2, 128 if CUDA else 70, seed=14, heads=(2, head_dim, head_dim)), torch.bfloat16)
 
 

@@ -32,7 +32,7 @@ from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, fenwi
 from polyattn.ops.triton.plan import get_config, no_output, reverse_cumsum, sequence_lengths
 from polyattn.ops.triton.precision import check_kernel_inputs
 
-from .gdn import ChunkLocals, gdn_chunk_backward, gdn_forward, gdn_levels_backward
+from .gdn import ChunkLocals, gdn_chunk_backward, gdn_forward, gdn_levels_backward, kernel_heads
 from .level_pass import level_pass
 from .step import loglinear_attn_step_inplace
 
@@ -402,12 +402,25 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
         return o, LogLinearState(final, position + lengths)
     r0, low = (None, None) if initial_state is None else fenwick_to_blocks(levels, position, C, _levels_dim(L, C))
     if beta is not None:
-        o, R, F_low = _gdn_with_edges(q, k, v, lam, g, beta, r0, low, position, scale, seq_lens, output_final_state)
+        o, R, F_low = _gdn_padded(q, k, v, lam, g, beta, r0, low, position, scale, seq_lens, output_final_state)
     else:
         o, R, F_low = loglinear_attn_forward(q, k, v, lam, g, r0, low, position, scale, list(seq_lens), C, output_final_state)
     if not output_final_state:
         return o, None
     return o, LogLinearState(blocks_to_fenwick(R, F_low, position, lengths, C, L), position + lengths)
+
+
+def _gdn_padded(q, k, v, lam, g, beta, r0, low, *rest):
+    """`_gdn_with_edges` on heads zero-padded to the widths its kernels run at (`gdn.kernel_heads`; q, k in
+    their last dim, v and the states' value columns in theirs), the padding cut from o, R and F_low."""
+    K, V = q.shape[-1], v.shape[-1]
+    Kp, Vp = kernel_heads(K, V)
+    if (Kp, Vp) == (K, V):
+        return _gdn_with_edges(q, k, v, lam, g, beta, r0, low, *rest)
+    keys, states = (0, Kp - K), (0, Vp - V, 0, Kp - K)
+    r0, low = (None if x is None else F.pad(x, states) for x in (r0, low))  # [..., K, V] -> [..., Kp, Vp]
+    o, R, F_low = _gdn_with_edges(F.pad(q, keys), F.pad(k, keys), F.pad(v, (0, Vp - V)), lam, g, beta, r0, low, *rest)
+    return o[..., :V].contiguous(), R[..., :K, :V], None if F_low is None else F_low[..., :K, :V]
 
 
 def _gdn_with_edges(q, k, v, lam, g, beta, r0, low, position, scale, seq_lens, store_final):

@@ -653,13 +653,16 @@ class GdnForward(NamedTuple):
     ck: torch.Tensor | None
 
 
-def key_block(K: int) -> int:
-    """The key tile of every kernel here: at least 64 columns (masked). With narrower tiles Triton 3.6
-    compiles them into out-of-bounds shared-memory accesses on the H200 (compute-sanitizer), the illegal
-    memory accesses of small models: `gdn_chunk_grads_kernel` at 32 columns (`Invalid __shared__ read` in
-    an `mma_fp32` product; at 4 and 8 warps, two pipeline stages), `gdn_chunk_kernel` at 16 (`Out-of-range
-    shared or local address` at its `mma_fp32` product with W). 64-wide tiles run clean at both widths."""
-    return max(block(K), 64)
+def kernel_heads(K: int, V: int) -> tuple[int, int]:
+    """The head widths these kernels run at, `(K', V')`: K' a power of two and V' a multiple of 32, both at
+    least 64; `function.py` zero-pads narrower heads to them (exact: zero key columns add nothing to any
+    product, zero value columns are cut from o and the states). Triton 3.6 miscompiles the small or partly
+    masked tiles of narrower heads on the H200: at K = V = 32 in bf16 the forward's o was wrong everywhere
+    (rel err 1.2) with 64-wide masked key tiles and the chunk-gradient kernel read shared memory out of
+    bounds (compute-sanitizer) with 32-wide ones; at 16 `gdn_chunk_kernel` did (`Out-of-range shared or local
+    address` at its product with W) and the backward faulted with 16-wide value tiles, the forward with
+    32-wide ones. At 64 and 128 both passes match the spec."""
+    return max(64, triton.next_power_of_2(K)), max(64, triton.cdiv(V, 32) * 32)
 
 
 def checkpoint_plan(seq_lens: tuple, C: int, device) -> tuple[int, torch.Tensor, int]:
@@ -693,7 +696,7 @@ def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=N
     config, C, LOG_C, N, NLC, chunks, seqs = _walk_plan(seq_lens, position, L)
     t_inv, firsts = wy_solve(k, beta, g, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
     w, u_bar = wy_factors(k, v, beta, g, t_inv, firsts, chunks=chunks, num_warps=config.num_warps)
-    BK, F32, FP32_DOT = key_block(K), dot_f32(q.dtype), fp32_dot_mode(config, "delta_fp32_dot")
+    BK, F32, FP32_DOT = block(K), dot_f32(q.dtype), fp32_dot_mode(config, "delta_fp32_dot")
     qt = torch.empty(N_tok, H, K, dtype=torch.float32, device=q.device)
     o_intra = torch.empty(N_tok, H, V, dtype=torch.float32, device=q.device)
     gdn_chunk_kernel[(chunks[2], H)](
@@ -724,7 +727,7 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     N_tok, H, K = k.shape
     V, L = do.shape[-1], lam.shape[-1]
     config, C, LOG_C, N, NLC, chunks, seqs = _walk_plan(seq_lens, position, L, fwd.chunks)
-    BK, BV = key_block(K), min(block(V), config.gdn_block_v)
+    BK, BV = block(K), min(block(V), config.gdn_block_v)
     n_v, NC = triton.cdiv(V, BV), chunks[2]
     dstate = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=k.device) if dR is None else dR.float().contiguous().clone()
     S, cu_blocks, _ = checkpoint_plan(seq_lens, C, k.device)
@@ -763,7 +766,7 @@ def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chun
     gdn_chunk_grads_kernel[(chunks[2], H)](
         q, k, v, g, beta, lam, t_inv, w, grads.o_intra.contiguous(), grads.qt, grads.w, grads.kt, grads.u_bar,
         grads.t_inv, grads.gc_last, dq, dk, dv, dbeta, dg, dlam, chunks[0], scale, H, K, V, L,
-        C=C, LOG_C=LOG_C, BK=key_block(K), BV=min(block(V), config.gdn_block_v), USE_G=g is not None,
+        C=C, LOG_C=LOG_C, BK=block(K), BV=min(block(V), config.gdn_block_v), USE_G=g is not None,
         USE_DT=grads.t_inv is not None, F32=dot_f32(q.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
         num_warps=config.gdn_chunk_warps, num_stages=config.num_stages,
     )
