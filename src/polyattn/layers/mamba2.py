@@ -90,7 +90,7 @@ class Mamba2(Mixer):
             return self.padded_forward(x, attention_mask, state, use_cache, cu_seqlens)
         if cu_seqlens is not None and self.context_parallel is None:  # context parallel: offsets of the whole row
             self.check_packed(x, state, cu_seqlens)
-        H, P, N = self.heads, self.P, self.N
+        H, N = self.heads, self.N
         z, xBC, dt = self.in_proj(x).split([self.z_dim, self.d_inner + 2 * N, H], dim=-1)
         xBC, conv_cache = self.short_conv(xBC, state, cu_seqlens)
         xs, Bm, Cm = xBC.split([self.d_inner, N, N], dim=-1)

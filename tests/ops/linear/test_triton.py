@@ -14,7 +14,7 @@ import torch
 from polyattn.ops.linear import linear_attn_chunk, linear_attn_naive
 from polyattn.ops.linear.recurrent import linear_attn_step as linear_attn_step_reference
 from polyattn.ops.linear.triton import linear_attn_step_inplace, linear_attn_triton
-from polyattn.testing import assert_fused_steps, assert_low_precision_matches, assert_one_token_step, dtype_id, rel_err, seeded_inputs
+from polyattn.testing import assert_fused_steps, assert_low_precision_matches, assert_one_token_step, dtype_id, seeded_inputs
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
