@@ -1,13 +1,15 @@
 """Registers and spills of the Triton kernels for Hopper, compiled on a machine without a GPU.
 
-python benchmarks/triton_spills.py
+python benchmarks/triton_spills.py [linear delta gdn kata]
 Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel`) and the delta rule's
 (`wy_kernel`, `wy_factors_kernel`, the two recurrences, the per-chunk output and two gradient kernels) and log-linear
-Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_backward_kernel`, `gdn_chunk_grads_kernel`) for sm_90a with the installed Triton
-and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
+Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_backward_kernel`, `gdn_chunk_grads_kernel`) and
+KATA's chunked form's (`kata_states_kernel` both ways, `kata_read_kernel`, `kata_lift_grad_kernel` with and without
+its read, at K = V = 64 with the default tiles) for sm_90a with the installed Triton (or the families named) and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
 The installed Triton may differ from the GPU machine's, so read the numbers as indications.
 """
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -19,6 +21,8 @@ from triton.compiler import ASTSource
 from polyattn.ops.delta.triton.backward import delta_grad_factors_kernel, delta_grads_kernel, delta_score_grads_kernel, delta_state_grad_kernel
 from polyattn.ops.delta.triton.forward import delta_outputs_kernel, delta_states_kernel
 from polyattn.ops.delta.triton.wy import wy_factors_kernel, wy_kernel
+from polyattn.ops.kata.triton.chunk import kata_lift_grad_kernel, kata_read_kernel, kata_states_kernel
+from polyattn.ops.kata.triton.function import feature_blocks
 from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
 from polyattn.ops.loglinear.triton.gdn import gdn_chunk_grads_kernel, gdn_chunk_kernel, gdn_levels_backward_kernel, gdn_levels_kernel
@@ -28,6 +32,7 @@ POINTERS = {
     "h0": "*fp32", "ht": "*fp32", "dot_x": "*bf16", "rowdot": "*fp32", "states": "*fp32", "seg_decay": "*fp32",
     "q": "*bf16", "k": "*bf16", "v": "*bf16", "do": "*bf16", "dq": "*bf16", "dk": "*bf16", "dv": "*bf16",
     "beta": "*bf16", "chunks": "*i32", "nonfinite": "*i32", "seqs": "*i32", "cu_chunks": "*i32", "pos": "*i64",
+    "tiles": "*i32", "starts": "*i32",
 }
 PASSES = {  # name: (REVERSE, USE_G, ROWDOT)
     "forward": (False, False, False),
@@ -43,10 +48,11 @@ def ptxas() -> Path:
     return next(p for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists())
 
 
-def resources(fn, constexprs: dict, warps: int, stages: int) -> str:
+def resources(fn, constexprs: dict, warps: int, stages: int, pointers: dict | None = None) -> str:
     names = fn.arg_names
     scalars = {"scale": "fp32", "H": "i32", "K": "i32", "V": "i32", "N_tok": "i32", "DA": "i32", "DC": "i32", "L": "i32", "NLC": "i32", "NC": "i32", "S": "i32", "E": "i32", "P": "i32", "NE": "i32", "scale2": "fp32"}
-    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, scalars.get(n, "*fp32")) for n in names}
+    pointers = POINTERS | (pointers or {})
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, scalars.get(n, "*fp32")) for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
@@ -62,7 +68,20 @@ def resources(fn, constexprs: dict, warps: int, stages: int) -> str:
 
 def main() -> None:
     warnings.filterwarnings("ignore")
-    print(f"triton {triton.__version__}, {ptxas().name}, sm_90a, BA = 128 (K = 128), bf16")
+    families = sys.argv[1:] or ["linear", "delta", "gdn", "kata"]
+    print(f"triton {triton.__version__}, {ptxas().name}, sm_90a, bf16")
+    if "linear" in families:
+        linear()
+    if "delta" in families:
+        delta_rule()
+    if "gdn" in families:
+        loglinear_gdn()
+    if "kata" in families:
+        kata_chunked()
+
+
+def linear() -> None:
+    print("linear_attn: BA = 128 (K = 128)")
     for name, (reverse, use_g, rowdot) in PASSES.items():
         for C, BC, warps, stages in LAUNCHES:
             constexprs = dict(C=C, BA=128, BC=BC, REVERSE=reverse, USE_G=use_g, SPLIT=True, USE_H0=False,
@@ -72,6 +91,9 @@ def main() -> None:
     for warps in (4, 8):
         constexprs = dict(C=64, BA=128, BC=64, REVERSE=False, USE_G=True, F32=False)
         print(f"segment_states decay C64 BC64 warps{warps}: {resources(segment_states_kernel, constexprs, warps, 2)}")
+
+
+def delta_rule() -> None:
     delta = dict(C=64, BK=128, USE_G=True, F32=False)
     print(f"wy (delta) C64 warps4: {resources(wy_kernel, delta, 4, 2)}")
     print(f"wy factors BD64 warps4: {resources(wy_factors_kernel, dict(C=64, BD=64, USE_G=True, F32=False), 4, 2)}")
@@ -86,6 +108,9 @@ def main() -> None:
                   f"{resources(delta_state_grad_kernel, dict(rec, USE_DHT=True, STORE_DH0=False), warps, 2)}")
             print(f"delta score grads BV{BV} warps{warps}: {resources(delta_score_grads_kernel, dict(rec, BK=64), warps, 2)}")
             print(f"delta grads BK64 BV{BV} warps{warps}: {resources(delta_grads_kernel, dict(rec, BK=64), warps, 2)}")
+
+
+def loglinear_gdn() -> None:
     gdn = dict(C=64, LOG_C=6, BK=128, USE_G=True, F32=False, FP32_DOT=0)
     for BV in (16, 32, 64):
         for warps in (4, 8):
@@ -93,6 +118,24 @@ def main() -> None:
             print(f"log-linear GDN levels backward BV{BV} warps{warps}: {resources(gdn_levels_backward_kernel, dict(gdn, BV=BV, ATOMIC=True), warps, 2)}")
             print(f"log-linear GDN chunk  BV{BV} warps{warps}: {resources(gdn_chunk_kernel, dict(gdn, BV=BV), warps, 2)}")
             print(f"log-linear GDN chunk grads BV{BV} warps{warps}: {resources(gdn_chunk_grads_kernel, dict(gdn, BV=BV, USE_DT=False), warps, 2)}")
+
+
+def kata_chunked() -> None:
+    """KATA-M2 and M1 at K = V = 64 in the default tiles (feature blocks of 128, 64-token sub-tiles, 128-token reads, 4 warps)."""
+    for op, groups in (("M2", 2), ("M1", 1)):
+        tiling = feature_blocks(64, 64, groups, "concat", 128)
+        shared = dict(G=groups, SUM=False, BF=tiling["BF"], BV=tiling["BV"], F32=False)
+        for reverse in (False, True):
+            for use_g in (False, True):
+                walk = dict(shared, BE=tiling["BE"], BS=64, SUB=8, USE_G=use_g, USE_H0=False, STORE_HT=True, REVERSE=reverse)
+                print(f"kata {op} {'reverse' if reverse else 'forward'} walk{', decay' if use_g else ''}: "
+                      f"{resources(kata_states_kernel, walk, 4, 2)}", flush=True)
+        print(f"kata {op} read, decay: {resources(kata_read_kernel, dict(shared, BT=128, USE_G=True), 4, 2)}")
+        for read in (False, True):
+            grad = dict(shared, BT=128, ACCUMULATE=True, READ=read)
+            print(f"kata {op} lift gradient{' + read' if read else ''}: "
+                  f"{resources(kata_lift_grad_kernel, grad, 4, 2, dict(x='*bf16', y='*bf16'))}", flush=True)
+
 
 
 if __name__ == "__main__":
