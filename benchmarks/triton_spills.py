@@ -26,6 +26,7 @@ from polyattn.ops.kata.triton.function import feature_blocks
 from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
 from polyattn.ops.loglinear.triton.gdn import gdn_chunk_grads_kernel, gdn_chunk_kernel, gdn_levels_backward_kernel, gdn_levels_kernel
+from polyattn.ops.triton.plan import KernelConfig
 
 POINTERS = {
     "a": "*bf16", "b": "*bf16", "c": "*bf16", "g": "*fp32", "out": "*bf16", "seg": "*i32", "s_in": "*fp32",
@@ -121,20 +122,23 @@ def loglinear_gdn() -> None:
 
 
 def kata_chunked() -> None:
-    """KATA-M2 and M1 at K = V = 64 in the default tiles (feature blocks of 128, 64-token sub-tiles, 128-token reads, 4 warps)."""
+    """KATA-M2 and M1 at K = V = 64 in the default `KernelConfig`'s tiles, warps and stages."""
+    config = KernelConfig()
+    BS, BT, warps, stages = config.kata_block_n, config.kata_read_block, config.kata_chunk_warps, config.kata_num_stages
     for op, groups in (("M2", 2), ("M1", 1)):
-        tiling = feature_blocks(64, 64, groups, "concat", 128)
+        tiling = feature_blocks(64, 64, groups, "concat", config.kata_state_block)
         shared = dict(G=groups, SUM=False, BF=tiling["BF"], BV=tiling["BV"], F32=False)
         for reverse in (False, True):
             for use_g in (False, True):
-                walk = dict(shared, BE=tiling["BE"], BS=64, SUB=8, USE_G=use_g, USE_H0=False, STORE_HT=True, REVERSE=reverse)
+                walk = dict(shared, BE=tiling["BE"], BS=BS, SUB=config.kata_chunk_size // BS, USE_G=use_g, USE_H0=False,
+                            STORE_HT=True, REVERSE=reverse)
                 print(f"kata {op} {'reverse' if reverse else 'forward'} walk{', decay' if use_g else ''}: "
-                      f"{resources(kata_states_kernel, walk, 4, 2)}", flush=True)
-        print(f"kata {op} read, decay: {resources(kata_read_kernel, dict(shared, BT=128, USE_G=True), 4, 2)}")
+                      f"{resources(kata_states_kernel, walk, warps, stages)}", flush=True)
+        print(f"kata {op} read, decay: {resources(kata_read_kernel, dict(shared, BT=BT, USE_G=True), warps, stages)}")
         for read in (False, True):
-            grad = dict(shared, BT=128, ACCUMULATE=True, READ=read)
+            grad = dict(shared, BT=BT, ACCUMULATE=True, READ=read)
             print(f"kata {op} lift gradient{' + read' if read else ''}: "
-                  f"{resources(kata_lift_grad_kernel, grad, 4, 2, dict(x='*bf16', y='*bf16'))}", flush=True)
+                  f"{resources(kata_lift_grad_kernel, grad, warps, stages, dict(x='*bf16', y='*bf16'))}", flush=True)
 
 
 

@@ -141,8 +141,9 @@ def kata_states_kernel(
                 b_h = b_h * tl.exp2(b_last)
                 b_z = b_z * tl.exp2(b_last)
                 if REVERSE:  # decayed from the sub-tile's start
-                    b_a = b_a * tl.exp2(b_gc)
-                    b_b = b_b * tl.exp2(b_gc)
+                    b_w = tl.exp2(b_gc)  # [BS]
+                    b_a = b_a * b_w
+                    b_b = b_b * b_w
                 else:  # decayed to the sub-tile's end
                     b_y = b_y * tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))[:, None]  # [BS, BE·BF]
             if REVERSE:
