@@ -125,6 +125,7 @@ def kata_chunked() -> None:
     """KATA-M2 and M1 at K = V = 64 in the default `KernelConfig`'s tiles, warps and stages."""
     config = KernelConfig()
     BS, BT, warps, stages = config.kata_block_n, config.kata_read_block, config.kata_chunk_warps, config.kata_num_stages
+    read_stages = config.kata_read_stages
     for op, groups in (("M2", 2), ("M1", 1)):
         tiling = feature_blocks(64, 64, groups, "concat", config.kata_state_block)
         shared = dict(G=groups, SUM=False, BF=tiling["BF"], BV=tiling["BV"], F32=False)
@@ -134,7 +135,7 @@ def kata_chunked() -> None:
                             STORE_HT=True, REVERSE=reverse)
                 print(f"kata {op} {'reverse' if reverse else 'forward'} walk{', decay' if use_g else ''}: "
                       f"{resources(kata_states_kernel, walk, warps, stages)}", flush=True)
-        print(f"kata {op} read, decay: {resources(kata_read_kernel, dict(shared, BT=BT, USE_G=True), warps, stages)}")
+        print(f"kata {op} read, decay: {resources(kata_read_kernel, dict(shared, BT=BT, USE_G=True), warps, read_stages)}")
         for read in (False, True):
             grad = dict(shared, BT=BT, ACCUMULATE=True, READ=read)
             print(f"kata {op} lift gradient{' + read' if read else ''}: "

@@ -321,7 +321,8 @@ def _chunk_plan(q, v, seq_lens, groups: int, combine: str) -> dict:
         CS=CS, BS=BS, BT=BT, tiling=tiling, pieces=pieces, cu_chunks=cu_chunks, NC=NC,
         seqs=segment_table(tuple(seq_lens), 1, CS, q.device)[0], sizes=(q.shape[2], K, v.shape[-1], tiling["E"], tiling["P"]),
         meta=dict(G=groups, SUM=combine == "sum", BF=tiling["BF"], BV=tiling["BV"], F32=dot_f32(q.dtype),
-                  num_warps=config.kata_chunk_warps, num_stages=config.kata_num_stages),
+                  num_warps=config.kata_chunk_warps),
+        stages=config.kata_num_stages, read_stages=config.kata_read_stages,
     )
 
 
@@ -348,7 +349,7 @@ def chunk_states(x, y, g, h0, z0, plan: dict, N: int, store_ht: bool, reverse: b
     kata_states_kernel[(tiling["slots"] * tiling["NE"], N, H)](
         x, *rows, g, h0, z0, hs, zs, ht, zt, plan["seqs"], plan["cu_chunks"], *plan["sizes"], tiling["NE"],
         BE=tiling["BE"], BS=plan["BS"], SUB=plan["CS"] // plan["BS"], USE_G=g is not None, USE_H0=h0 is not None,
-        STORE_HT=store_ht, REVERSE=reverse, **plan["meta"],
+        STORE_HT=store_ht, REVERSE=reverse, num_stages=plan["stages"], **plan["meta"],
     )
     return hs, zs, ht, zt
 
@@ -365,7 +366,8 @@ def chunk_read(x, g, hs, zs, scale2: float, plan: dict):
     H, _, V, _, _ = plan["sizes"]
     tiles, NT, starts = _chunk_tiles(plan, x.device)
     out = torch.empty(x.shape[0], H, V + 1, dtype=torch.float32, device=x.device)
-    kata_read_kernel[(NT, H)](x, g, hs, zs, out, tiles, starts, scale2, *plan["sizes"], BT=plan["BT"], USE_G=g is not None, **plan["meta"])
+    kata_read_kernel[(NT, H)](x, g, hs, zs, out, tiles, starts, scale2, *plan["sizes"], BT=plan["BT"], USE_G=g is not None,
+                                 num_stages=plan["read_stages"], **plan["meta"])
     return out
 
 
