@@ -4,7 +4,7 @@ A claim (one entry of an evidence config's ``"claims"``, `benchmarks/evidence/`)
 
     {"claim": "log-linear Mamba-2 ahead of Mamba-2 at width 64, length 256",
      "source": "Log-Linear Attention (Guo et al., 2025), MQAR",
-     "source_value": {"loglinear-mamba2": 0.844, "mamba2": 0.790},
+     "source_value": {"loglinear-mamba2": 0.929, "mamba2": 0.896},
      "ours": {"loglinear-mamba2": {"mixer": "loglinear-mamba2", "width": 64, "slice": [256, 64]},
               "mamba2": {"mixer": "mamba2", "width": 64, "slice": [256, 64]}},
      "holds": {"ahead_of": "mamba2"}}
