@@ -6,7 +6,8 @@ Every row of `python -m polyattn.bench kernels` (bf16, H = 16, B = 65536 // T), 
 config: `--configs` picks presets of the ops' family (PRESETS; default all), `--set` adds configs given as
 JSON fields of KernelConfig. Anchors (any impl of the benchmark, e.g. sdpa-flash, fla-chunk_simple_gla)
 are timed once, outside the configs. Prints a table of ms per (op, T, mode) and config, with each
-config's ratio to the first anchor; writes the rows as JSON.
+config's ratio to the first anchor and its peak memory (`kernels.measure_row`: what one more call
+allocates above its inputs); writes the rows as JSON.
 """
 import argparse
 import json
@@ -25,7 +26,7 @@ PRESETS = {  # the launch parameters each family's kernels read
              dict(kata_score_dot="rounded", kata_num_stages=3),
              dict(kata_score_dot="rounded", kata_num_warps=4, kata_bwd_warps=8, kata_num_stages=3),
              dict(kata_block_m=64, kata_block_n=64, kata_num_warps=4, kata_bwd_warps=4), dict(kata_block_m=128, kata_block_n=32),
-             dict(kata_block_m=128, kata_block_n=128, kata_num_stages=1)],
+             dict(kata_block_m=128, kata_block_n=128, kata_num_stages=1), dict(kata_chunk_size=1024)],
 }
 
 
@@ -76,15 +77,16 @@ def main(argv=None) -> int:
     rows = []
     for D, T, mode in grid:
         for case in anchors:
-            rows.append(dict(op=case.op, impl=case.impl, D=D, T=T, mode=mode, config=None,
-                             ms=kernels.measure(case, max(1, kernels.TOKENS // T), T, D, mode)))
+            ms, peak = kernels.measure_row(case, max(1, kernels.TOKENS // T), T, D, mode)
+            rows.append(dict(op=case.op, impl=case.impl, D=D, T=T, mode=mode, config=None, ms=ms, peak_gib=gib(peak)))
     for i, fields in enumerate(configs):
         with use_config(KernelConfig(**fields)):
             for D, T, mode in grid:
                 for case in ours:
-                    ms = kernels.measure(case, max(1, kernels.TOKENS // T), T, D, mode)
-                    rows.append(dict(op=case.op, impl=case.impl, D=D, T=T, mode=mode, config=i, fields=fields, ms=ms))
-                    print(f"config {i} {fields} {case.op} D{D} T{T} {mode}: {ms}", flush=True)
+                    ms, peak = kernels.measure_row(case, max(1, kernels.TOKENS // T), T, D, mode)
+                    rows.append(dict(op=case.op, impl=case.impl, D=D, T=T, mode=mode, config=i, fields=fields, ms=ms,
+                                     peak_gib=gib(peak)))
+                    print(f"config {i} {fields} {case.op} D{D} T{T} {mode}: {ms} ({rows[-1]['peak_gib']} GiB)", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
@@ -92,8 +94,18 @@ def main(argv=None) -> int:
     return 0
 
 
+def gib(peak: int | None) -> float | None:
+    return None if peak is None else peak / 2**30
+
+
+def with_peak(text: str, row: dict) -> str:
+    """A table cell and, where measured, the row's peak memory."""
+    return text + (f", {row['peak_gib']:.2f} GiB" if row.get("peak_gib") is not None else "")
+
+
 def table(rows, configs, ours, grid) -> str:
-    """ms per (op, D, T, mode) row and config column, `(x.xx)` the ratio to the first anchor of the row."""
+    """ms per (op, D, T, mode) row and config column, `(x.xx)` the ratio to the first anchor of the row, then
+    the peak memory where measured."""
     lines = ["| op | D | T | mode | anchor | " + " | ".join(f"config {i}" for i in range(len(configs))) + " |",
              "|---|---|---|---|---|" + "---|" * len(configs)]
     for case in ours:
@@ -102,10 +114,11 @@ def table(rows, configs, ours, grid) -> str:
             base = anchor["ms"] if anchor and isinstance(anchor["ms"], float) else None
             cells = []
             for i in range(len(configs)):
-                ms = next(r["ms"] for r in rows if r["config"] == i and r["op"] == case.op and r["D"] == D and r["T"] == T
-                          and r["mode"] == mode)
-                cells.append(f"{ms:.3f}" + (f" ({ms / base:.2f})" if base else "") if isinstance(ms, float) else "error")
-            shown = f"{anchor['impl']} {base:.3f}" if base else "-"
+                row = next(r for r in rows if r["config"] == i and r["op"] == case.op and r["D"] == D and r["T"] == T
+                           and r["mode"] == mode)
+                ms = row["ms"]
+                cells.append(with_peak(f"{ms:.3f}" + (f" ({ms / base:.2f})" if base else ""), row) if isinstance(ms, float) else "error")
+            shown = with_peak(f"{anchor['impl']} {base:.3f}", anchor) if base else "-"
             lines.append(f"| {case.op} | {D} | {T} | {mode} | {shown} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n" + "\n".join(f"config {i}: {fields}" for i, fields in enumerate(configs))
 

@@ -138,11 +138,12 @@ def test_tune_kernels_sweeps_the_family_presets_and_checks_configs_first(capsys,
     from polyattn.bench import kernels
 
     ours = [c for c in kernels.cases() if c.op == "linear_attn" and c.impl == "polyattn-triton"]
-    rows = [dict(op="linear_attn", impl="fla-chunk_linear_attn", D=128, T=2048, mode="fwd", config=None, ms=2.0),
-            dict(op="linear_attn", impl="polyattn-triton", D=128, T=2048, mode="fwd", config=0, ms=1.0),
-            dict(op="linear_attn", impl="polyattn-triton", D=128, T=2048, mode="fwd", config=1, ms="error: X")]
-    text = tune.table(rows, [{}, {"num_warps": 8}], ours, [(128, 2048, "fwd")])
-    assert "| linear_attn | 128 | 2048 | fwd | fla-chunk_linear_attn 2.000 | 1.000 (0.50) | error |" in text
+    rows = [dict(op="linear_attn", impl="fla-chunk_linear_attn", D=128, T=2048, mode="fwd", config=None, ms=2.0, peak_gib=0.5),
+            dict(op="linear_attn", impl="polyattn-triton", D=128, T=2048, mode="fwd", config=0, ms=1.0, peak_gib=1.25),
+            dict(op="linear_attn", impl="polyattn-triton", D=128, T=2048, mode="fwd", config=1, ms="error: X", peak_gib=None),
+            dict(op="linear_attn", impl="polyattn-triton", D=128, T=2048, mode="fwd", config=2, ms=3.0, peak_gib=None)]
+    text = tune.table(rows, [{}, {"num_warps": 8}, {"num_stages": 1}], ours, [(128, 2048, "fwd")])
+    assert "| linear_attn | 128 | 2048 | fwd | fla-chunk_linear_attn 2.000, 0.50 GiB | 1.000 (0.50), 1.25 GiB | error | 3.000 (1.50) |" in text
 
 
 def test_profile_kernels_refuses_without_a_gpu(capsys, monkeypatch):
