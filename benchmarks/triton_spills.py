@@ -139,8 +139,7 @@ def kata_chunked() -> None:
         for read in (False, True):
             grad = dict(shared, BT=BT, ACCUMULATE=True, READ=read)
             print(f"kata {op} lift gradient{' + read' if read else ''}: "
-                  f"{resources(kata_lift_grad_kernel, grad, warps, stages, dict(x='*bf16', y='*bf16'))}", flush=True)
-
+                  f"{resources(kata_lift_grad_kernel, grad, warps, read_stages, dict(x='*bf16', y='*bf16'))}", flush=True)
 
 
 if __name__ == "__main__":

@@ -51,10 +51,10 @@ class KernelConfig:
     lifted features per program, reads the states (and forms the backward's lift gradients) in tiles of
     kata_read_block tokens, and runs these kernels with kata_chunk_warps warps, its backward's reverse walk
     included (on the H200 at 128K tokens the reads took 10.3 / 6.4 ms for KATA-M2 in tiles of 64 / 128
-    tokens: benchmarks/results/2026-12-02-h200/kata-chunk-probe.json), the read kernel in kata_read_stages
-    pipeline stages, the walks in kata_num_stages, the lift gradients in Triton's default 3 (at 128K tokens the M2 read took 6.0 / 6.5 / 4.8 / 4.8 ms at 1 / 2 /
-    3 / 4 stages, the reverse walk 47.9 / 7.7 / 8.2 ms at 1 / 2 / 3: benchmarks/results/2026-12-03-h200/,
-    kata-chunk-kernels-*stages*.json); `impl="triton"` takes it, with
+    tokens: benchmarks/results/2026-12-02-h200/kata-chunk-probe.json), the read and lift-gradient kernels in
+    kata_read_stages pipeline stages and the walks in kata_num_stages (at 128K tokens the M2 read took 6.0 /
+    6.5 / 4.8 / 4.8 ms at 1 / 2 / 3 / 4 stages, the reverse walk 47.9 / 7.7 / 8.2 ms at 1 / 2 / 3:
+    benchmarks/results/2026-12-03-h200/kata-chunk-kernels-*stages.json); `impl="triton"` takes it, with
     or without gradients, from kata_chunk_crossover·(P + 1024) tokens per sequence (P lifted features; a fit to
     the H200's crossovers at K = V = 64: forward about 11K tokens for KATA-M2, 8.6K for Σ2, 21K for M1;
     forward + backward 8K for M2, 23K for M1).

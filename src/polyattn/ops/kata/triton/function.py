@@ -381,6 +381,7 @@ def chunk_lift_grad(x, y: Cotangents, hs, zs, plan: dict, into: torch.Tensor | N
     kata_lift_grad_kernel[(NT, x.shape[1])](
         x, *y, hs, zs, dx, read_into, tiles, *plan["sizes"], G=meta["G"], SUM=meta["SUM"], BF=meta["BF"], BT=plan["BT"],
         BV=meta["BV"], F32=meta["F32"], ACCUMULATE=into is not None, READ=read_into is not None, num_warps=meta["num_warps"],
+        num_stages=plan["read_stages"],
     )
     return dx
 
