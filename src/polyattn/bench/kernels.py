@@ -23,6 +23,10 @@ reads about half of its `NL = log2(T / C)` chunk-levels per token: forward FLOPs
 `2KV NL`; bytes add lam (and dlam) at `2L` bytes per token. First-order KATA and DeltaKATA
 (`kata_lorentz`, `deltakata_lorentz`: the Lorentz map, P = K, on the linear and delta-rule kernels in
 fp32) count as linear attention and the delta rule (the normaliser column and the lift not counted).
+DeltaKATA's chunked form (`deltakata_m1`, `deltakata_m2`, with g and beta; ops/kata/triton/delta.py) counts per
+token and head its two reads and one write of the `[P, V]` state and the chunk's two `[C, C]` products (C =
+`deltakata_chunk_size`): forward `6PV + 4CV`; fwd+bwd adds the reverse walk (`6PV + 4CV`) and three lift
+gradients (`2PV` each): `18PV + 8CV` (the split halves of fp32 operands not counted).
 Log-linear Gated DeltaNet (`loglinear_gdn`; fwd+bwd counted as three forwards, the backward's rerun
 of the forward walk not counted) counts the delta rule's forward, the chunk's `A Tinv` (`2C^2`) and per chunk-level `W h` and the carry
 (`4KV`), half of the levels also a read (`2KV`): `2 (2C(K+V) + 3KV) + 2C^2 + 5KV NL`; bytes as
@@ -46,7 +50,7 @@ CHUNK = 64
 
 
 OPS = ("linear_attn", "linear_attn_decay", "delta_rule", "hla2", "hla2_decay", "loglinear_mamba2", "loglinear_gdn", "kata_m1",
-       "kata_m2", "kata_s2", "kata_lorentz", "deltakata_lorentz", "softmax")
+       "kata_m2", "kata_s2", "kata_lorentz", "deltakata_lorentz", "deltakata_m1", "deltakata_m2", "softmax")
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,10 @@ class Case:
 
 
 GATED = ("linear_attn_decay", "hla2_decay", "delta_rule", "loglinear_mamba2", "loglinear_gdn", "kata_lorentz",
-         "deltakata_lorentz")  # fwd+bwd differentiates g
-WITH_BETA = ("delta_rule", "loglinear_gdn", "deltakata_lorentz")  # ops whose fwd+bwd differentiates beta
+         "deltakata_lorentz", "deltakata_m1", "deltakata_m2")  # fwd+bwd differentiates g
+WITH_BETA = ("delta_rule", "loglinear_gdn", "deltakata_lorentz", "deltakata_m1", "deltakata_m2")  # ops whose fwd+bwd differentiates beta
 KATA = {"kata_m1": (1, "concat"), "kata_m2": (2, "concat"), "kata_s2": (2, "sum")}  # op -> (groups, combine)
+DELTAKATA = {"deltakata_m1": (1, "concat"), "deltakata_m2": (2, "concat")}  # op -> (groups, combine)
 
 
 def _with_levels(call):
@@ -130,6 +135,11 @@ def cases() -> list[Case]:
              lambda q, k, v, g, b, G=G, c=c: lambda: ops.kata(q, k, v, groups=G, combine=c, impl="triton_chunk")[0])
         for op, (G, c) in KATA.items()
     ]
+    out += [  # DeltaKATA's chunked kernel-trick form, with decay
+        Case(op, "polyattn-triton-chunk", lambda q, k, v, g, b, G=G, c=c: lambda: ops.kata(
+            q, k, v, g, beta=b, groups=G, combine=c, normalize=False, impl="triton_chunk")[0])
+        for op, (G, c) in DELTAKATA.items()
+    ]
     out += [  # first-order KATA and DeltaKATA (P = K) on the linear and delta-rule kernels, in fp32
         Case("kata_lorentz", "polyattn-triton",
              lambda q, k, v, g, b: lambda: ops.kata(q, k, v, g, feature="lorentz", impl="triton")[0]),
@@ -162,6 +172,13 @@ def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int, T: int | None =
     KATA's quadratic kernel its products per causal pair, its chunked form those inside a chunk
     (`KernelConfig.kata_chunk_size`) and the lifted write and read. T: the sequence length (log-linear
     attention's level count, KATA's pairs; default `tokens`)."""
+    if op in DELTAKATA:
+        from polyattn.ops.kata import make_feature_map
+        from polyattn.ops.triton.plan import get_config
+
+        P, C = make_feature_map("psd", K, *DELTAKATA[op]).dim(), get_config().deltakata_chunk_size
+        flops = 6 * P * V + 4 * C * V if mode == "fwd" else 18 * P * V + 8 * C * V
+        return flops * tokens * H, ((2 * K + 2 * V) * 2 if mode == "fwd" else (5 * K + 6 * V) * 2) * tokens * H
     if op in KATA:
         T = T or tokens
         Kp = K * KATA[op][0] if KATA[op][1] == "sum" else K
@@ -340,6 +357,9 @@ RATIOS = (  # (our op, our impl, anchor op, anchor impl)
     ("loglinear_gdn", "polyattn-triton", "linear_attn_decay", "polyattn-triton"),
     ("kata_lorentz", "polyattn-triton", "linear_attn_decay", "polyattn-triton"),
     ("deltakata_lorentz", "polyattn-triton", "delta_rule", "polyattn-triton"),
+    ("deltakata_m1", "polyattn-triton-chunk", "kata_m1", "polyattn-triton-chunk"),
+    ("deltakata_m2", "polyattn-triton-chunk", "kata_m2", "polyattn-triton-chunk"),
+    ("deltakata_m1", "polyattn-triton-chunk", "softmax", "sdpa-flash"),
 )
 
 

@@ -427,8 +427,10 @@ def test_deltakata_on_the_delta_kernels(feature, groups, combine, T, dtype, deca
 
 
 def test_deltakata_triton_rejects_wide_maps():
-    x = seeded_inputs(1, 8, H, 16, V, beta=True, device=DEVICE)  # psd M1 at K = 16: P = 256
-    with pytest.raises(ValueError, match="at most 128 lifted features, got P = 256"):
+    """A PSD map the chunked kernels do not take (K / groups = 24, not a power of two) and too wide for the
+    delta-rule kernels (P = 576)."""
+    x = seeded_inputs(1, 8, H, 24, V, beta=True, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 128 lifted features; got P = 576"):
         ops.kata(x["q"].float(), x["k"].float(), x["v"].float(), x["g"].float(), beta=x["beta"].float(), groups=1,
                  normalize=False, impl="triton")
 

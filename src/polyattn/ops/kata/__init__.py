@@ -13,7 +13,7 @@ from polyattn.ops.kata.parallel import kata_parallel
 from polyattn.ops.kata.recurrent import deltakata_recurrent, kata_recurrent
 from polyattn.ops.kata.scan import kata_scan
 from polyattn.ops.kata.state import KataState
-from polyattn.ops.kata.triton import deltakata_triton, kata_triton, kata_triton_chunk, kata_triton_first_order, kata_triton_parallel  # lazy: triton loads on first call
+from polyattn.ops.kata.triton import deltakata_triton, deltakata_triton_chunk, kata_triton, kata_triton_chunk, kata_triton_first_order, kata_triton_parallel  # lazy: triton loads on first call
 
 KATA_FORMS = {
     "naive": kata_naive,
@@ -30,20 +30,23 @@ DELTAKATA_FORMS = {
     "naive": deltakata_naive,
     "recurrent": deltakata_recurrent,
     "chunk": deltakata_chunk,
-    "triton": deltakata_triton,  # the delta-rule kernels on lifted keys, up to DELTA_MAX_FEATURES features
+    "triton": deltakata_triton,  # PSD: the chunked kernels; first-order maps: the delta-rule kernels on lifted keys
+    "triton_chunk": deltakata_triton_chunk,
 }
 
 
-def kata_auto_forms(feature: str, decoding: bool, delta: bool = False, groups: int = 1) -> dict:
+def kata_auto_forms(feature: str, decoding: bool, delta: bool = False, groups: int = 1, group_width: int = 16) -> dict:
     """The forms ``impl="auto"`` picks from (on CUDA it takes ``"triton"`` where that is among them).
 
-    PSD maps: every form for a decoding call (one token, no gradient: the fused steps, any groups) and
-    for KATA with ``groups`` a power of two (the quadratic kernel: T² work, yet 60x faster than the
-    PyTorch forms at 2K tokens on the H200 and the one that fits at 8K). Otherwise the PyTorch forms: DeltaKATA's
-    Triton form and the first-order maps' run the delta and linear kernels on fp32 lifted features (IEEE
-    fp32 products, not yet at speed); ops/kata/README.md, "Triton kernel"."""
+    PSD maps: every form for a decoding call (one token, no gradient: the fused steps, any groups), for
+    KATA with ``groups`` a power of two (the quadratic kernel: T² work, yet 60x faster than the PyTorch
+    forms at 2K tokens on the H200 and the one that fits at 8K) and for DeltaKATA with ``group_width``
+    (``K / groups``) a power of two >= 16 (its chunked kernels). Otherwise the PyTorch forms: the first-order
+    maps' Triton forms run the delta and linear kernels on fp32 lifted features (IEEE fp32 products, not
+    yet at speed); ops/kata/README.md, "Triton kernel"."""
     forms = DELTAKATA_FORMS if delta else KATA_FORMS
-    if feature == "psd" and (decoding or not delta and groups & (groups - 1) == 0):
+    fits = group_width >= 16 and not group_width & (group_width - 1)
+    if feature == "psd" and (decoding or (fits if delta else groups & (groups - 1) == 0)):
         return forms
     return {n: f for n, f in forms.items() if "triton" not in n}
 
@@ -90,10 +93,12 @@ def kata(
             kernel, or the chunked one past its crossover length (with or without gradients), and linear
             attention's kernels for the first-order ones; with a PSD map all three run one-token calls without
             gradients on the fused decoding step);
-            DeltaKATA ``"naive" | "recurrent" | "chunk" | "triton" | "auto"`` (``"triton"``: the delta-rule kernels
-            on lifted keys, for maps of at most 128 features; the fused step for PSD decoding calls).
-            ``"auto"`` on CUDA: ``"triton"`` for PSD KATA (``groups`` a power of two) and for PSD decoding
-            calls, KATA and DeltaKATA; the PyTorch forms otherwise (:func:`kata_auto_forms`).
+            DeltaKATA ``"naive" | "recurrent" | "chunk" | "triton_chunk" | "triton" | "auto"`` (``"triton_chunk"``:
+            the chunked kernel-trick kernels, PSD maps with ``K / groups`` a power of two >= 16, forward and
+            backward; ``"triton"``: those for such maps, else the delta-rule kernels on lifted keys, for maps of
+            at most 128 features; the fused step for PSD decoding calls).
+            ``"auto"`` on CUDA: ``"triton"`` for PSD KATA (``groups`` a power of two), PSD DeltaKATA (``K / groups``
+            a power of two >= 16) and PSD decoding calls; the PyTorch forms otherwise (:func:`kata_auto_forms`).
 
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state or None)``.
@@ -109,7 +114,7 @@ def kata(
         if initial_state is not None:
             check_state("initial_state", initial_state, (N, H, P, V), q)
         decoding = one_token_step(q, cu_seqlens, (q, k, v, g, beta, initial_state))
-        forms = DELTAKATA_FORMS if impl != "auto" else kata_auto_forms(feature, decoding, delta=True)
+        forms = DELTAKATA_FORMS if impl != "auto" else kata_auto_forms(feature, decoding, delta=True, group_width=K // groups)
         fn = resolve_impl("DeltaKATA", impl, forms, q)
         return run_varlen(fn, (q, k, v, beta, g), cu_seqlens, initial_state, output_final_state, decay_index=4, **options)
     if initial_state is not None:
@@ -134,6 +139,7 @@ __all__ = [
     "deltakata_naive",
     "deltakata_recurrent",
     "deltakata_triton",
+    "deltakata_triton_chunk",
     "kata",
     "kata_chunk",
     "kata_convex_gate",

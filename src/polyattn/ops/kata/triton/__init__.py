@@ -3,7 +3,8 @@
 Files by stage (on the shared core ops/triton: precision helpers, tile tables, chunk decay):
 tiles.py (grouped loads, squared group scores and their gradient, diagonal decay tiles),
 forward.py (the flash-style quadratic forward), backward.py (dq pass over key tiles, dk/dv pass
-over query tiles), chunk.py (the chunked form's lifted states, their read and the backward's reverse walk and lift gradient), function.py (custom ops, autograd, the host's state read and write), step.py
+over query tiles), chunk.py (the chunked form's lifted states, their read and the backward's reverse walk and lift gradient), function.py (custom ops, autograd, the host's state read and write), delta.py (DeltaKATA's chunked walk, its
+custom ops and chunk-local coefficients), step.py
 (the fused one-token decoding step). Each
 kernel file holds its PyTorch twin (`*_ref`). The first-order maps need no kernel of their own:
 `kata_triton_first_order` runs them on linear attention's. Importing this package does not import
@@ -113,8 +114,7 @@ def chunk_pays(q, k, v, g, *, groups=1, combine="concat", initial_state=None, cu
     + backward near 8K and 23K)."""
     from polyattn.ops.triton.plan import get_config, sequence_lengths
 
-    E = q.shape[-1] // groups
-    if E < 4 or E & (E - 1):
+    if not chunk_kernels_fit(q.shape[-1], groups):
         return False
     P = make_feature_map("psd", q.shape[-1], groups, combine).dim()
     return max(sequence_lengths(cu_seqlens, *q.shape[:2]), default=0) >= get_config().kata_chunk_crossover * (P + 1024)
@@ -132,31 +132,65 @@ def kata_triton(q, k, v, g=None, *, feature="psd", **options):
 kata_triton.native_varlen = True
 
 
+def deltakata_triton_chunk(
+    q, k, v, beta, g=None, *, feature="psd", groups=1, combine="concat", eps=1e-6, scale,
+    initial_state=None, output_final_state=False, cu_seqlens=None,
+):
+    """Triton chunked form of DeltaKATA for the PSD maps (`K / groups` a power of two >= 16; forward and
+    backward; handles `cu_seqlens` natively; see delta.py): the kernel-trick UT recurrence, ψ never built,
+    cost linear in T. One token per sequence without gradients (decoding) runs the fused step of step.py.
+    Returns `(o [B, T, H, V] in q's dtype, S [N, H, P, V] fp32 or None)`."""
+    if feature != "psd":
+        raise ValueError(f"impl='triton_chunk': DeltaKATA's chunked kernels compute feature='psd', got feature={feature!r}")
+    from . import delta, step
+
+    decoded = fused_step(step.deltakata_step, (q, k, v, beta, g), initial_state, cu_seqlens, output_final_state,
+                         groups=groups, combine=combine, eps=eps, scale=scale)
+    if decoded is not None:
+        return decoded
+    return delta.deltakata_chunk_fused(q, k, v, beta, g, groups=groups, combine=combine, eps=eps, scale=scale,
+                                       initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+deltakata_triton_chunk.native_varlen = True
+
+
+def chunk_kernels_fit(K: int, groups: int, smallest: int = 4) -> bool:
+    """Whether the chunked PSD kernels take a head of width K in `groups` groups: `K / groups` a power of two of at
+    least `smallest` (DeltaKATA's: 16, the narrowest tensor-core product of the lift-gradient kernel on the GPU)."""
+    E = K // groups
+    return E >= smallest and not E & (E - 1)
+
+
 def deltakata_triton(
     q, k, v, beta, g=None, *, feature="psd", groups=1, combine="concat", eps=1e-6, scale,
     initial_state=None, output_final_state=False, cu_seqlens=None,
 ):
-    """DeltaKATA on the Triton kernels of `delta_rule`: the gated delta rule on the unit lifted keys
-    ψ̂(k), read with ψ(scale·q), for maps of at most DELTA_MAX_FEATURES features (the first-order
-    maps at K <= 128, PSD maps of small groups; wider PSD maps need the kernel-trick form, `impl="chunk"`).
-    In fp32 like `kata_triton_first_order`. With a PSD map of any width, one token per sequence without
-    gradients (decoding) runs the fused step of step.py. Returns `(o [B, T, H, V] in q's dtype,
-    S [N, H, P, V] fp32 or None)`."""
+    """`impl="triton"` for DeltaKATA: the PSD maps on the chunked kernels (`deltakata_triton_chunk`) where
+    `K / groups` is a power of two >= 16; the first-order maps, and PSD maps of other widths up to
+    DELTA_MAX_FEATURES lifted features, on the Triton kernels of `delta_rule` (the gated delta rule on the
+    unit lifted keys ψ̂(k), read with ψ(scale·q), in fp32 like `kata_triton_first_order`). Returns
+    `(o [B, T, H, V] in q's dtype, S [N, H, P, V] fp32 or None)`."""
     from polyattn.ops.delta.triton import delta_rule_triton
 
-    from . import step
-
+    options = dict(feature=feature, groups=groups, combine=combine, eps=eps, scale=scale, initial_state=initial_state,
+                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    if feature == "psd" and chunk_kernels_fit(q.shape[-1], groups, 16):
+        return deltakata_triton_chunk(q, k, v, beta, g, **options)
     fmap = make_feature_map(feature, q.shape[-1], groups, combine)
     if feature == "psd":
+        from . import step
+
         decoded = fused_step(step.deltakata_step, (q, k, v, beta, g), initial_state, cu_seqlens, output_final_state,
                              groups=groups, combine=combine, eps=eps, scale=scale)
         if decoded is not None:
             return decoded
     if fmap.dim() > DELTA_MAX_FEATURES:
         raise ValueError(
-            f"impl='triton': DeltaKATA runs the delta-rule kernels on at most {DELTA_MAX_FEATURES} lifted features, "
-            f"got P = {fmap.dim()} (feature={feature!r}, K = {q.shape[-1]}, groups = {groups}; one-token decoding "
-            f"without gradients takes any P); use impl='chunk'"
+            f"impl='triton': DeltaKATA runs PSD maps with K / groups a power of two >= 16 on its chunked kernels and "
+            f"others on the delta-rule kernels, at most {DELTA_MAX_FEATURES} lifted features; got P = {fmap.dim()} "
+            f"(feature={feature!r}, K = {q.shape[-1]}, groups = {groups}; one-token decoding without gradients "
+            f"takes any P); use impl='chunk'"
         )
     return lifted_delta_rule(
         delta_rule_triton, q, k, v, beta, g, fmap=fmap, eps=eps, scale=scale, dtype=torch.float32,
@@ -167,4 +201,4 @@ def deltakata_triton(
 
 deltakata_triton.native_varlen = True
 
-__all__ = ["DELTA_MAX_FEATURES", "chunk_pays", "deltakata_triton", "kata_triton", "kata_triton_chunk", "kata_triton_first_order", "kata_triton_parallel"]
+__all__ = ["DELTA_MAX_FEATURES", "chunk_kernels_fit", "chunk_pays", "deltakata_triton", "deltakata_triton_chunk", "kata_triton", "kata_triton_chunk", "kata_triton_first_order", "kata_triton_parallel"]

@@ -1,0 +1,142 @@
+"""Triton DeltaKATA on its chunked kernels (`impl="triton_chunk"`, ops/kata/triton/delta.py) against the float64
+naive spec.
+
+The bound per tensor is `polyattn.testing.assert_low_precision_matches`'s: at most twice the error of the
+PyTorch `chunk` form on the same low-precision inputs (or one rounding floor), under a hard ceiling, for o,
+the final state and every gradient (dq, dk, dv, dbeta, dg and the initial state's, through o and the final
+state). The kernels are called directly (`deltakata_chunk_fused`), so that T = 1 runs them too and not the
+decoding step. On a CPU-only machine they run under TRITON_INTERPRET=1 at tiny shapes with chunks of 16
+tokens (several chunks per sequence); with CUDA at real shapes and the default chunk of 64. The walk is also
+compared with its PyTorch twin, forward and (through the twin's autograd) backward.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from polyattn import ops
+from polyattn.ops.kata import deltakata_chunk, deltakata_naive, make_feature_map
+from polyattn.ops.kata.triton.delta import (
+    _walk_plan, chunk_layout, deltakata_chunk_fused, deltakata_coefficients, deltakata_walk, deltakata_walk_ref,
+)
+from polyattn.ops.triton.plan import KernelConfig, use_config
+from polyattn.testing import assert_close_rel, assert_continuation, assert_low_precision_matches, dtype_id, rel_err, seeded_inputs
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+if CUDA:
+    B, H, K, V = 2, 16, 64, 48
+    T_GRID = [1, 63, 64, 65, 1000]
+    CONFIG = KernelConfig()
+else:
+    B, H, K, V = 2, 2, 16, 12  # the group width K / groups: 16 here, the narrowest the kernels take
+    T_GRID = [1, 15, 16, 17, 50]
+    CONFIG = KernelConfig(deltakata_chunk_size=16, kata_read_block=16)  # 4 chunks at T = 50
+
+
+def _state(N, fmap, seed):
+    return 0.5 * torch.randn(N, H, fmap.dim(), V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(DEVICE)
+
+
+def _width(groups):
+    """The head width of a variant: K on the GPU; on the CPU 16 per group (group width 16, the narrowest)."""
+    return K if CUDA else 16 * groups
+
+
+def _check(T, dtype, groups, combine, decay, with_state, Bx=1, seed=0, lengths=None):
+    N = Bx if lengths is None else len(lengths)
+    Kx = _width(groups)
+    fmap = make_feature_map("psd", Kx, groups, combine)
+    x = seeded_inputs(Bx, T if lengths is None else sum(lengths), H, Kx, V, decay=decay, beta=True, seed=seed, device=DEVICE)
+    x = {n: x[n] for n in ("q", "k", "v", "beta", "g")}
+    opts = dict(groups=groups, combine=combine, eps=1e-6)
+    fused = functools.partial(deltakata_chunk_fused, **opts)
+    fused.native_varlen = True
+    forms = [functools.partial(f, feature="psd", **opts) for f in (deltakata_naive, deltakata_chunk)] + [fused]
+    with use_config(CONFIG):
+        assert_low_precision_matches(*forms, x, _state(N, fmap, seed + 1) if with_state else None, dtype, lengths=lengths)
+
+
+VARIANTS = [(1, "concat"), (2, "concat"), (4, "concat"), (2, "sum"), (4, "sum")]
+# (T, dtype, groups, combine, decay, with_state): KATA-M1 over the T grid in both dtypes, the other variants once
+# each in fp32 and bf16 (alternating the flags), fp16 once
+CASES = [(T, dt, 1, "concat", True, T % 2 == 1) for T in T_GRID for dt in (torch.float32, torch.bfloat16)] + [
+    (T_GRID[-2], dt, G, c, i % 2 == 0, i % 2 == 1) for i, (G, c) in enumerate(VARIANTS[1:]) for dt in (torch.float32, torch.bfloat16)
+] + [(T_GRID[-1], torch.float16, 2, "concat", True, True)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"T{T}-{dtype_id(d)}-G{G}-{c}-{'g' if g else 'nog'}-{'h0' if s else 'noh0'}"
+                                             for T, d, G, c, g, s in CASES])
+def test_triton_chunk_matches_naive(case):
+    """o, the final state and every gradient: each (groups, combine), with and without decay and an initial
+    state, over the T grid (one token, a chunk boundary inside or not)."""
+    T, dtype, groups, combine, decay, with_state = case
+    _check(T, dtype, groups, combine, decay, with_state, Bx=B if T < T_GRID[-1] else 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_triton_chunk_varlen_matches_naive(dtype):
+    """Packed sequences (one of a single token, others around the chunk size), each from its own state."""
+    lengths = [1, 16, 37, 20] if not CUDA else [1, 64, 1000, 2047, 130]
+    _check(None, dtype, 2, "concat", True, True, lengths=lengths, seed=4)
+
+
+@pytest.mark.parametrize("split", [1, 15, 17, 32])
+def test_prefill_continues(split):
+    """A prefill continued from its final state at a split inside or on a chunk's edge equals one call."""
+    x = seeded_inputs(1, 50, H, _width(2), V, decay=True, beta=True, seed=2, device=DEVICE, dtype=torch.float32)
+    inputs = {n: x[n] for n in ("q", "k", "v", "beta", "g")}
+    with use_config(CONFIG), torch.no_grad():
+        assert_continuation(ops.kata, inputs, split, 2e-5, groups=2, normalize=False, impl="triton_chunk")
+
+
+@pytest.mark.parametrize("groups, combine", [(1, "concat"), (2, "sum")], ids=["M1", "S2"])
+def test_walk_matches_twin(groups, combine):
+    """The walk kernel against `deltakata_walk_ref` (float64) on the same fp32 coefficients, packed sequences from
+    initial states, every stored row and state; its backward op against the twin's autograd, for every input."""
+    lengths = (40, 5, 17) if not CUDA else (700, 5, 170)
+    N_tok, N = sum(lengths), len(lengths)
+    Kx = _width(groups)
+    fmap = make_feature_map("psd", Kx, groups, combine)
+    x = seeded_inputs(1, N_tok, H, Kx, V, decay=True, beta=True, seed=3, device=DEVICE, dtype=torch.float32)
+    flat = [x[n][0].contiguous() for n in ("q", "k", "v", "beta", "g")]
+    h0 = _state(N, fmap, 5).float()
+    with use_config(CONFIG) as config:
+        C = config.deltakata_chunk_size
+        plan = _walk_plan(lengths, H, Kx, V, groups, combine, DEVICE, torch.float32)
+        idx, mask = chunk_layout(plan["table"], C, N_tok)
+        with torch.no_grad():
+            coefs = deltakata_coefficients(*flat, fmap=fmap, scale=Kx**-0.5, eps=1e-6, idx=idx, mask=mask)
+        leaves = [t.clone().requires_grad_() for t in (flat[0], flat[1], *coefs, h0)]
+        got = deltakata_walk(*leaves, list(lengths), groups, combine, torch.float32, True)
+        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+        ref = deltakata_walk_ref(*ref_leaves, lengths, C, fmap)
+        for name, a, b in zip(("o", "final state", "entering states", "U", "Yk", "Yq"), got, ref):
+            assert_close_rel(a, b, 1e-5, name)
+        gen = torch.Generator().manual_seed(6)
+        do, dht = (torch.randn(t.shape, generator=gen).to(DEVICE) for t in (got[0], got[1]))
+        grads = torch.autograd.grad((got[0] * do).sum() + (got[1] * dht).sum(), leaves)
+        want = torch.autograd.grad((ref[0] * do).sum() + (ref[1] * dht).sum(), ref_leaves)
+    for name, a, b in zip(("dq", "dk", "dM", "dA", "db", "dalpha", "domega", "drho", "dlam", "dh0"), grads, want):
+        assert rel_err(a, b) <= 1e-5, f"{name}: {rel_err(a, b):.2e}"
+
+
+def test_triton_routes_psd_maps_to_the_chunked_kernels():
+    """`impl="triton"` runs PSD DeltaKATA of a power-of-two group width on the chunked kernels (the same result
+    as `"triton_chunk"`), any width (P = 256 > 128 here) included."""
+    x = seeded_inputs(1, 20, H, K, V, decay=True, beta=True, seed=8, device=DEVICE, dtype=torch.float32)
+    args = [x[n] for n in ("q", "k", "v", "g")]
+    with use_config(CONFIG), torch.no_grad():
+        o, S = ops.kata(*args, beta=x["beta"], normalize=False, impl="triton", output_final_state=True)
+        o_chunk, S_chunk = ops.kata(*args, beta=x["beta"], normalize=False, impl="triton_chunk", output_final_state=True)
+    assert torch.equal(o, o_chunk) and torch.equal(S, S_chunk)
+
+
+def test_triton_chunk_refuses_other_maps():
+    y = seeded_inputs(1, 8, H, 32, V, beta=True, device=DEVICE, dtype=torch.float32)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        ops.kata(y["q"], y["k"], y["v"], beta=y["beta"], groups=4, normalize=False, impl="triton_chunk")  # E = 8
+    with pytest.raises(ValueError, match="feature='psd'"):
+        ops.kata(y["q"], y["k"], y["v"], beta=y["beta"], feature="lorentz", normalize=False, impl="triton_chunk")
