@@ -26,13 +26,14 @@ PRESETS = {  # the launch parameters each family's kernels read
              dict(kata_score_dot="rounded", kata_num_stages=3),
              dict(kata_score_dot="rounded", kata_num_warps=4, kata_bwd_warps=8, kata_num_stages=3),
              dict(kata_block_m=64, kata_block_n=64, kata_num_warps=4, kata_bwd_warps=4), dict(kata_block_m=128, kata_block_n=32),
-             dict(kata_block_m=128, kata_block_n=128, kata_num_stages=1), dict(kata_chunk_size=1024)],
+             dict(kata_block_m=128, kata_block_n=128, kata_num_stages=1), dict(kata_chunk_size=1024),
+             dict(deltakata_block_v=16), dict(deltakata_chunk_size=64)],
 }
 
 
 def family(op: str) -> str:
     """The preset family of a benchmark op: the kernels its polyattn impl runs."""
-    if op.startswith("kata_m") or op.startswith("kata_s"):
+    if op.startswith(("kata_m", "kata_s", "deltakata_m")):
         return "kata"
     if op in ("delta_rule", "deltakata_lorentz", "loglinear_gdn"):
         return "delta"

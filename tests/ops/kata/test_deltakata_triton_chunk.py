@@ -140,3 +140,14 @@ def test_triton_chunk_refuses_other_maps():
         ops.kata(y["q"], y["k"], y["v"], beta=y["beta"], groups=4, normalize=False, impl="triton_chunk")  # E = 8
     with pytest.raises(ValueError, match="feature='psd'"):
         ops.kata(y["q"], y["k"], y["v"], beta=y["beta"], feature="lorentz", normalize=False, impl="triton_chunk")
+
+
+def test_auto_takes_the_kernels_for_fitting_widths():
+    """`impl="auto"` (on CUDA) picks from the Triton forms for PSD DeltaKATA of group width a power of two >= 16 and
+    from the PyTorch forms otherwise (beyond one-token decoding calls)."""
+    from polyattn.ops.kata import kata_auto_forms
+
+    assert {"triton", "triton_chunk"} <= set(kata_auto_forms("psd", False, delta=True, group_width=16))
+    for width in (8, 24):
+        assert not any("triton" in n for n in kata_auto_forms("psd", False, delta=True, group_width=width))
+    assert "triton" in kata_auto_forms("psd", True, delta=True, group_width=8)  # decoding: the fused step, any width

@@ -34,7 +34,7 @@ import triton.language as tl
 from polyattn.ops.common import suffix_sum
 from polyattn.ops.kata.state import with_ones
 from polyattn.ops.triton.decay import chunk_decay, chunk_suffix, reset_limit_ref, reset_limited
-from polyattn.ops.triton.precision import LOG2E, mma_left_fp32, mma_right_fp32
+from polyattn.ops.triton.precision import LOG2E, mma_fp32, mma_left_fp32, mma_right_fp32
 
 
 @triton.jit
@@ -222,7 +222,8 @@ def kata_lift_grad_kernel(
     `U_e[t, f] x_ie` to column f of each group. The groups of a slot are one `[BT, GS, E]` tile (Σg: all G
     share slot 0, so U_e is formed once for them; Mg: one group a slot). `dx [N_tok, H, K]` fp32 is written,
     or with ACCUMULATE added to (every token belongs to one tile); the rows `y_t = [a_t v_t | b_t]` as
-    `kata_states_kernel`'s reverse walk takes them (`y [N_tok, H, V]`, `ya`, `yb [N_tok, H]` fp32);
+    `kata_states_kernel`'s reverse walk takes them (`y [N_tok, H, V]` in x's dtype, entering exact, or fp32, split
+    in halves like the state; `ya`, `yb [N_tok, H]` fp32);
     `tiles` as `kata_read_kernel`'s. READ: the same pass also adds the read `a_t (ψ(x_t)ᵀ S_c)` into
     `dr [N_tok, H, V]` fp32 (the backward's dv: x = k, the rows' a its weight), its products
     `X_i S_e` (`[BT·GS, E] @ [E, V]`) on the state rows just loaded, weighted by `x_ie` and summed over i."""
@@ -243,7 +244,11 @@ def kata_lift_grad_kernel(
         for e in range(0, E):
             rows = (slot * E + e) * E + o_f  # [E]
             b_s = tl.load(p_h + rows[:, None] * V + o_v[None, :], mask=(rows >= 0)[:, None] & m_v[None, :], other=0.0)  # [E, BV]
-            b_u = mma_right_fp32(b_y, tl.trans(b_s), F32) * b_ya[:, None] + b_yz[:, None] * tl.load(p_z + rows)[None, :]  # [BT, BV] @ [BV, E]
+            if b_y.dtype == x.dtype.element_ty:  # [BT, BV] @ [BV, E]: y exact, the state split
+                b_u = mma_right_fp32(b_y, tl.trans(b_s), F32)
+            else:  # fp32 rows with low-precision x: both split, three products
+                b_u = mma_fp32(b_y, tl.trans(b_s), x.dtype.element_ty, F32, 0)
+            b_u = b_u * b_ya[:, None] + b_yz[:, None] * tl.load(p_z + rows)[None, :]
             b_xe = tl.load(x + row[:, None] + groups[None, :] + e, mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, GS]: columns x_ie
             b_row = tl.sum(b_u[:, None, :] * b_x, axis=2)  # [BT, GS]: Σ_f U_e[t, f] x_if
             b_dx += b_u[:, None, :] * b_xe[:, :, None] + tl.where(o_f[None, None, :] == e, b_row[:, :, None], 0.0)

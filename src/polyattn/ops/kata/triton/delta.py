@@ -305,17 +305,13 @@ def _walk_plan(seq_lens, H, K, V, groups: int, combine: str, device, dtype) -> d
 
 
 def _lift_grad(x, y, weight, states, zs, plan: dict, into: torch.Tensor) -> None:
-    """Adds `∇_x Σ_t weight_t ψ(x_t)ᵀ states[c(t)] y_t` to `into` (fp32): chunk.py's lift-gradient kernel, a `y` of
-    another dtype than x's (fp32 rows) in two halves of x's dtype, two launches (the kernel takes y exact)."""
+    """Adds `∇_x Σ_t weight_t ψ(x_t)ᵀ states[c(t)] y_t` to `into` (fp32): chunk.py's lift-gradient kernel (rows
+    `y` in x's dtype enter it exact, fp32 rows split in two halves)."""
     H, K, V, E, P = plan["sizes"]
-    halves = [y.to(x.dtype)]
-    if y.dtype != x.dtype:
-        halves.append((y - halves[0].float()).to(x.dtype))
-    for part in halves:
-        kata_lift_grad_kernel[(plan["NT"], H)](
-            x, part, weight, weight, states, zs, into, None, plan["tiles"], H, K, V, E, P, BF=E, BT=plan["BT"], BV=block(V),
-            ACCUMULATE=True, READ=False, num_warps=plan["warps"], num_stages=plan["stages"], **plan["meta"],
-        )
+    kata_lift_grad_kernel[(plan["NT"], H)](
+        x, y, weight, weight, states, zs, into, None, plan["tiles"], H, K, V, E, P, BF=E, BT=plan["BT"], BV=block(V),
+        ACCUMULATE=True, READ=False, num_warps=plan["warps"], num_stages=plan["stages"], **plan["meta"],
+    )
 
 
 @torch.library.custom_op("polyattn::deltakata_walk", mutates_args=())
