@@ -51,7 +51,7 @@ def test_lorentz_needs_two_dims():
 
 @pytest.mark.parametrize("impl", ["scan", "parallel"])
 def test_deltakata_lacks_quadratic_and_scan_forms(impl):
-    with pytest.raises(NotImplementedError, match=r"DeltaKATA has no impl='.*'; it has \['chunk', 'naive', 'recurrent', 'triton'\]"):
+    with pytest.raises(NotImplementedError, match=r"DeltaKATA has no impl='.*'; it has \['chunk', 'naive', 'recurrent', 'triton', 'triton_chunk'\]"):
         kata(**_ok(), beta=torch.rand(1, 6, 2), normalize=False, impl=impl)
 
 

@@ -28,9 +28,12 @@ column), so a program owns a value tile of the whole `[P, V]` state and walks th
 state stays in global memory (L2 at these sizes) and is read and written row block by row block of E
 lifted features, as the read kernel of chunk.py does. `deltakata_walk_ref` is the PyTorch twin.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from torch.utils.checkpoint import checkpoint
 
 from polyattn.ops.common import exp_segsum, wants_grad
 from polyattn.ops.kata.feature_maps import make_feature_map
@@ -442,8 +445,11 @@ def deltakata_chunk_fused(
         return v.new_zeros(B, T, H, V).to(q.dtype), (state.clone() if output_final_state else None)
     flat = [None if x is None else x.reshape(B * T, H, *x.shape[3:]).float() for x in (q, k, v, beta, g)]  # [B*T, H, ...]
     idx, mask = chunk_layout(plan["table"], plan["C"], B * T)
-    coefs = deltakata_coefficients(*flat, fmap=fmap, scale=float(scale), eps=float(eps), idx=idx, mask=mask)
+    prep = functools.partial(deltakata_coefficients, fmap=fmap, scale=float(scale), eps=float(eps), idx=idx, mask=mask)
     store_hs = torch.is_grad_enabled() and wants_grad((q, k, v, beta, g, initial_state))
+    # with gradients the chunk-local algebra is recomputed in the backward: its autograd would keep some twenty [C, C]
+    # tensors per chunk and head from the forward to the backward, far more than the walk's entering states
+    coefs = checkpoint(prep, *flat, use_reentrant=False) if store_hs else prep(*flat)
     o, ht, _, _, _, _ = deltakata_walk(flat[0], flat[1], *coefs, h0, list(seq_lens), groups, combine, q.dtype, store_hs)
     return o.view(B, T, H, V), (ht if output_final_state else None)
 
