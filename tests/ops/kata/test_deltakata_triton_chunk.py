@@ -151,3 +151,25 @@ def test_auto_takes_the_kernels_for_fitting_widths():
     for width in (8, 24):
         assert not any("triton" in n for n in kata_auto_forms("psd", False, delta=True, group_width=width))
     assert "triton" in kata_auto_forms("psd", True, delta=True, group_width=8)  # decoding: the fused step, any width
+
+
+def test_custom_ops_pass_opcheck():
+    """The walk and its backward as custom ops: schema, fake tensors (shapes and dtypes without running), the
+    autograd registration."""
+    lengths = [20, 13]
+    N_tok, Kx = sum(lengths), _width(1)
+    fmap = make_feature_map("psd", Kx, 1, "concat")
+    x = seeded_inputs(1, N_tok, H, Kx, V, decay=True, beta=True, seed=5, device=DEVICE, dtype=torch.float32)
+    flat = [x[n][0].contiguous() for n in ("q", "k", "v", "beta", "g")]
+    h0 = _state(len(lengths), fmap, 6).float()
+    with use_config(CONFIG) as config:
+        plan = _walk_plan(lengths, H, Kx, V, 1, "concat", DEVICE, torch.float32)
+        idx, mask = chunk_layout(plan["table"], config.deltakata_chunk_size, N_tok)
+        coefs = deltakata_coefficients(*flat, fmap=fmap, scale=Kx**-0.5, eps=1e-6, idx=idx, mask=mask)
+        for dtype in (torch.float32, torch.bfloat16):  # fp32 copies, the kernels in dtype
+            args = (flat[0], flat[1], *coefs, h0, lengths, 1, "concat", dtype, True)
+            torch.library.opcheck(torch.ops.polyattn.deltakata_walk.default, args,
+                                  test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+            o, ht, hs, u, yk, yq = torch.ops.polyattn.deltakata_walk(*args)
+            back = (torch.randn_like(o), torch.randn_like(ht), flat[0], flat[1], *coefs, hs, u, yk, yq, lengths, 1, "concat", dtype)
+            torch.library.opcheck(torch.ops.polyattn.deltakata_walk_backward.default, back, test_utils=("test_schema", "test_faketensor"))
