@@ -5,7 +5,7 @@ Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel
 (`wy_kernel`, `wy_factors_kernel`, the two recurrences, the per-chunk output and two gradient kernels) and log-linear
 Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_backward_kernel`, `gdn_chunk_grads_kernel`) and
 KATA's chunked form's (`kata_states_kernel` both ways, `kata_read_kernel`, `kata_lift_grad_kernel` with and without
-its read, at K = V = 64 with the default tiles) for sm_90a with the installed Triton (or the families named) and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
+its read, at K = V = 64 with the default tiles) and DeltaKATA's walks (`deltakata_walk_kernel`, `deltakata_walk_grad_kernel`) for sm_90a with the installed Triton (or the families named) and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
 The installed Triton may differ from the GPU machine's, so read the numbers as indications.
 """
 import subprocess
@@ -22,11 +22,12 @@ from polyattn.ops.delta.triton.backward import delta_grad_factors_kernel, delta_
 from polyattn.ops.delta.triton.forward import delta_outputs_kernel, delta_states_kernel
 from polyattn.ops.delta.triton.wy import wy_factors_kernel, wy_kernel
 from polyattn.ops.kata.triton.chunk import kata_lift_grad_kernel, kata_read_kernel, kata_states_kernel
+from polyattn.ops.kata.triton.delta import deltakata_walk_grad_kernel, deltakata_walk_kernel
 from polyattn.ops.kata.triton.function import feature_blocks
 from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
 from polyattn.ops.loglinear.triton.gdn import gdn_chunk_grads_kernel, gdn_chunk_kernel, gdn_levels_backward_kernel, gdn_levels_kernel
-from polyattn.ops.triton.plan import KernelConfig
+from polyattn.ops.triton.plan import KernelConfig, kata_state_chunk
 
 POINTERS = {
     "a": "*bf16", "b": "*bf16", "c": "*bf16", "g": "*fp32", "out": "*bf16", "seg": "*i32", "s_in": "*fp32",
@@ -79,6 +80,7 @@ def main() -> None:
         loglinear_gdn()
     if "kata" in families:
         kata_chunked()
+        deltakata_chunked()
 
 
 def linear() -> None:
@@ -131,7 +133,7 @@ def kata_chunked() -> None:
         shared = dict(G=groups, SUM=False, BF=tiling["BF"], BV=tiling["BV"], F32=False)
         for reverse in (False, True):
             for use_g in (False, True):
-                walk = dict(shared, BE=tiling["BE"], BS=BS, SUB=config.kata_chunk_size // BS, USE_G=use_g, USE_H0=False,
+                walk = dict(shared, BE=tiling["BE"], BS=BS, SUB=kata_state_chunk(config, tiling["P"]) // BS, USE_G=use_g, USE_H0=False,
                             STORE_HT=True, REVERSE=reverse)
                 print(f"kata {op} {'reverse' if reverse else 'forward'} walk{', decay' if use_g else ''}: "
                       f"{resources(kata_states_kernel, walk, warps, stages)}", flush=True)
@@ -140,6 +142,19 @@ def kata_chunked() -> None:
             grad = dict(shared, BT=BT, ACCUMULATE=True, READ=read)
             print(f"kata {op} lift gradient{' + read' if read else ''}: "
                   f"{resources(kata_lift_grad_kernel, grad, warps, read_stages, dict(x='*bf16', y='*bf16'))}", flush=True)
+
+
+
+def deltakata_chunked() -> None:
+    """DeltaKATA-M2 and M1's walks at K = V = 64 in the default chunk, a value tile of 32 and 16, the chunked warps."""
+    config = KernelConfig()
+    for op, groups in (("M2", 2), ("M1", 1)):
+        for BV in (config.deltakata_block_v, 16):
+            shared = dict(G=groups, SUM=False, C=config.deltakata_chunk_size, BF=64 // groups, BV=BV, F32=False)
+            print(f"deltakata {op} walk BV{BV}: "
+                  f"{resources(deltakata_walk_kernel, dict(shared, STORE_HS=True), config.kata_chunk_warps, 2, dict(a='*fp32', b='*fp32'))}")
+            print(f"deltakata {op} reverse walk BV{BV}: "
+                  f"{resources(deltakata_walk_grad_kernel, shared, config.kata_chunk_warps, 2, dict(a='*fp32'))}", flush=True)
 
 
 if __name__ == "__main__":

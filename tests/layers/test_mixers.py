@@ -240,7 +240,8 @@ def test_mixer_form_auto_offers_what_the_op_offers(name, T, monkeypatch):
     """With "auto", mixer_form resolves among exactly the forms that the op's own "auto" offers on the
     mixer's real call (recorded from a training forward, with gradients, for more than one token; one
     token is a decoding call, without): the Triton forms always for decoding (the fused steps), for
-    training calls for KATA (the quadratic kernel) and both log-linear bases, not for DeltaKATA."""
+    training calls for KATA (the quadratic kernel) and both log-linear bases, for DeltaKATA only at a group
+    width its chunked kernels take (16 here: the mixer of width 32, two heads; width 16 gives 8, not taken)."""
     import importlib
 
     import polyattn.layers as layers
@@ -254,12 +255,15 @@ def test_mixer_form_auto_offers_what_the_op_offers(name, T, monkeypatch):
     monkeypatch.setattr(layers, "resolve_impl", recording(layers, "mixer_form"))
     for module in map(importlib.import_module, ("polyattn.ops.kata", "polyattn.ops.loglinear")):  # the modules, not the ops
         monkeypatch.setattr(module, "resolve_impl", recording(module, "op"))
-    mixer = build_mixer(name, 16, num_heads=2)
-    with torch.set_grad_enabled(T != 1):
-        mixer(torch.randn(1, T, 16))
-    mixer_form(name, "auto", T)
-    assert offered["mixer_form"] == offered["op"], name
-    assert ("triton" in offered["op"]) == (T == 1 or name != "deltakata-m1"), (name, T)
+    for width in (16, 32):
+        offered.clear()
+        mixer = build_mixer(name, width, num_heads=2)
+        with torch.set_grad_enabled(T != 1):
+            mixer(torch.randn(1, T, width))
+        mixer_form(name, "auto", T, group_width=getattr(mixer, "group_width", 16))
+        assert offered["mixer_form"] == offered["op"], (name, width)
+        fits = getattr(mixer, "group_width", 16) >= 16
+        assert ("triton" in offered["op"]) == (T == 1 or name != "deltakata-m1" or fits), (name, T, width)
     offered.clear()
     mixer_form("kata-m2", "triton", T)
     assert "triton" in offered["mixer_form"]  # by name: every form

@@ -170,7 +170,7 @@ def cases() -> list[Case]:
 def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int, T: int | None = None, impl: str = "") -> tuple[float, float]:
     """FLOPs and minimum bytes of one call (the module docstring); HLA2 counts two linear calls;
     KATA's quadratic kernel its products per causal pair, its chunked form those inside a chunk
-    (`KernelConfig.kata_chunk_size`) and the lifted write and read. T: the sequence length (log-linear
+    (`plan.kata_state_chunk`) and the lifted write and read. T: the sequence length (log-linear
     attention's level count, KATA's pairs; default `tokens`)."""
     if op in DELTAKATA:
         from polyattn.ops.kata import make_feature_map
@@ -184,10 +184,10 @@ def flops_bytes(op: str, mode: str, tokens: int, K: int, V: int, T: int | None =
         Kp = K * KATA[op][0] if KATA[op][1] == "sum" else K
         if impl == "polyattn-triton-chunk":
             from polyattn.ops.kata import make_feature_map
-            from polyattn.ops.triton.plan import get_config
+            from polyattn.ops.triton.plan import get_config, kata_state_chunk
 
             P = make_feature_map("psd", K, *KATA[op]).dim()
-            pairs = min(T, get_config().kata_chunk_size)
+            pairs = min(T, kata_state_chunk(get_config(), P))
             if mode == "fwd":
                 return (pairs * (Kp + V) + 4 * P * (V + 1)) * tokens * H, (2 * K + 2 * V) * 2 * tokens * H
             return (pairs * (5 * Kp + 4 * V) + 14 * P * (V + 1)) * tokens * H, (5 * K + 6 * V) * 2 * tokens * H

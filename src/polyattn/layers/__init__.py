@@ -73,10 +73,11 @@ OP_FORMS = {"linear_attn": LINEAR_ATTN_FORMS, "delta_rule": DELTA_RULE_FORMS, "h
             "loglinear_attn": LOGLINEAR_ATTN_FORMS, "kata": KATA_FORMS}
 
 
-def mixer_form(name, impl, T=2, device="cpu", dtype=torch.float32):
+def mixer_form(name, impl, T=2, device="cpu", dtype=torch.float32, group_width=16):
     """The form of its op that mixer `name` runs on a call of T tokens with ``impl`` (``"auto"`` resolved
     for inputs on `device` in `dtype`: more than one token as in training, with gradients; one token: the
-    ``decode_impl``); ``"sdpa"`` for softmax."""
+    ``decode_impl``); ``"sdpa"`` for softmax. ``group_width``: a KATA mixer's head width per group (DeltaKATA's
+    chunked kernels take powers of two >= 16), e.g. ``mixer.group_width``."""
     if name not in MIXERS:
         raise ValueError(f"unknown mixer {name!r}: expected one of {list(MIXERS)}")
     if name not in MIXER_OPS:
@@ -85,7 +86,7 @@ def mixer_form(name, impl, T=2, device="cpu", dtype=torch.float32):
     if issubclass(MIXERS[name], DeltaKataM1):
         op, forms = "DeltaKATA", DELTAKATA_FORMS
     if impl == "auto" and op in ("kata", "DeltaKATA"):  # the forms the op's own "auto" picks from (the mixers' KATA maps are PSD; decoding: no gradient)
-        forms = kata_auto_forms("psd", T == 1, delta=op == "DeltaKATA")
+        forms = kata_auto_forms("psd", T == 1, delta=op == "DeltaKATA", group_width=group_width)
     chosen = resolve_impl(op, impl, forms, torch.empty(1, T, 1, 1, device=device, dtype=dtype))  # [B, T, H, K]
     return impl if forms.get(impl) is chosen else next(form for form, fn in forms.items() if fn is chosen)
 

@@ -55,6 +55,11 @@ class KernelizedAttention(QKVMixer):
         self.decay = DecayGate(d_model, self.heads) if cfg.decay else None
         self.b_proj = nn.Linear(d_model, self.heads, bias=False) if cfg.delta else None
 
+    @property
+    def group_width(self) -> int:
+        """The head width per group of the feature map, ``K / groups`` (ops.kata_auto_forms)."""
+        return self.dk // self.config.groups
+
     def mix(self, q, k, v, x, core, use_cache, cu_seqlens=None, position=0):
         cfg = self.config
         q, k = self.qk_norm(q), self.qk_norm(k)

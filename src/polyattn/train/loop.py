@@ -131,8 +131,9 @@ def layer_forms(model, config, device):
     """Per layer, the form of its op its mixer runs at the longest training length (``impl="auto"`` resolved
     for this device and the training dtype: e.g. "triton" or "chunk"; "sdpa" for softmax)."""
     dtype = torch.bfloat16 if device.type == "cuda" and config.bf16 else torch.float32
-    return [mixer_form(name, options.get("impl", "auto"), config.max_train_len, device.type, dtype)
-            for name, options in model.config.layer_specs()]
+    return [mixer_form(name, options.get("impl", "auto"), config.max_train_len, device.type, dtype,
+                       getattr(block.mixer, "group_width", 16))
+            for (name, options), block in zip(model.config.layer_specs(), model.blocks)]
 
 
 def no_weight_decay(model):

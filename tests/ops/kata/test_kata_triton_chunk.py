@@ -34,7 +34,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 if CUDA:
     B, H, K, V = 2, 16, 64, 48
     T_GRID = [1, 63, 64, 65, 1000, 2100]
-    CONFIG = KernelConfig(kata_chunk_size=256)  # several chunks at T = 1000
+    CONFIG = KernelConfig(kata_chunk_size=256, kata_wide_chunk_size=256)  # several chunks at T = 1000
 else:
     B, H, K, V = 2, 2, 16, 12  # K / groups: a power of two >= 4 for every variant
     T_GRID = [1, 63, 64, 65, 130]

@@ -57,7 +57,11 @@ class KernelConfig:
     benchmarks/results/2026-12-03-h200/kata-chunk-kernels-*stages.json); `impl="triton"` takes it, with
     or without gradients, from kata_chunk_crossover·(P + 1024) tokens per sequence (P lifted features; a fit to
     the H200's crossovers at K = V = 64: forward about 11K tokens for KATA-M2, 8.6K for Σ2, 21K for M1;
-    forward + backward 8K for M2, 23K for M1).
+    forward + backward 8K for M2, 23K for M1). Maps of kata_wide_features lifted features or more (KATA-M1 at
+    K = 64) take state chunks of kata_wide_chunk_size instead: half the stored states (on the H200 at 128K tokens
+    KATA-M1's fwd+bwd peaked at 4.16 GiB in chunks of 1,024 against 6.19 in chunks of 512, 2.74x and 4.08x SDPA
+    flash's, in 102.6 against 103.2 ms; KATA-M2 at 1,024 took 54.6 against 51.8 ms, so it keeps 512:
+    benchmarks/results/2026-12-03-h200/kata-chunk1024-peak.json).
     DeltaKATA's chunked walk (ops/kata/triton/delta.py) solves chunks of deltakata_chunk_size tokens (a power of
     two, at least 16) and runs one program per value tile of at most deltakata_block_v columns (halved to 16 while
     the walks are fewer than the multiprocessors), with kata_chunk_warps warps (on the H200 at 65,536 tokens,
@@ -89,6 +93,8 @@ class KernelConfig:
     kata_num_stages: int = 2
     kata_score_dot: str = "split"
     kata_chunk_size: int = 512
+    kata_wide_chunk_size: int = 1024
+    kata_wide_features: int = 4096
     kata_state_block: int = 128
     kata_chunk_warps: int = 4
     kata_read_block: int = 128
@@ -102,6 +108,11 @@ class KernelConfig:
 
 
 _CONFIG = [KernelConfig()]
+
+
+def kata_state_chunk(config: KernelConfig, P: int) -> int:
+    """The state chunk of KATA's chunked form for a map of P lifted features (KernelConfig's docstring)."""
+    return config.kata_wide_chunk_size if P >= config.kata_wide_features else config.kata_chunk_size
 
 
 def get_config() -> KernelConfig:

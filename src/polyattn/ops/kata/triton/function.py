@@ -23,7 +23,7 @@ from polyattn.ops.kata.feature_maps import make_feature_map
 from polyattn.ops.kata.state import KataState, join_state, split_state, with_ones
 from polyattn.ops.triton.decay import reset_limit_ref
 from polyattn.ops.triton.plan import (
-    block, chunk_table, get_config, no_output, prefix_cumsum, reverse_cumsum, segment_table, sequence_lengths, sequence_starts,
+    block, chunk_table, get_config, kata_state_chunk, no_output, prefix_cumsum, reverse_cumsum, segment_table, sequence_lengths, sequence_starts,
 )
 from polyattn.ops.triton.precision import check_kernel_inputs, dot_f32
 
@@ -310,11 +310,12 @@ def _chunk_plan(q, v, seq_lens, groups: int, combine: str) -> dict:
     tilings of the forward and the reverse walk, the sequence table, the walks' sub-tile BS, the reads'
     tile BT and the kernels' meta-parameters."""
     config = get_config()
-    CS, BS, BT = config.kata_chunk_size, config.kata_block_n, config.kata_read_block
-    if CS % BS or CS % config.kata_block_m or CS % BT:
-        raise ValueError(f"KernelConfig: expected kata_chunk_size a multiple of kata_block_m, kata_block_n and kata_read_block, got {CS}")
     K = q.shape[-1]
     tiling = feature_blocks(K, v.shape[-1], groups, combine, config.kata_state_block)
+    CS, BS, BT = kata_state_chunk(config, tiling["P"]), config.kata_block_n, config.kata_read_block
+    if CS % BS or CS % config.kata_block_m or CS % BT:
+        raise ValueError(f"KernelConfig: expected kata_chunk_size and kata_wide_chunk_size multiples of kata_block_m, "
+                         f"kata_block_n and kata_read_block, got {CS}")
     pieces = chunk_lengths(tuple(seq_lens), CS)
     _, cu_chunks, NC = chunk_table(tuple(seq_lens), CS, q.device)
     return dict(
