@@ -48,14 +48,14 @@ def _state(N, groups, combine, seed):
     return random_kata_state(N, H, make_feature_map("psd", K, groups, combine), V, seed=seed, device=DEVICE)
 
 
-def _check(T, dtype, groups, combine, decay, normalize, with_state, Bx=1, seed=0, lengths=None):
+def _check(T, dtype, groups, combine, decay, normalize, with_state, Bx=1, seed=0, lengths=None, config=CONFIG):
     N = Bx if lengths is None else len(lengths)
     h0 = _state(N, groups, combine, seed + 1) if with_state else None
     x = seeded_inputs(Bx, T if lengths is None else sum(lengths), H, K, V, decay=decay, seed=seed, device=DEVICE)
     x = {n: x[n] for n in ("q", "k", "v", "g")}
     opts = dict(groups=groups, combine=combine, normalize=normalize, eps=1e-6)
     forms = [functools.partial(f, **opts) for f in (kata_naive, kata_chunk, kata_chunk_fused)]  # the kernels, also at T = 1
-    with use_config(CONFIG):
+    with use_config(config):
         assert_low_precision_matches(*forms, x, h0, dtype, lengths=lengths)
 
 
@@ -151,6 +151,19 @@ def test_chunk_stages_match_twins(groups, combine, decay):
         assert_close_rel(dk - 1.0, kata_lift_grad_ref(k, y, grads, lengths, CS, fmap), 1e-5, "lift gradient on the state gradients")
         expected = rows.a[..., None] * kata_read_ref(k, None, grads, lengths, CS, fmap, 1.0)[..., :V]
         assert_close_rel(read - 1.0, expected, 1e-5, "weighted read of the state gradients, added")
+
+
+def test_wide_maps_take_the_wide_state_chunk():
+    """Maps of at least `kata_wide_features` lifted features cut their sequences into `kata_wide_chunk_size` chunks,
+    narrower ones into `kata_chunk_size`; the wide chunks give the same results (here M1, P = K², made "wide")."""
+    from polyattn.ops.kata.triton.function import _chunk_plan
+
+    x = seeded_inputs(1, 70, H, K, V, decay=True, seed=8, device=DEVICE, dtype=torch.float32)
+    wide = replace(CONFIG, kata_wide_features=K * K, kata_wide_chunk_size=2 * CONFIG.kata_chunk_size)
+    with use_config(wide):
+        assert _chunk_plan(x["q"], x["v"], (70,), 1, "concat")["CS"] == 2 * CONFIG.kata_chunk_size  # P = K²
+        assert _chunk_plan(x["q"], x["v"], (70,), 2, "concat")["CS"] == CONFIG.kata_chunk_size  # P = K² / 2
+    _check(70, torch.float32, 1, "concat", True, True, True, seed=8, config=wide)
 
 
 def test_triton_chunk_refuses_other_group_widths():
