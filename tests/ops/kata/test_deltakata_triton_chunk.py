@@ -142,6 +142,8 @@ def test_triton_chunk_refuses_other_maps():
         ops.kata(y["q"], y["k"], y["v"], beta=y["beta"], groups=4, normalize=False, impl="triton_chunk")  # E = 8
     with pytest.raises(ValueError, match="feature='psd'"):
         ops.kata(y["q"], y["k"], y["v"], beta=y["beta"], feature="lorentz", normalize=False, impl="triton_chunk")
+    with pytest.raises(ValueError, match="deltakata_chunk_size a power of two"), use_config(KernelConfig(deltakata_chunk_size=48)):
+        ops.kata(y["q"], y["k"], y["v"], beta=y["beta"], normalize=False, impl="triton_chunk")
 
 
 def test_auto_takes_the_kernels_for_fitting_widths():

@@ -1,5 +1,6 @@
-"""DeltaKATA's chunked form on the GPU (PSD maps, any width): the kernel-trick UT recurrence walked by one
-program per (sequence, head, value tile), the lifted state streamed through memory row block by row block.
+"""DeltaKATA's chunked form on the GPU (PSD maps, group width K / groups a power of two >= 16, any number of
+lifted features): the kernel-trick UT recurrence walked by one program per (sequence, head, value tile), the
+lifted state streamed through memory row block by row block.
 
 The chunk form (ops/kata/README.md, "Chunk form (kernel-trick UT)") splits into chunk-local algebra that
 needs no state (PyTorch, `deltakata_coefficients`, differentiated by autograd) and a walk that does. With
@@ -12,7 +13,7 @@ the coefficients of chunk c (C tokens, state S entering it)
 the walk is, per chunk, one read, one small solve and one write:
 
     Yk = ψ(K) S,  Yq = ψ(Q) S                         bilinear reads, ψ never built
-    U  = M (b + α ⊙ Yk)                               the pseudo-values (the solve of (4) as a product)
+    U  = M (b + α ⊙ Yk)                               the pseudo-values: the chunk form's solve, a product
     O  = ρ ⊙ Yq + A U
     S ← λ S + ψ(K)ᵀ (ω ⊙ U)
 
@@ -24,9 +25,10 @@ and its backward, chunks last to first with dS the gradient of the state leaving
 from which every coefficient's gradient is a row dot or a chunk-local product, and the keys' and queries'
 gradients are lift gradients of reads (chunk.py's `kata_lift_grad_kernel`) on the stored states. Each value
 column of the walk is independent of the others (the reads, the solve and the write act column by
-column), so a program owns a value tile of the whole `[P, V]` state and walks the sequence alone; the
-state stays in global memory (L2 at these sizes) and is read and written row block by row block of E
-lifted features, as the read kernel of chunk.py does. `deltakata_walk_ref` is the PyTorch twin.
+column), so a program owns a value tile of the whole `[P, V]` state and walks the sequence alone; its slice
+stays in global memory (`[P, BV]` fp32: 512 KB for M1 at K = 64 in tiles of 32) and is read and written row block
+by row block of E lifted features, as the read kernel of chunk.py does (ψ(scale·q) = scale² ψ(q) for these
+degree-2 maps, so the kernels read raw q and ρ carries the scale). `deltakata_walk_ref` is the PyTorch twin.
 """
 import functools
 
@@ -279,8 +281,8 @@ def deltakata_coefficients(q, k, v, beta, g, *, fmap, scale: float, eps: float, 
 
 def value_tile(heads: int, V: int, device) -> int:
     """The walks' value tile: `KernelConfig.deltakata_block_v` (at most the padded V), halved down to 16 while the
-    `heads` (sequences x heads) walks would leave multiprocessors idle (on the H200 at 65,536 tokens, M1: a tile of
-    32 took 38.7 ms forward for 8 sequences of 8K and 75.5 for 2 of 32K, one of 16: 55.0 and 61.6)."""
+    `heads` (sequences x heads) walks would leave multiprocessors idle (on the H200 at 65,536 tokens, M1 in chunks of
+    64: a tile of 32 took 38.7 ms forward for 8 sequences of 8K and 75.5 for 2 of 32K, one of 16: 55.0 and 61.6)."""
     BV = min(block(V), get_config().deltakata_block_v)
     units = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 1
     while BV > 16 and heads * triton.cdiv(V, BV) < units:
@@ -293,6 +295,8 @@ def _walk_plan(seq_lens, H, K, V, groups: int, combine: str, device, dtype) -> d
     config = get_config()
     C = config.deltakata_chunk_size
     E = K // groups
+    if C < 16 or C & (C - 1):
+        raise ValueError(f"KernelConfig: expected deltakata_chunk_size a power of two >= 16, got {C}")
     if not chunk_kernels_fit(K, groups, 16):
         raise ValueError(f"DeltaKATA impl='triton_chunk': expected K / groups a power of two >= 16, got K = {K}, groups = {groups}")
     table, cu_chunks, NC = chunk_table(tuple(seq_lens), C, device)
