@@ -177,3 +177,39 @@ def test_custom_ops_pass_opcheck():
             o, ht, hs, u, yk, yq = torch.ops.polyattn.deltakata_walk(*args)
             back = (torch.randn_like(o), torch.randn_like(ht), flat[0], flat[1], *coefs, hs, u, yk, yq, lengths, 1, "concat", dtype)
             torch.library.opcheck(torch.ops.polyattn.deltakata_walk_backward.default, back, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("p", [16, 20], ids=["chunk-start", "inside"])
+def test_future_nonfinite_leaves_earlier_outputs_bit_identical(p):
+    """A NaN or Inf at token p (head 0) never changes an output before it, and one in k, v or g reaches an output from p
+    on (chunks of 16 on the CPU: p on a chunk's first token and inside one)."""
+    Kx = _width(1)
+    clean = {n: t for n, t in seeded_inputs(1, 40, H, Kx, V, decay=True, beta=True, seed=11, device=DEVICE,
+                                             dtype=torch.float32).items() if n in ("q", "k", "v", "beta", "g")}
+    run = functools.partial(deltakata_chunk_fused, groups=1, combine="concat", eps=1e-6, scale=Kx**-0.5)
+    with use_config(CONFIG), torch.no_grad():
+        o_clean, _ = run(*clean.values())
+        assert bool(torch.isfinite(o_clean).all())
+        for field, value in [(f, v) for f in ("q", "k", "v", "beta") for v in ("nan", "inf")] + [("g", "nan")]:
+            x = {n: t.clone() for n, t in clean.items()}
+            x[field][:, p, 0] = float(value)
+            o, _ = run(*x.values())
+            assert torch.equal(o[:, :p], o_clean[:, :p]), f"{field}={value} at {p} changed an earlier output"
+            if field in ("k", "v", "g"):
+                assert not bool(torch.isfinite(o[:, p:, 0]).all()), f"{field}={value} at {p} never reached an output"
+
+
+@pytest.mark.parametrize("value", [-1e4, float("-inf")], ids=["huge", "reset"])
+def test_exact_under_extreme_gates(value):
+    """A huge negative log-decay or a reset (g = -inf) inside a chunk: o, the final state and the gradients of the
+    others as the float64 naive form gives them (the decays are raised to the kernels' reset limit first)."""
+    Kx = _width(1)
+    x = seeded_inputs(1, 40, H, Kx, V, decay=True, beta=True, seed=12, device=DEVICE)
+    x = {n: x[n] for n in ("q", "k", "v", "beta", "g")}
+    x["g"][:, 21, 0] = value
+    x["g"][:, 16, 1] = value  # a chunk's first token
+    opts = dict(groups=1, combine="concat", eps=1e-6)
+    forms = [functools.partial(deltakata_naive, feature="psd", **opts), functools.partial(deltakata_chunk, feature="psd", **opts),
+             functools.partial(deltakata_chunk_fused, **opts)]
+    with use_config(CONFIG), torch.no_grad():
+        assert_low_precision_matches(*forms, x, _state(1, make_feature_map("psd", Kx), 13), torch.float32, backward=False)

@@ -41,7 +41,9 @@ from polyattn.ops.common import exp_segsum, wants_grad
 from polyattn.ops.kata.feature_maps import make_feature_map
 from polyattn.ops.triton.decay import reset_limit_ref
 from polyattn.ops.triton.plan import block, chunk_table, get_config, no_output, sequence_lengths
-from polyattn.ops.triton.precision import check_kernel_inputs, dot_f32, mma_fp32, mma_right_fp32, to_output
+from polyattn.ops.triton.precision import (
+    check_kernel_inputs, dot_f32, first_nonfinite_row, mma_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
+)
 
 from . import chunk_kernels_fit
 from .chunk import chunk_lengths, kata_lift_grad_kernel
@@ -134,8 +136,13 @@ def deltakata_walk_kernel(
                 b_yq += block_read(b_q, slot_column(q, tok, m_t, K, E, slot, e, GS), b_s, F32)
         b_rhs = tl.load(b + tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)  # [C, BV]
         b_rhs += tl.load(alpha + tok, mask=m_t, other=0.0)[:, None] * b_yk
-        b_u = mma_fp32(chunk_square(m, i_c, H, i_h, C, False), b_rhs, dtype, F32, 0)  # [C, C] @ [C, BV]
-        b_o = tl.load(rho + tok, mask=m_t, other=0.0)[:, None] * b_yq + mma_fp32(chunk_square(a, i_c, H, i_h, C, False), b_u, dtype, F32, 0)
+        # a non-finite row (a NaN or Inf in k, v, beta or g) and every row after it enter the products as zeros,
+        # so that 0 * NaN in a product never reaches the rows before it; their own outputs are made NaN
+        first = first_nonfinite_row(b_rhs)
+        b_u = mma_fp32(chunk_square(m, i_c, H, i_h, C, False), zero_rows_from(b_rhs, first), dtype, F32, 0)  # [C, C] @ [C, BV]
+        b_o = mma_fp32(chunk_square(a, i_c, H, i_h, C, False), zero_rows_from(b_u, first), dtype, F32, 0)
+        b_o = nan_rows_from(tl.load(rho + tok, mask=m_t, other=0.0)[:, None] * b_yq + b_o, first)
+        b_u = nan_rows_from(b_u, first)  # the state is non-finite from here on
         out = tok[:, None] * V + o_v[None, :]  # [C, BV]
         tl.store(u + out, b_u, mask=m_tv)
         tl.store(yk + out, b_yk, mask=m_tv)
@@ -273,7 +280,7 @@ def deltakata_coefficients(q, k, v, beta, g, *, fmap, scale: float, eps: float, 
     eye = torch.eye(idx.shape[1], dtype=k.dtype, device=k.device)
     lower = eye + bc[..., :, None] * torch.tril(unit_gram * D, diagonal=-1)
     M = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False, unitriangular=True)
-    A = fmap.kernel(scale * qc, kc) * D / norm[..., None, :]  # D is 0 above the diagonal
+    A = torch.tril(fmap.kernel(scale * qc, kc) * D / norm[..., None, :])  # exact zeros above the diagonal, even beside a NaN
     coef = (bc[..., None] * vc, -bc * torch.exp(gamma) / norm, D[..., -1, :] / norm, (scale * scale) * torch.exp(gamma))
     b, alpha, omega, rho = (from_chunks(x, mask) for x in coef)
     return M.contiguous(), A.contiguous(), b, alpha, omega, rho, torch.exp(gamma[..., -1]).contiguous()
