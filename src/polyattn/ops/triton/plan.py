@@ -64,9 +64,9 @@ class KernelConfig:
     benchmarks/results/2026-12-03-h200/kata-chunk1024-peak.json).
     DeltaKATA's chunked walk (ops/kata/triton/delta.py) solves chunks of deltakata_chunk_size tokens (a power of
     two, at least 16) and runs one program per value tile of at most deltakata_block_v columns (halved to 16 while
-    the walks are fewer than the multiprocessors), with kata_chunk_warps warps (on the H200 at 65,536 tokens,
-    KATA-M1, a forward + backward took 161 ms in chunks of 128 and tiles of 32 at 4 warps, 190 at 8; chunks of
-    128 keep 35 % less memory than chunks of 64 at the same speed: benchmarks/results/2026-12-03-h200/dk-sweep.json).
+    the walks are fewer than the multiprocessors), with kata_chunk_warps warps (on the H200, DeltaKATA-M1 at 8K x 8:
+    a forward + backward took 161 ms in chunks of 128 and tiles of 32 at 4 warps, 190 at 8; chunks of 128 keep 35 %
+    less memory than chunks of 64 at the same speed: benchmarks/results/2026-12-03-h200/deltakata-chunk-sweep.json).
     gdn_block_v and gdn_num_warps are the value tile and warps of log-linear Gated DeltaNet's level
     walks, forward and backward (ops/loglinear/triton/gdn.py; ptxas for sm_90a at K = 128, a 32-column
     tile: the forward walk spills 408 bytes per thread at 8 warps, 2.2 KB at 4); gdn_chunk_warps the warps
