@@ -213,3 +213,37 @@ def test_exact_under_extreme_gates(value):
              functools.partial(deltakata_chunk_fused, **opts)]
     with use_config(CONFIG), torch.no_grad():
         assert_low_precision_matches(*forms, x, _state(1, make_feature_map("psd", Kx), 13), torch.float32, backward=False)
+
+
+def test_compiles_as_one_graph():
+    """`torch.compile(fullgraph=True)` traces the custom ops, the chunk-local algebra and its checkpoint; the
+    gradients equal eager's."""
+    x = seeded_inputs(1, 40, H, _width(1), V, decay=True, beta=True, seed=14, device=DEVICE, dtype=torch.float32)
+    leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "beta", "g")]
+
+    def loss(q, k, v, beta, g):
+        o, S = ops.kata(q, k, v, g, beta=beta, normalize=False, impl="triton_chunk", output_final_state=True)
+        return o.square().sum() + S.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    with use_config(CONFIG):
+        got = torch.autograd.grad(compiled(*leaves), leaves)
+        want = torch.autograd.grad(loss(*leaves), leaves)
+    for name, a, b in zip(("q", "k", "v", "beta", "g"), got, want):
+        assert_close_rel(a, b, 1e-6, f"d{name}")
+
+
+def test_value_tile_fills_the_multiprocessors(monkeypatch):
+    """The walks' value tile: `deltakata_block_v` (32), halved to 16 while sequences x heads x tiles stay below the
+    multiprocessor count (132 here), never wider than the padded V."""
+    from types import SimpleNamespace
+
+    from polyattn.ops.kata.triton.delta import value_tile
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    with use_config(KernelConfig()):
+        assert value_tile(128, 64, "cuda") == 32  # 8 sequences x 16 heads: 256 programs
+        assert value_tile(32, 64, "cuda") == 16  # 2 x 16: 64 programs at 32, 128 at 16
+        assert value_tile(1024, 12, "cuda") == 16  # V padded to 16
+        assert value_tile(16, 64, "cpu") == 32  # no multiprocessor count off CUDA
