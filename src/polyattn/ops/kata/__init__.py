@@ -13,7 +13,7 @@ from polyattn.ops.kata.parallel import kata_parallel
 from polyattn.ops.kata.recurrent import deltakata_recurrent, kata_recurrent
 from polyattn.ops.kata.scan import kata_scan
 from polyattn.ops.kata.state import KataState
-from polyattn.ops.kata.triton import deltakata_triton, deltakata_triton_chunk, kata_triton, kata_triton_chunk, kata_triton_first_order, kata_triton_parallel  # lazy: triton loads on first call
+from polyattn.ops.kata.triton import chunk_kernels_fit, deltakata_triton, deltakata_triton_chunk, kata_triton, kata_triton_chunk, kata_triton_first_order, kata_triton_parallel  # lazy: triton loads on first call
 
 KATA_FORMS = {
     "naive": kata_naive,
@@ -45,8 +45,8 @@ def kata_auto_forms(feature: str, decoding: bool, delta: bool = False, groups: i
     maps' Triton forms run the delta and linear kernels on fp32 lifted features (IEEE fp32 products, not
     yet at speed); ops/kata/README.md, "Triton kernel"."""
     forms = DELTAKATA_FORMS if delta else KATA_FORMS
-    fits = group_width >= 16 and not group_width & (group_width - 1)
-    if feature == "psd" and (decoding or (fits if delta else groups & (groups - 1) == 0)):
+    fits = chunk_kernels_fit(group_width, 1, 16) if delta else groups & (groups - 1) == 0
+    if feature == "psd" and (decoding or fits):
         return forms
     return {n: f for n, f in forms.items() if "triton" not in n}
 
