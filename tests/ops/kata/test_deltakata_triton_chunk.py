@@ -62,10 +62,11 @@ def _check(T, dtype, groups, combine, decay, with_state, Bx=1, seed=0, lengths=N
 
 VARIANTS = [(1, "concat"), (2, "concat"), (4, "concat"), (2, "sum"), (4, "sum")]
 # (T, dtype, groups, combine, decay, with_state): KATA-M1 over the T grid in both dtypes, the other variants in
-# fp32 and bf16 on the GPU, in one of them (alternating) on the CPU, alternating the flags; fp16 once
+# fp32 and bf16 on the GPU, in one of them (alternating) on the CPU (M4 on the GPU only), alternating the flags; fp16 once
 CASES = [(T, dt, 1, "concat", True, T % 2 == 1) for T in T_GRID for dt in (torch.float32, torch.bfloat16)] + [
     (T_GRID[-2], dt, G, c, i % 2 == 0, i % 2 == 1) for i, (G, c) in enumerate(VARIANTS[1:])
     for dt in ((torch.float32, torch.bfloat16) if CUDA else ((torch.bfloat16, torch.float32)[i % 2],))
+    if CUDA or (G, c) != (4, "concat")  # the CPU's 16-wide groups make M4 a 64-wide head: Σ4 covers 4 groups there
 ] + [(T_GRID[-1], torch.float16, 2, "concat", True, True)]
 
 
@@ -85,7 +86,7 @@ def test_triton_chunk_varlen_matches_naive(dtype):
     _check(None, dtype, 1 if not CUDA else 2, "concat", True, True, lengths=lengths, seed=4)
 
 
-@pytest.mark.parametrize("split", [1, 15, 17, 32])
+@pytest.mark.parametrize("split", [1, 17] if not CUDA else [1, 15, 17, 32])
 def test_prefill_continues(split):
     """A prefill continued from its final state at a split inside or on a chunk's edge equals one call."""
     x = seeded_inputs(1, 50, H, _width(2), V, decay=True, beta=True, seed=2, device=DEVICE, dtype=torch.float32)
