@@ -1,7 +1,7 @@
 """Sweep the launch parameters (`KernelConfig`) of our Triton kernels on one GPU, anchors beside them.
 
 python benchmarks/tune_kernels.py --ops linear_attn_decay [--configs 0 1 ...] [--set '{"num_warps": 8}' ...]
-    [--anchors sdpa-flash ...] [--dims 128] [--seqlens 2048 ...] [--out results.json]
+    [--anchors sdpa-flash ...] [--impls polyattn-triton-chunk ...] [--dims 128] [--seqlens 2048 ...] [--out results.json]
 Every row of `python -m polyattn.bench kernels` (bf16, H = 16, B = 65536 // T), fwd and fwd+bwd, for each
 config: `--configs` picks presets of the ops' family (PRESETS; default all), `--set` adds configs given as
 JSON fields of KernelConfig. Anchors (any impl of the benchmark, e.g. sdpa-flash, fla-chunk_simple_gla)
@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", type=int, nargs="+", default=None, help="indices into the family's PRESETS")
     parser.add_argument("--set", nargs="+", default=[], metavar="JSON", help="more configs as JSON KernelConfig fields")
     parser.add_argument("--anchors", nargs="+", default=[], help="impls of the benchmark timed once beside ours")
+    parser.add_argument("--impls", nargs="+", default=None, help="only these of our impls (e.g. polyattn-triton-chunk)")
     parser.add_argument("--dims", type=int, nargs="+", default=[128])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--out", default=None)
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     cases = kernels.cases()
-    ours = [c for c in cases if c.op in args.ops and c.impl.startswith("polyattn")]
+    ours = [c for c in cases if c.op in args.ops and c.impl.startswith("polyattn") and (args.impls is None or c.impl in args.impls)]
     anchors = [c for c in cases if c.op in args.ops + ["softmax"] and c.impl in args.anchors]
     grid = [(D, T, mode) for D in args.dims for T in args.seqlens for mode in ("fwd", "fwdbwd")]
     rows = []

@@ -123,7 +123,7 @@ def test_tune_kernels_sweeps_the_family_presets_and_checks_configs_first(capsys,
     and no GPU: a clear refusal after the checks."""
     tune = load("tune_kernels")
     assert tune.family("linear_attn_decay") == tune.family("loglinear_mamba2") == "linear"
-    assert tune.family("kata_s2") == "kata" and tune.family("delta_rule") == "delta"
+    assert tune.family("kata_s2") == tune.family("deltakata_m1") == "kata" and tune.family("delta_rule") == "delta"
     assert tune.configs_for(["kata_m1"], [0, 1], ['{"kata_num_warps": 4}']) == [{}, {"kata_score_dot": "rounded"}, {"kata_num_warps": 4}]
     with pytest.raises(TypeError, match="bogus"):
         tune.configs_for(["linear_attn"], [0], ['{"bogus": 1}'])
