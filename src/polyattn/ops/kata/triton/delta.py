@@ -307,7 +307,7 @@ def _walk_plan(seq_lens, H, K, V, groups: int, combine: str, device, dtype) -> d
     if not chunk_kernels_fit(K, groups, 16):
         raise ValueError(f"DeltaKATA impl='triton_chunk': expected K / groups a power of two >= 16, got K = {K}, groups = {groups}")
     table, cu_chunks, NC = chunk_table(tuple(seq_lens), C, device)
-    P = (1 if combine == "sum" else groups) * E * E
+    P = make_feature_map("psd", K, groups, combine).dim()
     BT = min(config.kata_read_block, C)
     pieces = chunk_lengths(tuple(seq_lens), C)
     tiles, _, NT = chunk_table(pieces, BT, device)
