@@ -12,6 +12,7 @@ compared with its PyTorch twin, forward and (through the twin's autograd) backwa
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -20,7 +21,8 @@ import torch
 from polyattn import ops
 from polyattn.ops.kata import deltakata_chunk, deltakata_naive, make_feature_map
 from polyattn.ops.kata.triton.delta import (
-    _walk_plan, chunk_layout, deltakata_chunk_fused, deltakata_coefficients, deltakata_walk, deltakata_walk_ref,
+    _walk_plan, chunk_layout, deltakata_chunk_fused, deltakata_coefficients, deltakata_walk, deltakata_walk_ref, state_interval,
+    state_rounds,
 )
 from polyattn.ops.triton.plan import KernelConfig, use_config
 from polyattn.testing import assert_close_rel, assert_continuation, assert_low_precision_matches, dtype_id, rel_err, seeded_inputs
@@ -116,7 +118,8 @@ def test_walk_matches_twin(groups, combine):
         got = deltakata_walk(*leaves, list(lengths), groups, combine, torch.float32, True)
         ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
         ref = deltakata_walk_ref(*ref_leaves, lengths, C, fmap)
-        for name, a, b in zip(("o", "final state", "entering states", "U", "Yk", "Yq"), got, ref):
+        kept = plan["rounds"]["ckpt"] >= 0  # the entering states the forward keeps (checkpoints), in chunk order
+        for name, a, b in zip(("o", "final state", "checkpoints", "U", "Yk", "Yq"), got, (*ref[:2], ref[2][kept], *ref[3:])):
             assert_close_rel(a, b, 1e-5, name)
         gen = torch.Generator().manual_seed(6)
         do, dht = (torch.randn(t.shape, generator=gen).to(DEVICE) for t in (got[0], got[1]))
@@ -124,6 +127,69 @@ def test_walk_matches_twin(groups, combine):
         want = torch.autograd.grad((ref[0] * do).sum() + (ref[1] * dht).sum(), ref_leaves)
     for name, a, b in zip(("dq", "dk", "dM", "dA", "db", "dalpha", "domega", "drho", "dlam", "dh0"), grads, want):
         assert rel_err(a, b) <= 1e-5, f"{name}: {rel_err(a, b):.2e}"
+
+
+def _walk_grads(lengths, config, seed=15):
+    """The walk op's output and every input's gradient, fp32, M1, packed `lengths` from initial states."""
+    N_tok, Kx = sum(lengths), _width(1)
+    fmap = make_feature_map("psd", Kx, 1, "concat")
+    x = seeded_inputs(1, N_tok, H, Kx, V, decay=True, beta=True, seed=seed, device=DEVICE, dtype=torch.float32)
+    flat = [x[n][0].contiguous() for n in ("q", "k", "v", "beta", "g")]
+    with use_config(config):
+        plan = _walk_plan(lengths, H, Kx, V, 1, "concat", DEVICE, torch.float32)
+        idx, mask = chunk_layout(plan["table"], config.deltakata_chunk_size, N_tok)
+        with torch.no_grad():
+            coefs = deltakata_coefficients(*flat, fmap=fmap, scale=Kx**-0.5, eps=1e-6, idx=idx, mask=mask)
+        leaves = [t.clone().requires_grad_() for t in (flat[0], flat[1], *coefs, _state(len(lengths), fmap, seed).float())]
+        o, ht, *_ = deltakata_walk(*leaves, list(lengths), 1, "concat", torch.float32, True)
+        gen = torch.Generator().manual_seed(seed)
+        do, dht = (torch.randn(t.shape, generator=gen).to(DEVICE) for t in (o, ht))
+        return (o, ht, *torch.autograd.grad((o * do).sum() + (ht * dht).sum(), leaves))
+
+
+def test_backward_rounds_give_the_same_bits():
+    """The backward recomputes the entering states round by round from the checkpoints with the forward's own write,
+    so every gradient is bit for bit the same at any checkpoint interval: every chunk a checkpoint, the default
+    (rounds of two chunks here, the last one short), one round a sequence."""
+    C = CONFIG.deltakata_chunk_size
+    lengths = (4 * C + 6, 5, 2 * C + 1)  # 5, 1 and 3 chunks
+    runs = [_walk_grads(lengths, dataclasses.replace(CONFIG, deltakata_state_interval=r)) for r in (1, None, 100)]
+    names = ("o", "ht", "dq", "dk", "dM", "dA", "db", "dalpha", "domega", "drho", "dlam", "dh0")
+    for run in runs[1:]:
+        for name, a, b in zip(names, run, runs[0]):
+            assert torch.equal(a, b), f"{name} differs between checkpoint intervals"
+
+
+def test_state_rounds_cover_every_chunk_once():
+    """The checkpoint layout (a checkpoint every R chunks of each sequence) and the backward's rounds: every chunk in
+    exactly one round, in its sequence's order, its slot inside the round buffer, every token in one lift tile;
+    the default interval ⌈√(c / 2)⌉."""
+    lengths, C, R = (70, 33, 16, 5), 16, 2  # 5, 3, 1, 1 chunks
+    firsts = [0, 5, 8, 9, 10]
+    with use_config(KernelConfig(deltakata_state_interval=R)):
+        layout = state_rounds(lengths, C, 8, "cpu")
+    assert layout["ckpt"].tolist() == [0, -1, 1, -1, 2, 3, -1, 4, 5, 6] and layout["NK"] == 7
+    seen, tokens = [], torch.zeros(sum(lengths), dtype=torch.int64)
+    for r, rnd in enumerate(layout["rounds"]):
+        for n, (lo, hi, base, k) in enumerate(rnd["bounds"].tolist()):
+            assert (lo, hi) == (firsts[n] + min(r * R, firsts[n + 1] - firsts[n]), firsts[n] + min((r + 1) * R, firsts[n + 1] - firsts[n]))
+            if lo < hi:
+                assert layout["ckpt"][lo] == k and 0 <= base and base + hi - lo <= layout["NS"]
+            seen += range(lo, hi)
+        for t0, t1, slot, _ in rnd["tiles"].tolist():
+            tokens[t0:t1] += 1
+            assert 0 <= slot < layout["NS"]
+    assert sorted(seen) == list(range(10))
+    assert tokens.eq(1).all()
+    with use_config(KernelConfig(deltakata_state_interval=1)):
+        every = state_rounds(lengths, C, 8, "cpu")  # every state kept: one round reading the checkpoints themselves
+    assert not every["recompute"] and every["ckpt"].tolist() == list(range(10)) and every["NS"] == every["NK"] == 10
+    assert [row[:3] for row in every["rounds"][0]["bounds"].tolist()] == [[0, 5, 0], [5, 8, 5], [8, 9, 8], [9, 10, 9]]
+    with use_config(KernelConfig()):
+        assert state_interval((8192,) * 8, 128) == 6  # 64 chunks: 11 checkpoints + 2 x 6 buffered states a sequence
+        assert state_interval((5, 100), 16) == 2
+    with pytest.raises(ValueError, match="deltakata_state_interval"), use_config(KernelConfig(deltakata_state_interval=0)):
+        state_interval((5,), 16)
 
 
 def test_triton_routes_psd_maps_to_the_chunked_kernels():

@@ -67,6 +67,9 @@ class KernelConfig:
     the walks are fewer than the multiprocessors), with kata_chunk_warps warps (on the H200, DeltaKATA-M1 at 8K x 8:
     a forward + backward took 161 ms in chunks of 128 and tiles of 32 at 4 warps, 190 at 8; chunks of 128 keep 35 %
     less memory than chunks of 64 at the same speed: benchmarks/results/2026-12-03-h200/deltakata-chunk-sweep.json).
+    Its forward keeps the state entering every deltakata_state_interval-th chunk of a sequence for the backward, which
+    recomputes the others round by round (None: ⌈√(c / 2)⌉ for c chunks, the least memory; 1: every state kept and
+    none recomputed, the fastest backward; delta.state_interval).
     gdn_block_v and gdn_num_warps are the value tile and warps of log-linear Gated DeltaNet's level
     walks, forward and backward (ops/loglinear/triton/gdn.py; ptxas for sm_90a at K = 128, a 32-column
     tile: the forward walk spills 408 bytes per thread at 8 warps, 2.2 KB at 4); gdn_chunk_warps the warps
@@ -102,6 +105,7 @@ class KernelConfig:
     kata_chunk_crossover: float = 4.0
     deltakata_chunk_size: int = 128
     deltakata_block_v: int = 32
+    deltakata_state_interval: int | None = None
     gdn_block_v: int = 32
     gdn_num_warps: int = 8
     gdn_chunk_warps: int = 8

@@ -31,6 +31,7 @@ by row block of E lifted features, as the read kernel of chunk.py does (ψ(scale
 degree-2 maps, so the kernels read raw q and ρ carries the scale). `deltakata_walk_ref` is the PyTorch twin.
 """
 import functools
+import math
 
 import torch
 import triton
@@ -98,16 +99,33 @@ def chunk_square(x, i_c, H, i_h, C: tl.constexpr, TRANS: tl.constexpr):
 
 
 @triton.jit
+def state_write(k, tok, m_t, K, E, V, o_f, o_v, m_s, b_w, b_lam, src, dst, G: tl.constexpr, SUM: tl.constexpr,
+                BF: tl.constexpr, F32: tl.constexpr):
+    """`dst ← λ src + ψ(K)ᵀ W` on one `[P, BV]` state slice (src may be dst), row block by row block: the walk's
+    write, and the same arithmetic when the backward recomputes the entering states (bit for bit)."""
+    GS: tl.constexpr = G if SUM else 1
+    SLOTS: tl.constexpr = 1 if SUM else G
+    for slot in range(0, SLOTS):
+        b_k = slot_keys(k, tok, m_t, K, E, slot, GS, BF)
+        for e in range(0, E):
+            rows = ((slot * E + e) * E + o_f)[:, None] * V + o_v[None, :]
+            b_s = b_lam * tl.load(src + rows, mask=m_s, other=0.0)
+            b_s += block_write(b_k, slot_column(k, tok, m_t, K, E, slot, e, GS), b_w, F32)
+            tl.store(dst + rows, b_s, mask=m_s)
+
+
+@triton.jit
 def deltakata_walk_kernel(
-    q, k, m, a, b, alpha, omega, rho, lam, st, hs, u, yk, yq, o, chunks, cu_chunks, H, K, V, E, P,
+    q, k, m, a, b, alpha, omega, rho, lam, st, hs, ckpt, u, yk, yq, o, chunks, cu_chunks, H, K, V, E, P,
     G: tl.constexpr, SUM: tl.constexpr, C: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, STORE_HS: tl.constexpr,
     F32: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). The forward walk of one value tile of one sequence and head: `st [N, H, P, V]`
     fp32 holds the initial state at launch and the final one after; per chunk (rows `(bos, eos, ., .)` of
     `chunks`, sequence n's from `cu_chunks[n]`) the reads Yk, Yq, the pseudo-values U and the output O, stored
-    fp32 per token (`u`, `yk`, `yq`, `o [N_tok, H, V]`), and with STORE_HS the state entering the chunk
-    (`hs [NC, H, P, V]`). q, k: `[N_tok, H, K]` in the kernels' dtype; the coefficients as the module says."""
+    fp32 per token (`u`, `yk`, `yq`, `o [N_tok, H, V]`), and with STORE_HS the state entering every chunk c with
+    `ckpt[c] >= 0` as `hs[ckpt[c]]` (`hs [NK, H, P, V]`, the backward's checkpoints). q, k: `[N_tok, H, K]` in the
+    kernels' dtype; the coefficients as the module says."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     GS: tl.constexpr = G if SUM else 1  # groups reading one slot
     SLOTS: tl.constexpr = 1 if SUM else G
@@ -122,6 +140,7 @@ def deltakata_walk_kernel(
         m_t = t < tl.load(chunks + i_c * 4 + 1)
         tok = t * H + i_h  # [C]
         m_tv = m_t[:, None] & m_v[None, :]
+        i_k = tl.load(ckpt + i_c).to(tl.int64)  # this chunk's checkpoint slot, or -1
         b_yk = tl.zeros([C, BV], dtype=tl.float32)
         b_yq = tl.zeros([C, BV], dtype=tl.float32)
         for slot in range(0, SLOTS):
@@ -130,8 +149,8 @@ def deltakata_walk_kernel(
             for e in range(0, E):
                 rows = ((slot * E + e) * E + o_f)[:, None] * V + o_v[None, :]  # [BF, BV]
                 b_s = tl.load(p_st + rows, mask=m_s, other=0.0)  # [BF, BV]
-                if STORE_HS:
-                    tl.store(hs + (i_c * H + i_h).to(tl.int64) * P * V + rows, b_s, mask=m_s)
+                if STORE_HS and i_k >= 0:
+                    tl.store(hs + (i_k * H + i_h) * P * V + rows, b_s, mask=m_s)
                 b_yk += block_read(b_k, slot_column(k, tok, m_t, K, E, slot, e, GS), b_s, F32)
                 b_yq += block_read(b_q, slot_column(q, tok, m_t, K, E, slot, e, GS), b_s, F32)
         b_rhs = tl.load(b + tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)  # [C, BV]
@@ -149,27 +168,58 @@ def deltakata_walk_kernel(
         tl.store(yq + out, b_yq, mask=m_tv)
         tl.store(o + out, to_output(b_o, o.dtype.element_ty, F32), mask=m_tv)
         b_w = b_u * tl.load(omega + tok, mask=m_t, other=0.0)[:, None]  # [C, BV]: ω ⊙ U
-        b_lam = tl.load(lam + i_c * H + i_h)
-        for slot in range(0, SLOTS):
-            b_k = slot_keys(k, tok, m_t, K, E, slot, GS, BF)
-            for e in range(0, E):
-                rows = ((slot * E + e) * E + o_f)[:, None] * V + o_v[None, :]
-                b_s = b_lam * tl.load(p_st + rows, mask=m_s, other=0.0)
-                b_s += block_write(b_k, slot_column(k, tok, m_t, K, E, slot, e, GS), b_w, F32)
-                tl.store(p_st + rows, b_s, mask=m_s)
+        state_write(k, tok, m_t, K, E, V, o_f, o_v, m_s, b_w, tl.load(lam + i_c * H + i_h), p_st, p_st, G, SUM, BF, F32)
         tl.debug_barrier()  # the next chunk reads what every thread wrote
 
 
 @triton.jit
-def deltakata_walk_grad_kernel(
-    q, k, m, a, do, alpha, omega, rho, lam, hs, dst, ds, z, du, yg, dlam, chunks, cu_chunks, NC, H, K, V, E, P,
+def deltakata_states_kernel(
+    k, u, omega, lam, hk, hs, chunks, bounds, H, K, V, E, P,
     G: tl.constexpr, SUM: tl.constexpr, C: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, F32: tl.constexpr,
 ):
-    """grid: (cdiv(V, BV), N, H). The backward walk, chunks last to first: `dst [N, H, P, V]` fp32 holds the final
-    state's gradient at launch and the initial state's after; per chunk `ds [NC, H, P, V]` gets the gradient of
+    """grid: (cdiv(V, BV), N, H). The states entering one round's chunks, recomputed for the backward: sequence n's
+    chunks `lo <= c < hi` (row n of `bounds [N, 4]`: lo, hi, base, checkpoint) start from the checkpoint
+    `hk[checkpoint]` and enter `hs [base + c - lo]`, each the previous one written with the forward's stored
+    pseudo-values `u` (the forward walk's `state_write`, so bit for bit its states; the twin: the entering
+    states of `deltakata_walk_ref`)."""
+    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    lo = tl.load(bounds + i_n * 4)
+    hi = tl.load(bounds + i_n * 4 + 1)
+    base = tl.load(bounds + i_n * 4 + 2).to(tl.int64)
+    if lo < hi:
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        o_f = tl.arange(0, BF)
+        m_s = (o_f < E)[:, None] & m_v[None, :]
+        p_k = hk + (tl.load(bounds + i_n * 4 + 3).to(tl.int64) * H + i_h) * P * V
+        p_s = hs + (base * H + i_h) * P * V
+        for r in range(0, P // E):
+            rows = (r * E + o_f)[:, None] * V + o_v[None, :]
+            tl.store(p_s + rows, tl.load(p_k + rows, mask=m_s, other=0.0), mask=m_s)
+        tl.debug_barrier()
+        for i_c in range(lo, hi - 1):
+            t = tl.load(chunks + i_c * 4).to(tl.int64) + tl.arange(0, C)
+            m_t = t < tl.load(chunks + i_c * 4 + 1)
+            tok = t * H + i_h  # [C]
+            b_u = tl.load(u + tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)  # [C, BV]
+            b_w = b_u * tl.load(omega + tok, mask=m_t, other=0.0)[:, None]
+            p_s = hs + ((base + i_c - lo) * H + i_h) * P * V
+            state_write(k, tok, m_t, K, E, V, o_f, o_v, m_s, b_w, tl.load(lam + i_c * H + i_h), p_s, p_s + H * P * V,
+                        G, SUM, BF, F32)
+            tl.debug_barrier()
+
+
+@triton.jit
+def deltakata_walk_grad_kernel(
+    q, k, m, a, do, alpha, omega, rho, lam, hs, dst, ds, z, du, yg, dlam, chunks, bounds, NC, H, K, V, E, P,
+    G: tl.constexpr, SUM: tl.constexpr, C: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, F32: tl.constexpr,
+):
+    """grid: (cdiv(V, BV), N, H). The backward walk over one round's chunks (`bounds` as
+    `deltakata_states_kernel`'s), last to first: `dst [N, H, P, V]` fp32 holds the gradient of the state leaving
+    the round at launch and of the one entering it after; chunk c's `ds [base + c - lo]` gets the gradient of
     the state leaving it, `z` (Z), `du` (dU), `yg` (Y') `[N_tok, H, V]` fp32 its rows (the module's names) and
-    `dlam [NV, NC, H]` this value tile's share of `<S entering, dS leaving>` (hs: the forward's entering states);
-    `do [N_tok, H, V]` in any dtype."""
+    `dlam [NV, NC, H]` this value tile's share of `<S entering, dS leaving>` (`hs`: the entering states, laid
+    out as ds); `do [N_tok, H, V]` in any dtype."""
     i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     GS: tl.constexpr = G if SUM else 1
     SLOTS: tl.constexpr = 1 if SUM else G
@@ -179,10 +229,12 @@ def deltakata_walk_grad_kernel(
     m_s = (o_f < E)[:, None] & m_v[None, :]
     p_st = dst + (i_n * H + i_h).to(tl.int64) * P * V
     dtype = k.dtype.element_ty
-    c_first = tl.load(cu_chunks + i_n)
-    c_last = tl.load(cu_chunks + i_n + 1)
-    for cc in range(c_first, c_last):
-        i_c = c_first + c_last - 1 - cc
+    lo = tl.load(bounds + i_n * 4)
+    hi = tl.load(bounds + i_n * 4 + 1)
+    base = tl.load(bounds + i_n * 4 + 2).to(tl.int64)
+    for cc in range(lo, hi):
+        i_c = lo + hi - 1 - cc
+        p_seg = ((base + i_c - lo) * H + i_h) * P * V
         t = tl.load(chunks + i_c * 4).to(tl.int64) + tl.arange(0, C)
         m_t = t < tl.load(chunks + i_c * 4 + 1)
         tok = t * H + i_h
@@ -194,8 +246,8 @@ def deltakata_walk_grad_kernel(
             for e in range(0, E):
                 rows = ((slot * E + e) * E + o_f)[:, None] * V + o_v[None, :]
                 b_s = tl.load(p_st + rows, mask=m_s, other=0.0)
-                tl.store(ds + (i_c * H + i_h).to(tl.int64) * P * V + rows, b_s, mask=m_s)
-                b_dlam += b_s * tl.load(hs + (i_c * H + i_h).to(tl.int64) * P * V + rows, mask=m_s, other=0.0)
+                tl.store(ds + p_seg + rows, b_s, mask=m_s)
+                b_dlam += b_s * tl.load(hs + p_seg + rows, mask=m_s, other=0.0)
                 b_y += block_read(b_k, slot_column(k, tok, m_t, K, E, slot, e, GS), b_s, F32)
         tl.store(dlam + (i_v * NC + i_c) * H + i_h, tl.sum(tl.sum(b_dlam, axis=1), axis=0))
         out = tok[:, None] * V + o_v[None, :]
@@ -297,8 +349,72 @@ def value_tile(heads: int, V: int, device) -> int:
     return BV
 
 
+def state_interval(seq_lens: tuple, chunk_size: int) -> int:
+    """R, the chunks between the entering states the forward keeps for the backward (`KernelConfig.
+    deltakata_state_interval`, or by default ⌈√(c / 2)⌉ for the longest sequence's c chunks). The backward walks
+    rounds of R chunks of every sequence, last round first, recomputing each round's entering states from its
+    checkpoint into a buffer of R states a sequence, beside one as large for their gradients: c / R + 2R states a
+    sequence instead of 2c, the least at that R. R = 1 keeps every state and recomputes none (2c states, the
+    fastest backward)."""
+    fixed = get_config().deltakata_state_interval
+    if fixed is not None:
+        if fixed < 1:
+            raise ValueError(f"KernelConfig: expected deltakata_state_interval >= 1 or None, got {fixed}")
+        return fixed
+    longest = max([1] + [triton.cdiv(n, chunk_size) for n in seq_lens])
+    return max(1, math.ceil(math.sqrt(longest / 2)))
+
+
+def checkpoint_counts(seq_lens: tuple, chunk_size: int) -> list:
+    """Per sequence, how many entering states its forward keeps: one every `state_interval` chunks from its first."""
+    R = state_interval(seq_lens, chunk_size)
+    return [triton.cdiv(len(chunk_lengths((n,), chunk_size)), R) for n in seq_lens]
+
+
+def state_rounds(seq_lens: tuple, chunk_size: int, block_t: int, device) -> dict:
+    """The checkpoint layout and the backward's rounds (`state_interval`), cached like plan's tables: `ckpt [NC]`
+    int32 (chunk c's checkpoint slot, or -1), `NK` checkpoints, `NS` states in the round buffers, and per round,
+    first to last, `bounds [N, 4]` int32 (lo, hi, base, checkpoint: the rows of the states and reverse-walk
+    kernels) and the lift-gradient kernel's `tiles [NT, 4]` int32 (bos, eos, slot in the round buffer, 0) of at
+    most block_t tokens of one chunk each. At R = 1 every entering state is a checkpoint (`recompute` False):
+    one round over all chunks whose buffer slots are the checkpoints' own, the fastest backward."""
+    R = state_interval(seq_lens, chunk_size)
+    key = (seq_lens, chunk_size, block_t, R, str(device))
+    if key in _ROUNDS:
+        return _ROUNDS[key]
+    pieces = [chunk_lengths((n,), chunk_size) for n in seq_lens]  # each sequence's chunk lengths
+    counts = checkpoint_counts(seq_lens, chunk_size)
+    ckpt, NK, rounds, NS = [], 0, [], 1
+    for sizes, count in zip(pieces, counts):
+        ckpt += [NK + j // R if j % R == 0 else -1 for j in range(len(sizes))]
+        NK += count
+    longest = max([0] + [len(x) for x in pieces])
+    span = R if R > 1 else max(1, longest)  # R = 1 keeps every state: one round reads them all, nothing recomputed
+    for r in range(triton.cdiv(longest, span)):
+        rows, tiles, c0, k0, base, bos = [], [], 0, 0, 0, 0
+        for sizes, count in zip(pieces, counts):
+            lo, hi = c0 + min(r * span, len(sizes)), c0 + min((r + 1) * span, len(sizes))
+            rows.append((lo, hi, base, k0 + r * span // R if lo < hi else 0))
+            t = bos + sum(sizes[:lo - c0])
+            for c in range(lo, hi):
+                tiles += [(t + s, t + min(s + block_t, sizes[c - c0]), base + c - lo, 0) for s in range(0, sizes[c - c0], block_t)]
+                t += sizes[c - c0]
+            base += hi - lo
+            c0, k0, bos = c0 + len(sizes), k0 + count, bos + sum(sizes)
+        NS = max(NS, base)
+        rounds.append(dict(bounds=torch.tensor(rows, dtype=torch.int32).to(device),
+                           tiles=torch.tensor(tiles, dtype=torch.int32).view(-1, 4).to(device), NT=len(tiles)))
+    if len(_ROUNDS) > 64:
+        _ROUNDS.clear()
+    _ROUNDS[key] = dict(ckpt=torch.tensor(ckpt, dtype=torch.int32).to(device), NK=NK, NS=NS, rounds=rounds, recompute=R > 1)
+    return _ROUNDS[key]
+
+
+_ROUNDS: dict = {}
+
+
 def _walk_plan(seq_lens, H, K, V, groups: int, combine: str, device, dtype) -> dict:
-    """The launches' shared arguments: chunk table, sizes, constexprs, and the lift-gradient kernel's tiles."""
+    """The launches' shared arguments: chunk table, sizes, constexprs, the checkpoints and rounds (`state_rounds`)."""
     config = get_config()
     C = config.deltakata_chunk_size
     E = K // groups
@@ -309,21 +425,19 @@ def _walk_plan(seq_lens, H, K, V, groups: int, combine: str, device, dtype) -> d
     table, cu_chunks, NC = chunk_table(tuple(seq_lens), C, device)
     P = make_feature_map("psd", K, groups, combine).dim()
     BT = min(config.kata_read_block, C)
-    pieces = chunk_lengths(tuple(seq_lens), C)
-    tiles, _, NT = chunk_table(pieces, BT, device)
     return dict(
         C=C, table=table, cu_chunks=cu_chunks, NC=NC, sizes=(H, K, V, E, P), BV=value_tile(len(seq_lens) * H, V, device),
         meta=dict(G=groups, SUM=combine == "sum", F32=dot_f32(dtype)), warps=config.kata_chunk_warps,
-        tiles=tiles, NT=NT, BT=BT, stages=config.kata_read_stages,
+        BT=BT, stages=config.kata_read_stages, rounds=state_rounds(tuple(seq_lens), C, BT, device),
     )
 
 
-def _lift_grad(x, y, weight, states, zs, plan: dict, into: torch.Tensor) -> None:
-    """Adds `∇_x Σ_t weight_t ψ(x_t)ᵀ states[c(t)] y_t` to `into` (fp32): chunk.py's lift-gradient kernel (rows
-    `y` in x's dtype enter it exact, fp32 rows split in two halves)."""
+def _lift_grad(x, y, weight, states, zs, plan: dict, tiles: dict, into: torch.Tensor) -> None:
+    """Adds `∇_x Σ_t weight_t ψ(x_t)ᵀ states[c(t)] y_t` over one round's tiles (`state_rounds`) to `into` (fp32):
+    chunk.py's lift-gradient kernel (rows `y` in x's dtype enter it exact, fp32 rows split in two halves)."""
     H, K, V, E, P = plan["sizes"]
-    kata_lift_grad_kernel[(plan["NT"], H)](
-        x, y, weight, weight, states, zs, into, None, plan["tiles"], H, K, V, E, P, BF=E, BT=plan["BT"], BV=block(V),
+    kata_lift_grad_kernel[(tiles["NT"], H)](
+        x, y, weight, weight, states, zs, into, None, tiles["tiles"], H, K, V, E, P, BF=E, BT=plan["BT"], BV=block(V),
         ACCUMULATE=True, READ=False, num_warps=plan["warps"], num_stages=plan["stages"], **plan["meta"],
     )
 
@@ -335,7 +449,8 @@ def deltakata_walk(
     combine: str, dtype: torch.dtype, store_hs: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`deltakata_walk_kernel` as a custom op on flat fp32 tokens (q, k enter the kernel in `dtype`, exact for
-    values that came from it): `(o, ht [N, H, P, V], hs [NC, H, P, V] with store_hs (else empty), u, yk, yq)`,
+    values that came from it): `(o, ht [N, H, P, V], hs [NK, H, P, V] the checkpoints (`state_rounds`) with
+    store_hs (else empty), u, yk, yq)`,
     o `[N_tok, H, V]` in `dtype` (rounded once; its cotangent then enters the lift gradient exact), the rows fp32."""
     N_tok, H, K = k.shape
     V = b.shape[-1]
@@ -343,13 +458,14 @@ def deltakata_walk(
     P = plan["sizes"][-1]
     N = len(seq_lens)
     st = torch.zeros(N, H, P, V, dtype=torch.float32, device=k.device) if h0 is None else h0.float().clone()
-    hs = torch.empty(plan["NC"], H, P, V, dtype=torch.float32, device=k.device) if store_hs else no_output(k)
+    rounds = plan["rounds"]
+    hs = torch.empty(rounds["NK"], H, P, V, dtype=torch.float32, device=k.device) if store_hs else no_output(k)
     u, yk, yq = (torch.empty(N_tok, H, V, dtype=torch.float32, device=k.device) for _ in range(3))
     o = torch.empty(N_tok, H, V, dtype=dtype, device=k.device)
     deltakata_walk_kernel[(triton.cdiv(V, plan["BV"]), N, H)](
-        q.to(dtype), k.to(dtype), m, a, b, alpha, omega, rho, lam, st, hs, u, yk, yq, o, plan["table"], plan["cu_chunks"],
-        *plan["sizes"], C=plan["C"], BF=block(plan["sizes"][3]), BV=plan["BV"], STORE_HS=store_hs, num_warps=plan["warps"],
-        **plan["meta"],
+        q.to(dtype), k.to(dtype), m, a, b, alpha, omega, rho, lam, st, hs, rounds["ckpt"], u, yk, yq, o, plan["table"],
+        plan["cu_chunks"], *plan["sizes"], C=plan["C"], BF=block(plan["sizes"][3]), BV=plan["BV"], STORE_HS=store_hs,
+        num_warps=plan["warps"], **plan["meta"],
     )
     return o, st, hs, u, yk, yq
 
@@ -359,7 +475,8 @@ def _(q, k, m, a, b, alpha, omega, rho, lam, h0, seq_lens, groups, combine, dtyp
     N_tok, H, K = k.shape
     V = b.shape[-1]
     P = make_feature_map("psd", K, groups, combine).dim()
-    hs = k.new_empty(m.shape[0], H, P, V) if store_hs else no_output(k)
+    NK = sum(checkpoint_counts(tuple(seq_lens), get_config().deltakata_chunk_size))
+    hs = k.new_empty(NK, H, P, V) if store_hs else no_output(k)
     rows = [k.new_empty(N_tok, H, V) for _ in range(3)]
     return k.new_empty(N_tok, H, V, dtype=dtype), k.new_empty(len(seq_lens), H, P, V), hs, *rows
 
@@ -373,8 +490,9 @@ def deltakata_walk_backward(
            torch.Tensor, torch.Tensor]:
     """The walk's backward (module docstring): `(dq, dk, dM, dA, db, dα, dω, dρ, dλ, dh0)`, all fp32. The reverse
     kernel gives the state gradients and the rows Z, dU, Y'; the coefficients' gradients are row dots and
-    chunk-local products of them; dq and dk are lift gradients of the reads (on hs) and of the write (on the
-    stored state gradients)."""
+    chunk-local products of them; dq and dk are lift gradients of the reads (on the entering states) and of the
+    write (on the state gradients). Round by round (`state_rounds`), last first: the round's entering states
+    recomputed from the checkpoints `hs`, its reverse walk, its lift gradients."""
     N_tok, H, K = k.shape
     V = b.shape[-1]
     plan = _walk_plan(seq_lens, H, K, V, groups, combine, k.device, dtype)
@@ -382,24 +500,32 @@ def deltakata_walk_backward(
     N = len(seq_lens)
     qk, kk = q.to(dtype), k.to(dtype)
     dst = torch.zeros(N, H, P, V, dtype=torch.float32, device=k.device) if dht is None else dht.float().clone()
-    ds = torch.empty(plan["NC"], H, P, V, dtype=torch.float32, device=k.device)
+    layout = plan["rounds"]
+    NS = layout["NS"]
+    ds = torch.empty(NS, H, P, V, dtype=torch.float32, device=k.device)
+    states = torch.empty_like(ds) if layout["recompute"] else hs
     z, du, yg = (torch.empty(N_tok, H, V, dtype=torch.float32, device=k.device) for _ in range(3))
     NV = triton.cdiv(V, plan["BV"])
     dlam = torch.empty(NV, plan["NC"], H, dtype=torch.float32, device=k.device)
-    deltakata_walk_grad_kernel[(NV, N, H)](
-        qk, kk, m, a, do.contiguous(), alpha, omega, rho, lam, hs, dst, ds, z, du, yg, dlam, plan["table"], plan["cu_chunks"],
-        plan["NC"], *plan["sizes"], C=plan["C"], BF=block(plan["sizes"][3]), BV=plan["BV"], num_warps=plan["warps"], **plan["meta"],
-    )
+    zs = torch.zeros(NS, H, P, dtype=torch.float32, device=k.device)  # no normaliser column
+    dq = torch.zeros(N_tok, H, K, dtype=torch.float32, device=k.device)
+    dk = torch.zeros_like(dq)
+    do = do.contiguous()
+    launch = dict(C=plan["C"], BF=block(plan["sizes"][3]), BV=plan["BV"], num_warps=plan["warps"], **plan["meta"])
+    for rnd in reversed(layout["rounds"]):
+        if layout["recompute"]:
+            deltakata_states_kernel[(NV, N, H)](kk, u, omega, lam, hs, states, plan["table"], rnd["bounds"], *plan["sizes"], **launch)
+        deltakata_walk_grad_kernel[(NV, N, H)](
+            qk, kk, m, a, do, alpha, omega, rho, lam, states, dst, ds, z, du, yg, dlam, plan["table"], rnd["bounds"],
+            plan["NC"], *plan["sizes"], **launch,
+        )
+        _lift_grad(qk, do, rho, states, zs, plan, rnd, dq)  # the read Yq
+        _lift_grad(kk, z, alpha, states, zs, plan, rnd, dk)  # the read Yk
+        _lift_grad(kk, u, omega, ds, zs, plan, rnd, dk)  # the write
     idx, mask = chunk_layout(plan["table"], plan["C"], N_tok)
     rhs = b + alpha[..., None] * yk  # [N_tok, H, V]
     dm = to_chunks(du, idx, mask) @ to_chunks(rhs, idx, mask).transpose(-1, -2)  # [NC, H, C, V] @ [NC, H, V, C]
     da = to_chunks(do.float(), idx, mask) @ to_chunks(u, idx, mask).transpose(-1, -2)
-    zs = torch.zeros(plan["NC"], H, P, dtype=torch.float32, device=k.device)  # no normaliser column
-    dq = torch.zeros(N_tok, H, K, dtype=torch.float32, device=k.device)
-    dk = torch.zeros_like(dq)
-    _lift_grad(qk, do, rho, hs, zs, plan, dq)  # the read Yq
-    _lift_grad(kk, z, alpha, hs, zs, plan, dk)  # the read Yk
-    _lift_grad(kk, u, omega, ds, zs, plan, dk)  # the write
     return (dq, dk, dm, da, z, (z * yk).sum(-1), (yg * u).sum(-1), (do.float() * yq).sum(-1), dlam.sum(0), dst)
 
 
@@ -459,13 +585,13 @@ def deltakata_chunk_fused(
     prep = functools.partial(deltakata_coefficients, fmap=fmap, scale=float(scale), eps=float(eps), idx=idx, mask=mask)
     store_hs = torch.is_grad_enabled() and wants_grad((q, k, v, beta, g, initial_state))
     # with gradients the chunk-local algebra is recomputed in the backward: its autograd would keep some twenty [C, C]
-    # tensors per chunk and head from the forward to the backward, far more than the walk's entering states
+    # tensors per chunk and head from the forward to the backward, more than the walk's checkpoints and buffers
     coefs = checkpoint(prep, *flat, use_reentrant=False) if store_hs else prep(*flat)
     o, ht, _, _, _, _ = deltakata_walk(flat[0], flat[1], *coefs, h0, list(seq_lens), groups, combine, q.dtype, store_hs)
     return o.view(B, T, H, V), (ht if output_final_state else None)
 
 
 __all__ = [
-    "deltakata_chunk_fused", "deltakata_coefficients", "deltakata_walk", "deltakata_walk_grad_kernel", "deltakata_walk_kernel",
-    "deltakata_walk_ref",
+    "deltakata_chunk_fused", "deltakata_coefficients", "deltakata_states_kernel", "deltakata_walk", "deltakata_walk_grad_kernel",
+    "deltakata_walk_kernel", "deltakata_walk_ref", "checkpoint_counts", "state_interval", "state_rounds",
 ]
