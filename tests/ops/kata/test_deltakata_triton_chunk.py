@@ -169,16 +169,21 @@ def test_state_rounds_cover_every_chunk_once():
     with use_config(KernelConfig(deltakata_state_interval=R)):
         layout = state_rounds(lengths, C, 8, "cpu")
     assert layout["ckpt"].tolist() == [0, -1, 1, -1, 2, 3, -1, 4, 5, 6] and layout["NK"] == 7
+    spans = [(bos + s, bos + min(s + C, n))  # every chunk's tokens
+             for bos, n in zip((0, 70, 103, 119), lengths) for s in range(0, n, C)]
     seen, tokens = [], torch.zeros(sum(lengths), dtype=torch.int64)
     for r, rnd in enumerate(layout["rounds"]):
+        chunk_of = {}  # round-buffer slot -> chunk
         for n, (lo, hi, base, k) in enumerate(rnd["bounds"].tolist()):
-            assert (lo, hi) == (firsts[n] + min(r * R, firsts[n + 1] - firsts[n]), firsts[n] + min((r + 1) * R, firsts[n + 1] - firsts[n]))
+            count = firsts[n + 1] - firsts[n]
+            assert (lo, hi) == (firsts[n] + min(r * R, count), firsts[n] + min((r + 1) * R, count))
             if lo < hi:
                 assert layout["ckpt"][lo] == k and 0 <= base and base + hi - lo <= layout["NS"]
+            chunk_of.update({base + c - lo: c for c in range(lo, hi)})
             seen += range(lo, hi)
         for t0, t1, slot, _ in rnd["tiles"].tolist():
             tokens[t0:t1] += 1
-            assert 0 <= slot < layout["NS"]
+            assert spans[chunk_of[slot]][0] <= t0 < t1 <= spans[chunk_of[slot]][1]  # the tile's state is its chunk's
     assert sorted(seen) == list(range(10))
     assert tokens.eq(1).all()
     with use_config(KernelConfig(deltakata_state_interval=1)):

@@ -23,8 +23,9 @@ and its backward, chunks last to first with dS the gradient of the state leaving
     dS ← λ dS + ψ(K)ᵀ (α ⊙ Z) + ψ(Q)ᵀ (ρ ⊙ dO)
 
 from which every coefficient's gradient is a row dot or a chunk-local product, and the keys' and queries'
-gradients are lift gradients of reads (chunk.py's `kata_lift_grad_kernel`) on the stored states. Each value
-column of the walk is independent of the others (the reads, the solve and the write act column by
+gradients are lift gradients of reads (chunk.py's `kata_lift_grad_kernel`) on the entering states, which the
+backward rebuilds round by round from the few the forward keeps (`state_rounds`, `deltakata_states_kernel`).
+Each value column of the walk is independent of the others (the reads, the solve and the write act column by
 column), so a program owns a value tile of the whole `[P, V]` state and walks the sequence alone; its slice
 stays in global memory (`[P, BV]` fp32: 512 KB for M1 at K = 64 in tiles of 32) and is read and written row block
 by row block of E lifted features, as the read kernel of chunk.py does (ψ(scale·q) = scale² ψ(q) for these
@@ -397,8 +398,9 @@ def state_rounds(seq_lens: tuple, chunk_size: int, block_t: int, device) -> dict
             rows.append((lo, hi, base, k0 + r * span // R if lo < hi else 0))
             t = bos + sum(sizes[:lo - c0])
             for c in range(lo, hi):
-                tiles += [(t + s, t + min(s + block_t, sizes[c - c0]), base + c - lo, 0) for s in range(0, sizes[c - c0], block_t)]
-                t += sizes[c - c0]
+                size = sizes[c - c0]
+                tiles += [(t + s, t + min(s + block_t, size), base + c - lo, 0) for s in range(0, size, block_t)]
+                t += size
             base += hi - lo
             c0, k0, bos = c0 + len(sizes), k0 + count, bos + sum(sizes)
         NS = max(NS, base)
@@ -514,7 +516,9 @@ def deltakata_walk_backward(
     launch = dict(C=plan["C"], BF=block(plan["sizes"][3]), BV=plan["BV"], num_warps=plan["warps"], **plan["meta"])
     for rnd in reversed(layout["rounds"]):
         if layout["recompute"]:
-            deltakata_states_kernel[(NV, N, H)](kk, u, omega, lam, hs, states, plan["table"], rnd["bounds"], *plan["sizes"], **launch)
+            deltakata_states_kernel[(NV, N, H)](
+                kk, u, omega, lam, hs, states, plan["table"], rnd["bounds"], *plan["sizes"], **launch,
+            )
         deltakata_walk_grad_kernel[(NV, N, H)](
             qk, kk, m, a, do, alpha, omega, rho, lam, states, dst, ds, z, du, yg, dlam, plan["table"], rnd["bounds"],
             plan["NC"], *plan["sizes"], **launch,
@@ -592,6 +596,6 @@ def deltakata_chunk_fused(
 
 
 __all__ = [
-    "deltakata_chunk_fused", "deltakata_coefficients", "deltakata_states_kernel", "deltakata_walk", "deltakata_walk_grad_kernel",
-    "deltakata_walk_kernel", "deltakata_walk_ref", "checkpoint_counts", "state_interval", "state_rounds",
+    "checkpoint_counts", "deltakata_chunk_fused", "deltakata_coefficients", "deltakata_states_kernel", "deltakata_walk",
+    "deltakata_walk_grad_kernel", "deltakata_walk_kernel", "deltakata_walk_ref", "state_interval", "state_rounds",
 ]
