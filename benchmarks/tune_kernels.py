@@ -27,7 +27,7 @@ PRESETS = {  # the launch parameters each family's kernels read
              dict(kata_score_dot="rounded", kata_num_warps=4, kata_bwd_warps=8, kata_num_stages=3),
              dict(kata_block_m=64, kata_block_n=64, kata_num_warps=4, kata_bwd_warps=4), dict(kata_block_m=128, kata_block_n=32),
              dict(kata_block_m=128, kata_block_n=128, kata_num_stages=1), dict(kata_chunk_size=1024),
-             dict(deltakata_block_v=16), dict(deltakata_chunk_size=64)],
+             dict(deltakata_block_v=16), dict(deltakata_chunk_size=64), dict(deltakata_state_interval=1)],
 }
 
 

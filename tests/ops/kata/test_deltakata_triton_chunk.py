@@ -129,6 +129,23 @@ def test_walk_matches_twin(groups, combine):
         assert rel_err(a, b) <= 1e-5, f"{name}: {rel_err(a, b):.2e}"
 
 
+@pytest.mark.parametrize("groups, combine", [(1, "concat"), (2, "concat"), (2, "sum")], ids=["M1", "M2", "S2"])
+def test_chunk_algebra_backward_passes_gradcheck(groups, combine):
+    """`ChunkAlgebra`'s written-out backward against finite differences (float64): every output's cotangent into
+    k, q, β and g, with a padded row (k = 0, β = 0: its norm clamped), a decay reset and a second chunk."""
+    from polyattn.ops.kata.triton.delta import ChunkAlgebra
+
+    gen = torch.Generator().manual_seed(17)
+    kc, qc = (torch.randn(2, 2, 6, 4 * groups, generator=gen, dtype=torch.float64) for _ in range(2))
+    bc, gc = (torch.rand(2, 2, 6, generator=gen, dtype=torch.float64) for _ in range(2))
+    gc = -gc
+    kc[1, :, -1], bc[1, :, -1], gc[1, :, -1] = 0.0, 0.0, 0.0  # a padded row
+    gc[0, 1, 3] = -30.0  # a reset inside a chunk
+    fmap = make_feature_map("psd", 4 * groups, groups, combine)
+    leaves = [x.requires_grad_() for x in (kc, qc, bc, gc)]
+    assert torch.autograd.gradcheck(lambda *x: ChunkAlgebra.apply(*x, fmap, 0.3, 1e-6), leaves)
+
+
 def _walk_grads(lengths, config, seed=15):
     """The walk op's output and every input's gradient, fp32, M1, packed `lengths` from initial states."""
     N_tok, Kx = sum(lengths), _width(1)

@@ -69,6 +69,18 @@ def test_bilinear_read_and_write_equal_lifted(feature, groups, combine):
     assert_close_rel(fmap.read(q, S), fmap.lift(q) @ S, TOL, "read")
 
 
+@pytest.mark.parametrize("groups, combine", [(1, "concat"), (2, "concat"), (4, "sum")], ids=["M1", "M2", "S4"])
+def test_kernel_vjp_is_the_kernels_gradient(groups, combine):
+    """`kernel_vjp` (the PSD maps' written-out gradient of Σ grad ⊙ κ(q, k)) against autograd through `kernel`."""
+    fmap = make_feature_map("psd", 8, groups, combine)
+    x = seeded_inputs(2, 5, 1, 8, 3, seed=4)
+    q, k = (x[n][:, :, 0].requires_grad_() for n in ("q", "k"))  # [B, T, K]
+    grad = torch.randn(2, 5, 5, generator=torch.Generator().manual_seed(5), dtype=q.dtype)
+    want = torch.autograd.grad((fmap.kernel(q, k) * grad).sum(), (q, k))
+    for name, a, b in zip(("dq", "dk"), fmap.kernel_vjp(q.detach(), k.detach(), grad), want):
+        assert_close_rel(a, b, TOL, name)
+
+
 @pytest.mark.parametrize("groups, combine", [(1, "concat"), (2, "concat"), (2, "sum")], ids=["M1", "M2", "S2"])
 def test_packed_state_halves_and_reads_exactly(groups, combine):
     x = seeded_inputs(1, 9, 2, 6, 3, seed=4)

@@ -149,6 +149,16 @@ class PSDFeatureMap:
         dots = torch.einsum(self.spec.kernel_eq, self._split(q), self._split(k))  # [..., T, S, G(, G)]
         return dots.square().sum(dim=tuple(range(-self.spec.kernel_group_dims, 0)))  # -> [..., T, S]
 
+    def kernel_vjp(self, q: torch.Tensor, k: torch.Tensor, grad: torch.Tensor) -> tuple:
+        """`(dq, dk)` of `Σ grad ⊙ κ(q, k)` (grad `[..., T, S]`): the group dot products d = q_i·k_j enter squared,
+        so `∂/∂d = 2 d grad`, carried back through the same contraction."""
+        ins, out = self.spec.kernel_eq.split("->")
+        eq_q, eq_k = ins.split(",")
+        qg, kg = self._split(q), self._split(k)
+        w = 2 * torch.einsum(self.spec.kernel_eq, qg, kg) * grad[(...,) + (None,) * self.spec.kernel_group_dims]
+        dq = torch.einsum(f"{out},{eq_k}->{eq_q}", w, kg)  # [..., T, G, E]
+        return dq.flatten(-2), torch.einsum(f"{out},{eq_q}->{eq_k}", w, qg).flatten(-2)
+
     def _state_view(self, S: torch.Tensor) -> torch.Tensor:
         view = S.unflatten(-2, (self.slots, self.E, self.E))  # [..., P, W] -> [..., slots, E, E, W]
         return view.squeeze(-4) if self.spec.shared_slot else view  # sum: [..., E, E, W]

@@ -3,8 +3,8 @@ lifted features): the kernel-trick UT recurrence walked by one program per (sequ
 lifted state streamed through memory row block by row block.
 
 The chunk form (ops/kata/README.md, "Chunk form (kernel-trick UT)") splits into chunk-local algebra that
-needs no state (PyTorch, `deltakata_coefficients`, differentiated by autograd) and a walk that does. With
-the coefficients of chunk c (C tokens, state S entering it)
+needs no state (PyTorch, `deltakata_coefficients`; its `[C, C]` part `ChunkAlgebra`, whose backward is written out)
+and a walk that does. With the coefficients of chunk c (C tokens, state S entering it)
 
     M = (I + diag(β) tril(κ̂(K, K) ⊙ D, −1))⁻¹       [C, C]   the UT inverse
     A = κ(scale Q, K) ⊙ D ⊘ n                         [C, C]   the in-chunk scores, causal
@@ -31,13 +31,11 @@ stays in global memory (`[P, BV]` fp32: 512 KB for M1 at K = 64 in tiles of 32) 
 by row block of E lifted features, as the read kernel of chunk.py does (ψ(scale·q) = scale² ψ(q) for these
 degree-2 maps, so the kernels read raw q and ρ carries the scale). `deltakata_walk_ref` is the PyTorch twin.
 """
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
-from torch.utils.checkpoint import checkpoint
 
 from polyattn.ops.common import exp_segsum, wants_grad
 from polyattn.ops.kata.feature_maps import make_feature_map
@@ -320,23 +318,101 @@ def from_chunks(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x.movedim(2, 1)[mask]
 
 
+def _norm_square(kc, fmap) -> torch.Tensor:
+    """κ(k_t, k_t) `[NC, H, C]`: the squared norm of the lifted key."""
+    return fmap.kernel(kc[..., None, :], kc[..., None, :])[..., 0, 0]
+
+
+def _algebra_terms(kc, qc, gc, fmap, scale: float, eps: float) -> dict:
+    """The chunk-local algebra's shared terms from chunked fp32 keys, queries `[NC, H, C, K]` and log-decays
+    `[NC, H, C]` (no graph): the key norms n, D, the normalised Gram κ̂(K, K), e^γ and the scores before their
+    decay, κ(scale·Q, K)."""
+    norm = _norm_square(kc, fmap).clamp_min(eps**2).sqrt()  # n_t
+    return dict(norm=norm, D=exp_segsum(gc), exp=torch.exp(torch.cumsum(gc, -1)), scores=fmap.kernel(scale * qc, kc),
+                gram=fmap.kernel(kc, kc).div_(norm[..., :, None]).div_(norm[..., None, :]))
+
+
+class ChunkAlgebra(torch.autograd.Function):
+    """The `[C, C]` part of the chunk-local algebra (module docstring), from chunked fp32 `kc, qc [NC, H, C, K]`, β and
+    the log-decays `[NC, H, C]`: `(M, A [NC, H, C, C], α, ω, ρ [NC, H, C], λ [NC, H])`. Its backward is written
+    out, so that only the inputs and M are kept from the forward and no `[C, C]` intermediate of autograd's:
+
+        dL = −Mᵀ dM Mᵀ (strictly lower; L = I + diag(β) tril(κ̂ ⊙ D, −1))
+        dβ_t += Σ_s dL_ts κ̂_ts D_ts,   dκ̂ = diag(β) dL ⊙ D,   dD += diag(β) dL ⊙ κ̂
+        dκ(sQ, K) = tril(dA) ⊙ D ⊘ n,   dD += tril(dA) ⊙ κ(sQ, K) ⊘ n,   dn_s −= Σ_t dA_ts A_ts / n_s
+        dκ(K, K) = dκ̂ ⊘ (n nᵀ),   dn_t −= Σ_s dκ̂_ts κ̂_ts / n_t + Σ_s dκ̂_st κ̂_st / n_t
+        dγ_t += Σ_s dD_ts D_ts − Σ_s dD_st D_st,   dg = reverse cumsum of dγ
+
+    with the rows' α = −β e^γ / n, ω = D[C, ·] / n, ρ = scale² e^γ, λ = e^Γ differentiated directly, and the keys'
+    and queries' gradients from the feature map's `kernel_vjp`."""
+
+    @staticmethod
+    def forward(ctx, kc, qc, bc, gc, fmap, scale: float, eps: float):
+        t = _algebra_terms(kc, qc, gc, fmap, scale, eps)
+        norm, D, e = t["norm"], t["D"], t["exp"]
+        eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device)
+        lower = t.pop("gram").mul_(D).tril_(diagonal=-1).mul_(bc[..., :, None]).add_(eye)  # in place: the buffers are large
+        M = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False, unitriangular=True).contiguous()
+        del lower
+        A = t.pop("scores").mul_(D).div_(norm[..., None, :]).tril_()  # exact zeros above the diagonal, even beside a NaN
+        ctx.save_for_backward(kc, qc, bc, gc, M)
+        ctx.options = (fmap, scale, eps)
+        return M, A, -bc * e / norm, D[..., -1, :] / norm, (scale * scale) * e, e[..., -1].contiguous()
+
+    @staticmethod
+    def backward(ctx, dM, dA, dalpha, domega, drho, dlam):  # unused outputs' cotangents arrive as zeros
+        kc, qc, bc, gc, M = ctx.saved_tensors
+        fmap, scale, eps = ctx.options
+        t = _algebra_terms(kc, qc, gc, fmap, scale, eps)
+        norm, D, gram, scores, e = t["norm"], t["D"], t["gram"], t["scores"], t["exp"]
+        rowdot, coldot = "...ts,...ts->...t", "...ts,...ts->...s"  # Σ_s and Σ_t of a product, no [C, C] temporary
+        alpha = -bc * e / norm
+        dbeta = -dalpha * e / norm
+        dgam = dalpha * alpha + drho * (scale * scale) * e
+        dgam[..., -1] += dlam * e[..., -1]
+        dn = -(dalpha * alpha + domega * D[..., -1, :] / norm) / norm
+        # the solve, strictly lower: dL = −Mᵀ dM Mᵀ, L_ts = β_t κ̂_ts D_ts; the [C, C] buffers are reused in place
+        dL = torch.tril(-((M.mT @ dM) @ M.mT), diagonal=-1)  # [NC, H, C, C]
+        dD = dL * gram
+        dbeta += torch.einsum(rowdot, dD, D)
+        dD.mul_(bc[..., :, None])  # dD from L
+        dgram = dL.mul_(D).mul_(bc[..., :, None])  # dκ̂
+        dD[..., -1, :] += domega / norm  # ω = D[C, ·] / n
+        # the scores, A = tril(κ(sQ, K) ⊙ D ⊘ n)
+        dscores = torch.tril(dA).div_(norm[..., None, :])
+        scores.mul_(dscores)
+        dn -= torch.einsum(coldot, scores, D) / norm
+        dD += scores
+        del scores, t
+        dscores.mul_(D)  # dκ(sQ, K)
+        # the normalised Gram, κ̂ = κ(K, K) ⊘ (n nᵀ)
+        dn -= (torch.einsum(rowdot, dgram, gram) + torch.einsum(coldot, dgram, gram)) / norm
+        del gram
+        dgram.div_(norm[..., :, None]).div_(norm[..., None, :])  # dκ(K, K)
+        # the decays, D_ts = exp(γ_t − γ_s) for s <= t, γ = cumsum(g)
+        dD.mul_(D)
+        dgam += dD.sum(-1) - dD.sum(-2)
+        del dD, D
+        dg = torch.flip(torch.cumsum(torch.flip(dgam, [-1]), -1), [-1])
+        ds = torch.where(_norm_square(kc, fmap) >= eps**2, dn / (2 * norm), 0.0)  # n = sqrt(max(κ(k, k), eps²))
+        dq, dk = fmap.kernel_vjp(scale * qc, kc, dscores)
+        del dscores
+        dk1, dk2 = fmap.kernel_vjp(kc, kc, dgram)
+        del dgram
+        dk3, dk4 = fmap.kernel_vjp(kc[..., None, :], kc[..., None, :], ds[..., None, None])
+        return dk + dk1 + dk2 + (dk3 + dk4)[..., 0, :], scale * dq, dbeta, dg, None, None, None
+
+
 def deltakata_coefficients(q, k, v, beta, g, *, fmap, scale: float, eps: float, idx, mask):
     """The chunk-local algebra of the walk (module docstring), from flat fp32 tokens `q, k [N_tok, H, K]`,
     `v [N_tok, H, V]`, `beta`, `g [N_tok, H]` (g None: no decay): `(M, A [NC, H, C, C], b [N_tok, H, V],
-    α, ω, ρ [N_tok, H], λ [NC, H])`, differentiable. Padded rows have k = 0 and β = 0: they neither read nor write."""
+    α, ω, ρ [N_tok, H], λ [NC, H])`, differentiable (`ChunkAlgebra`'s written-out backward for the `[C, C]` part).
+    Padded rows have k = 0 and β = 0: they neither read nor write."""
     kc, qc, vc, bc = (to_chunks(x, idx, mask) for x in (k, q, v, beta))  # [NC, H, C, ...]
     gc = torch.zeros_like(bc) if g is None else to_chunks(reset_limit_ref(g), idx, mask)  # [NC, H, C]
-    norm = fmap.kernel(kc[..., None, :], kc[..., None, :])[..., 0, 0].clamp_min(eps**2).sqrt()  # n_s: [NC, H, C]
-    gamma = torch.cumsum(gc, -1)  # [NC, H, C]
-    D = exp_segsum(gc)  # [NC, H, C, C]
-    unit_gram = fmap.kernel(kc, kc) / (norm[..., :, None] * norm[..., None, :])  # κ̂(K, K)
-    eye = torch.eye(idx.shape[1], dtype=k.dtype, device=k.device)
-    lower = eye + bc[..., :, None] * torch.tril(unit_gram * D, diagonal=-1)
-    M = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False, unitriangular=True)
-    A = torch.tril(fmap.kernel(scale * qc, kc) * D / norm[..., None, :])  # exact zeros above the diagonal, even beside a NaN
-    coef = (bc[..., None] * vc, -bc * torch.exp(gamma) / norm, D[..., -1, :] / norm, (scale * scale) * torch.exp(gamma))
-    b, alpha, omega, rho = (from_chunks(x, mask) for x in coef)
-    return M.contiguous(), A.contiguous(), b, alpha, omega, rho, torch.exp(gamma[..., -1]).contiguous()
+    M, A, alpha, omega, rho, lam = ChunkAlgebra.apply(kc, qc, bc, gc, fmap, scale, eps)
+    b, alpha, omega, rho = (from_chunks(x, mask) for x in (bc[..., None] * vc, alpha, omega, rho))
+    return M, A, b, alpha, omega, rho, lam
 
 
 def value_tile(heads: int, V: int, device) -> int:
@@ -459,6 +535,7 @@ def deltakata_walk(
     plan = _walk_plan(seq_lens, H, K, V, groups, combine, k.device, dtype)
     P = plan["sizes"][-1]
     N = len(seq_lens)
+    m, a = m.contiguous(), a.contiguous()  # the kernels read them row-major
     st = torch.zeros(N, H, P, V, dtype=torch.float32, device=k.device) if h0 is None else h0.float().clone()
     rounds = plan["rounds"]
     hs = torch.empty(rounds["NK"], H, P, V, dtype=torch.float32, device=k.device) if store_hs else no_output(k)
@@ -501,6 +578,7 @@ def deltakata_walk_backward(
     P = plan["sizes"][-1]
     N = len(seq_lens)
     qk, kk = q.to(dtype), k.to(dtype)
+    m, a = m.contiguous(), a.contiguous()
     dst = torch.zeros(N, H, P, V, dtype=torch.float32, device=k.device) if dht is None else dht.float().clone()
     layout = plan["rounds"]
     NS = layout["NS"]
@@ -570,8 +648,8 @@ def deltakata_chunk_fused(
     q, k, v, beta, g=None, *, groups, combine, eps, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
 ):
     """Triton chunked form of DeltaKATA for the PSD maps (inputs validated, scale resolved), forward and backward:
-    the chunk-local coefficients in PyTorch (autograd), the walk on the kernels. q, k `[B, T, H, K]`, v
-    `[B, T, H, V]`, beta, g `[B, T, H]`; initial_state `S [N, H, P, V]`; cu_seqlens with B == 1. Everything
+    the chunk-local coefficients in PyTorch (`ChunkAlgebra`'s written-out backward), the walk on the kernels. q, k
+    `[B, T, H, K]`, v `[B, T, H, V]`, beta, g `[B, T, H]`; initial_state `S [N, H, P, V]`; cu_seqlens with B == 1. Everything
     enters in fp32 copies (one rounding of each gradient), q and k the kernels' tensor cores in their own
     dtype. Returns `(o [B, T, H, V] in q's dtype, S [N, H, P, V] fp32 or None)`."""
     check_kernel_inputs(q)
@@ -586,16 +664,14 @@ def deltakata_chunk_fused(
         return v.new_zeros(B, T, H, V).to(q.dtype), (state.clone() if output_final_state else None)
     flat = [None if x is None else x.reshape(B * T, H, *x.shape[3:]).float() for x in (q, k, v, beta, g)]  # [B*T, H, ...]
     idx, mask = chunk_layout(plan["table"], plan["C"], B * T)
-    prep = functools.partial(deltakata_coefficients, fmap=fmap, scale=float(scale), eps=float(eps), idx=idx, mask=mask)
+    coefs = deltakata_coefficients(*flat, fmap=fmap, scale=float(scale), eps=float(eps), idx=idx, mask=mask)
     store_hs = torch.is_grad_enabled() and wants_grad((q, k, v, beta, g, initial_state))
-    # with gradients the chunk-local algebra is recomputed in the backward: its autograd would keep some twenty [C, C]
-    # tensors per chunk and head from the forward to the backward, more than the walk's checkpoints and buffers
-    coefs = checkpoint(prep, *flat, use_reentrant=False) if store_hs else prep(*flat)
     o, ht, _, _, _, _ = deltakata_walk(flat[0], flat[1], *coefs, h0, list(seq_lens), groups, combine, q.dtype, store_hs)
     return o.view(B, T, H, V), (ht if output_final_state else None)
 
 
 __all__ = [
-    "checkpoint_counts", "deltakata_chunk_fused", "deltakata_coefficients", "deltakata_states_kernel", "deltakata_walk",
-    "deltakata_walk_grad_kernel", "deltakata_walk_kernel", "deltakata_walk_ref", "state_interval", "state_rounds",
+    "ChunkAlgebra", "checkpoint_counts", "deltakata_chunk_fused", "deltakata_coefficients", "deltakata_states_kernel",
+    "deltakata_walk", "deltakata_walk_grad_kernel", "deltakata_walk_kernel", "deltakata_walk_ref", "state_interval",
+    "state_rounds",
 ]
