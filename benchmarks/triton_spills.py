@@ -5,7 +5,7 @@ Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel
 (`wy_kernel`, `wy_factors_kernel`, the two recurrences, the per-chunk output and two gradient kernels) and log-linear
 Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_backward_kernel`, `gdn_chunk_grads_kernel`) and
 KATA's chunked form's (`kata_states_kernel` both ways, `kata_read_kernel`, `kata_lift_grad_kernel` with and without
-its read, at K = V = 64 with the default tiles) and DeltaKATA's walks (`deltakata_walk_kernel`, `deltakata_walk_grad_kernel`) for sm_90a with the installed Triton (or the families named) and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
+its read, at K = V = 64 with the default tiles) and DeltaKATA's walks and state recompute (`deltakata_walk_kernel`, `deltakata_walk_grad_kernel`, `deltakata_states_kernel`) for sm_90a with the installed Triton (or the families named) and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
 The installed Triton may differ from the GPU machine's, so read the numbers as indications.
 """
 import subprocess
@@ -22,7 +22,7 @@ from polyattn.ops.delta.triton.backward import delta_grad_factors_kernel, delta_
 from polyattn.ops.delta.triton.forward import delta_outputs_kernel, delta_states_kernel
 from polyattn.ops.delta.triton.wy import wy_factors_kernel, wy_kernel
 from polyattn.ops.kata.triton.chunk import kata_lift_grad_kernel, kata_read_kernel, kata_states_kernel
-from polyattn.ops.kata.triton.delta import deltakata_walk_grad_kernel, deltakata_walk_kernel
+from polyattn.ops.kata.triton.delta import deltakata_states_kernel, deltakata_walk_grad_kernel, deltakata_walk_kernel
 from polyattn.ops.kata.triton.function import feature_blocks
 from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
@@ -34,7 +34,7 @@ POINTERS = {
     "h0": "*fp32", "ht": "*fp32", "dot_x": "*bf16", "rowdot": "*fp32", "states": "*fp32", "seg_decay": "*fp32",
     "q": "*bf16", "k": "*bf16", "v": "*bf16", "do": "*bf16", "dq": "*bf16", "dk": "*bf16", "dv": "*bf16",
     "beta": "*bf16", "chunks": "*i32", "nonfinite": "*i32", "seqs": "*i32", "cu_chunks": "*i32", "pos": "*i64",
-    "tiles": "*i32", "starts": "*i32",
+    "tiles": "*i32", "starts": "*i32", "bounds": "*i32", "ckpt": "*i32",
 }
 PASSES = {  # name: (REVERSE, USE_G, ROWDOT)
     "forward": (False, False, False),
@@ -144,9 +144,9 @@ def kata_chunked() -> None:
                   f"{resources(kata_lift_grad_kernel, grad, warps, read_stages, dict(x='*bf16', y='*bf16'))}", flush=True)
 
 
-
 def deltakata_chunked() -> None:
-    """DeltaKATA-M2 and M1's walks at K = V = 64 in the default chunk, a value tile of 32 and 16, the chunked warps."""
+    """DeltaKATA-M2 and M1's walks and the backward's state recompute at K = V = 64 in the default chunk, a value tile
+    of 32 and 16, the chunked warps."""
     config = KernelConfig()
     for op, groups in (("M2", 2), ("M1", 1)):
         for BV in (config.deltakata_block_v, 16):
@@ -155,6 +155,8 @@ def deltakata_chunked() -> None:
                   f"{resources(deltakata_walk_kernel, dict(shared, STORE_HS=True), config.kata_chunk_warps, 2, dict(a='*fp32', b='*fp32'))}")
             print(f"deltakata {op} reverse walk BV{BV}: "
                   f"{resources(deltakata_walk_grad_kernel, shared, config.kata_chunk_warps, 2, dict(a='*fp32'))}", flush=True)
+            print(f"deltakata {op} state recompute BV{BV}: "
+                  f"{resources(deltakata_states_kernel, shared, config.kata_chunk_warps, 2)}", flush=True)
 
 
 if __name__ == "__main__":

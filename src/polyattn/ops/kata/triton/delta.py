@@ -318,17 +318,13 @@ def from_chunks(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x.movedim(2, 1)[mask]
 
 
-def _norm_square(kc, fmap) -> torch.Tensor:
-    """κ(k_t, k_t) `[NC, H, C]`: the squared norm of the lifted key."""
-    return fmap.kernel(kc[..., None, :], kc[..., None, :])[..., 0, 0]
-
-
 def _algebra_terms(kc, qc, gc, fmap, scale: float, eps: float) -> dict:
     """The chunk-local algebra's shared terms from chunked fp32 keys, queries `[NC, H, C, K]` and log-decays
-    `[NC, H, C]` (no graph): the key norms n, D, the normalised Gram κ̂(K, K), e^γ and the scores before their
-    decay, κ(scale·Q, K)."""
-    norm = _norm_square(kc, fmap).clamp_min(eps**2).sqrt()  # n_t
-    return dict(norm=norm, D=exp_segsum(gc), exp=torch.exp(torch.cumsum(gc, -1)), scores=fmap.kernel(scale * qc, kc),
+    `[NC, H, C]` (no graph): the lifted keys' squared norms κ(k, k) and norms n, D, the normalised Gram κ̂(K, K),
+    e^γ and the scores before their decay, κ(scale·Q, K)."""
+    square = fmap.kernel(kc[..., None, :], kc[..., None, :])[..., 0, 0]  # κ(k_t, k_t): [NC, H, C]
+    norm = square.clamp_min(eps**2).sqrt()  # n_t
+    return dict(square=square, norm=norm, D=exp_segsum(gc), exp=torch.exp(torch.cumsum(gc, -1)), scores=fmap.kernel(scale * qc, kc),
                 gram=fmap.kernel(kc, kc).div_(norm[..., :, None]).div_(norm[..., None, :]))
 
 
@@ -364,7 +360,7 @@ class ChunkAlgebra(torch.autograd.Function):
         kc, qc, bc, gc, M = ctx.saved_tensors
         fmap, scale, eps = ctx.options
         t = _algebra_terms(kc, qc, gc, fmap, scale, eps)
-        norm, D, gram, scores, e = t["norm"], t["D"], t["gram"], t["scores"], t["exp"]
+        square, norm, D, gram, scores, e = t["square"], t["norm"], t["D"], t["gram"], t["scores"], t["exp"]
         rowdot, coldot = "...ts,...ts->...t", "...ts,...ts->...s"  # Σ_s and Σ_t of a product, no [C, C] temporary
         alpha = -bc * e / norm
         dbeta = -dalpha * e / norm
@@ -394,7 +390,7 @@ class ChunkAlgebra(torch.autograd.Function):
         dgam += dD.sum(-1) - dD.sum(-2)
         del dD, D
         dg = torch.flip(torch.cumsum(torch.flip(dgam, [-1]), -1), [-1])
-        ds = torch.where(_norm_square(kc, fmap) >= eps**2, dn / (2 * norm), 0.0)  # n = sqrt(max(κ(k, k), eps²))
+        ds = torch.where(square >= eps**2, dn / (2 * norm), 0.0)  # n = sqrt(max(κ(k, k), eps²))
         dq, dk = fmap.kernel_vjp(scale * qc, kc, dscores)
         del dscores
         dk1, dk2 = fmap.kernel_vjp(kc, kc, dgram)
