@@ -24,7 +24,7 @@ from polyattn.ops.kata.triton.delta import (
     _walk_plan, chunk_layout, deltakata_chunk_fused, deltakata_coefficients, deltakata_walk, deltakata_walk_ref, state_interval,
     state_rounds,
 )
-from polyattn.ops.triton.plan import KernelConfig, use_config
+from polyattn.ops.triton.plan import KernelConfig, get_config, use_config
 from polyattn.testing import assert_close_rel, assert_continuation, assert_low_precision_matches, dtype_id, rel_err, seeded_inputs
 
 CUDA = torch.cuda.is_available()
@@ -97,23 +97,28 @@ def test_prefill_continues(split):
         assert_continuation(ops.kata, inputs, split, 2e-5, groups=2, normalize=False, impl="triton_chunk")
 
 
+def _walk_inputs(lengths, groups, combine, seed, state_seed):
+    """Flat fp32 tokens of the packed `lengths`, their chunk-local coefficients, the walk's plan and initial states
+    (call it under `use_config`): `(fmap, flat, coefs, plan, h0)`."""
+    N_tok, Kx = sum(lengths), _width(groups)
+    fmap = make_feature_map("psd", Kx, groups, combine)
+    x = seeded_inputs(1, N_tok, H, Kx, V, decay=True, beta=True, seed=seed, device=DEVICE, dtype=torch.float32)
+    flat = [x[n][0].contiguous() for n in ("q", "k", "v", "beta", "g")]
+    plan = _walk_plan(lengths, H, Kx, V, groups, combine, DEVICE, torch.float32)
+    idx, mask = chunk_layout(plan["table"], get_config().deltakata_chunk_size, N_tok)
+    with torch.no_grad():
+        coefs = deltakata_coefficients(*flat, fmap=fmap, scale=Kx**-0.5, eps=1e-6, idx=idx, mask=mask)
+    return fmap, flat, coefs, plan, _state(len(lengths), fmap, state_seed).float()
+
+
 @pytest.mark.parametrize("groups, combine", [(1, "concat"), (2, "sum")], ids=["M1", "S2"])
 def test_walk_matches_twin(groups, combine):
     """The walk kernel against `deltakata_walk_ref` (float64) on the same fp32 coefficients, packed sequences from
     initial states, every stored row and state; its backward op against the twin's autograd, for every input."""
     lengths = (40, 5, 17) if not CUDA else (700, 5, 170)
-    N_tok, N = sum(lengths), len(lengths)
-    Kx = _width(groups)
-    fmap = make_feature_map("psd", Kx, groups, combine)
-    x = seeded_inputs(1, N_tok, H, Kx, V, decay=True, beta=True, seed=3, device=DEVICE, dtype=torch.float32)
-    flat = [x[n][0].contiguous() for n in ("q", "k", "v", "beta", "g")]
-    h0 = _state(N, fmap, 5).float()
     with use_config(CONFIG) as config:
         C = config.deltakata_chunk_size
-        plan = _walk_plan(lengths, H, Kx, V, groups, combine, DEVICE, torch.float32)
-        idx, mask = chunk_layout(plan["table"], C, N_tok)
-        with torch.no_grad():
-            coefs = deltakata_coefficients(*flat, fmap=fmap, scale=Kx**-0.5, eps=1e-6, idx=idx, mask=mask)
+        fmap, flat, coefs, plan, h0 = _walk_inputs(lengths, groups, combine, 3, 5)
         leaves = [t.clone().requires_grad_() for t in (flat[0], flat[1], *coefs, h0)]
         got = deltakata_walk(*leaves, list(lengths), groups, combine, torch.float32, True)
         ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
@@ -148,16 +153,9 @@ def test_chunk_algebra_backward_passes_gradcheck(groups, combine):
 
 def _walk_grads(lengths, config, seed=15):
     """The walk op's output and every input's gradient, fp32, M1, packed `lengths` from initial states."""
-    N_tok, Kx = sum(lengths), _width(1)
-    fmap = make_feature_map("psd", Kx, 1, "concat")
-    x = seeded_inputs(1, N_tok, H, Kx, V, decay=True, beta=True, seed=seed, device=DEVICE, dtype=torch.float32)
-    flat = [x[n][0].contiguous() for n in ("q", "k", "v", "beta", "g")]
     with use_config(config):
-        plan = _walk_plan(lengths, H, Kx, V, 1, "concat", DEVICE, torch.float32)
-        idx, mask = chunk_layout(plan["table"], config.deltakata_chunk_size, N_tok)
-        with torch.no_grad():
-            coefs = deltakata_coefficients(*flat, fmap=fmap, scale=Kx**-0.5, eps=1e-6, idx=idx, mask=mask)
-        leaves = [t.clone().requires_grad_() for t in (flat[0], flat[1], *coefs, _state(len(lengths), fmap, seed).float())]
+        _, flat, coefs, _, h0 = _walk_inputs(lengths, 1, "concat", seed, seed)
+        leaves = [t.clone().requires_grad_() for t in (flat[0], flat[1], *coefs, h0)]
         o, ht, *_ = deltakata_walk(*leaves, list(lengths), 1, "concat", torch.float32, True)
         gen = torch.Generator().manual_seed(seed)
         do, dht = (torch.randn(t.shape, generator=gen).to(DEVICE) for t in (o, ht))
@@ -250,15 +248,8 @@ def test_custom_ops_pass_opcheck():
     """The walk and its backward as custom ops: schema, fake tensors (shapes and dtypes without running), the
     autograd registration."""
     lengths = [20, 13]
-    N_tok, Kx = sum(lengths), _width(1)
-    fmap = make_feature_map("psd", Kx, 1, "concat")
-    x = seeded_inputs(1, N_tok, H, Kx, V, decay=True, beta=True, seed=5, device=DEVICE, dtype=torch.float32)
-    flat = [x[n][0].contiguous() for n in ("q", "k", "v", "beta", "g")]
-    h0 = _state(len(lengths), fmap, 6).float()
-    with use_config(CONFIG) as config:
-        plan = _walk_plan(lengths, H, Kx, V, 1, "concat", DEVICE, torch.float32)
-        idx, mask = chunk_layout(plan["table"], config.deltakata_chunk_size, N_tok)
-        coefs = deltakata_coefficients(*flat, fmap=fmap, scale=Kx**-0.5, eps=1e-6, idx=idx, mask=mask)
+    with use_config(CONFIG):
+        _, flat, coefs, _, h0 = _walk_inputs(lengths, 1, "concat", 5, 6)
         for dtype in (torch.float32, torch.bfloat16):  # fp32 copies, the kernels in dtype
             args = (flat[0], flat[1], *coefs, h0, lengths, 1, "concat", dtype, True)
             torch.library.opcheck(torch.ops.polyattn.deltakata_walk.default, args,
