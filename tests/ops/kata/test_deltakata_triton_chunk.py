@@ -136,9 +136,10 @@ def test_walk_matches_twin(groups, combine):
 
 @pytest.mark.parametrize("groups, combine", [(1, "concat"), (2, "concat"), (2, "sum")], ids=["M1", "M2", "S2"])
 def test_chunk_algebra_backward_passes_gradcheck(groups, combine):
-    """`ChunkAlgebra`'s written-out backward against finite differences (float64): every output's cotangent into
-    k, q, β and g, with a padded row (k = 0, β = 0: its norm clamped), a decay reset and a second chunk."""
-    from polyattn.ops.kata.triton.delta import ChunkAlgebra
+    """`chunk_algebra`'s written-out backward against finite differences (float64): every output's cotangent into
+    k, q, β and g, with a padded row (k = 0, β = 0: its norm clamped), a decay reset and a second chunk; and both
+    custom ops' schema, fakes and autograd registration."""
+    from polyattn.ops.kata.triton.delta import chunk_algebra
 
     gen = torch.Generator().manual_seed(17)
     kc, qc = (torch.randn(2, 2, 6, 4 * groups, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -146,9 +147,14 @@ def test_chunk_algebra_backward_passes_gradcheck(groups, combine):
     gc = -gc
     kc[1, :, -1], bc[1, :, -1], gc[1, :, -1] = 0.0, 0.0, 0.0  # a padded row
     gc[0, 1, 3] = -30.0  # a reset inside a chunk
-    fmap = make_feature_map("psd", 4 * groups, groups, combine)
     leaves = [x.requires_grad_() for x in (kc, qc, bc, gc)]
-    assert torch.autograd.gradcheck(lambda *x: ChunkAlgebra.apply(*x, fmap, 0.3, 1e-6), leaves)
+    assert torch.autograd.gradcheck(lambda *x: chunk_algebra(*x, groups, combine, 0.3, 1e-6), leaves)
+    args = (*leaves, groups, combine, 0.3, 1e-6)
+    torch.library.opcheck(torch.ops.polyattn.deltakata_algebra.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    outs = chunk_algebra(*args)
+    back = (*(torch.randn_like(x) for x in outs), *(x.detach() for x in leaves), outs[0].detach(), groups, combine, 0.3, 1e-6)
+    torch.library.opcheck(torch.ops.polyattn.deltakata_algebra_backward.default, back, test_utils=("test_schema", "test_faketensor"))
 
 
 def _walk_grads(lengths, config, seed=15):
@@ -296,7 +302,7 @@ def test_exact_under_extreme_gates(value):
 
 
 def test_compiles_as_one_graph():
-    """`torch.compile(fullgraph=True)` traces the custom ops, the chunk-local algebra and its checkpoint; the
+    """`torch.compile(fullgraph=True)` traces the custom ops (the chunk-local algebra is one of them); the
     gradients equal eager's."""
     x = seeded_inputs(1, 40, H, _width(1), V, decay=True, beta=True, seed=14, device=DEVICE, dtype=torch.float32)
     leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "beta", "g")]

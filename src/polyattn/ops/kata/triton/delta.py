@@ -3,7 +3,7 @@ lifted features): the kernel-trick UT recurrence walked by one program per (sequ
 lifted state streamed through memory row block by row block.
 
 The chunk form (ops/kata/README.md, "Chunk form (kernel-trick UT)") splits into chunk-local algebra that
-needs no state (PyTorch, `deltakata_coefficients`; its `[C, C]` part `ChunkAlgebra`, whose backward is written out)
+needs no state (PyTorch, `deltakata_coefficients`; its `[C, C]` part `chunk_algebra`, a custom op whose backward is written out)
 and a walk that does. With the coefficients of chunk c (C tokens, state S entering it)
 
     M = (I + diag(β) tril(κ̂(K, K) ⊙ D, −1))⁻¹       [C, C]   the UT inverse
@@ -328,8 +328,11 @@ def _algebra_terms(kc, qc, gc, fmap, scale: float, eps: float) -> dict:
                 gram=fmap.kernel(kc, kc).div_(norm[..., :, None]).div_(norm[..., None, :]))
 
 
-class ChunkAlgebra(torch.autograd.Function):
-    """The `[C, C]` part of the chunk-local algebra (module docstring), from chunked fp32 `kc, qc [NC, H, C, K]`, β and
+@torch.library.custom_op("polyattn::deltakata_algebra", mutates_args=())
+def chunk_algebra(
+    kc: torch.Tensor, qc: torch.Tensor, bc: torch.Tensor, gc: torch.Tensor, groups: int, combine: str, scale: float, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `[C, C]` part of the chunk-local algebra (module docstring) as a custom op, from chunked fp32 `kc, qc [NC, H, C, K]`, β and
     the log-decays `[NC, H, C]`: `(M, A [NC, H, C, C], α, ω, ρ [NC, H, C], λ [NC, H])`. Its backward is written
     out, so that only the inputs and M are kept from the forward and no `[C, C]` intermediate of autograd's:
 
@@ -341,72 +344,103 @@ class ChunkAlgebra(torch.autograd.Function):
 
     with the rows' α = −β e^γ / n, ω = D[C, ·] / n, ρ = scale² e^γ, λ = e^Γ differentiated directly, and the keys'
     and queries' gradients from the feature map's `kernel_vjp`."""
+    fmap = make_feature_map("psd", kc.shape[-1], groups, combine)
+    t = _algebra_terms(kc, qc, gc, fmap, scale, eps)
+    norm, D, e = t["norm"], t["D"], t["exp"]
+    eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device)
+    lower = t.pop("gram").mul_(D).tril_(diagonal=-1).mul_(bc[..., :, None]).add_(eye)  # in place: the buffers are large
+    M = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False, unitriangular=True).contiguous()
+    del lower
+    A = t.pop("scores").mul_(D).div_(norm[..., None, :]).tril_()  # exact zeros above the diagonal, even beside a NaN
+    return M, A, -bc * e / norm, D[..., -1, :] / norm, (scale * scale) * e, e[..., -1].contiguous()
 
-    @staticmethod
-    def forward(ctx, kc, qc, bc, gc, fmap, scale: float, eps: float):
-        t = _algebra_terms(kc, qc, gc, fmap, scale, eps)
-        norm, D, e = t["norm"], t["D"], t["exp"]
-        eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device)
-        lower = t.pop("gram").mul_(D).tril_(diagonal=-1).mul_(bc[..., :, None]).add_(eye)  # in place: the buffers are large
-        M = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False, unitriangular=True).contiguous()
-        del lower
-        A = t.pop("scores").mul_(D).div_(norm[..., None, :]).tril_()  # exact zeros above the diagonal, even beside a NaN
-        ctx.save_for_backward(kc, qc, bc, gc, M)
-        ctx.options = (fmap, scale, eps)
-        return M, A, -bc * e / norm, D[..., -1, :] / norm, (scale * scale) * e, e[..., -1].contiguous()
 
-    @staticmethod
-    def backward(ctx, dM, dA, dalpha, domega, drho, dlam):  # unused outputs' cotangents arrive as zeros
-        kc, qc, bc, gc, M = ctx.saved_tensors
-        fmap, scale, eps = ctx.options
-        t = _algebra_terms(kc, qc, gc, fmap, scale, eps)
-        square, norm, D, gram, scores, e = t["square"], t["norm"], t["D"], t["gram"], t["scores"], t["exp"]
-        rowdot, coldot = "...ts,...ts->...t", "...ts,...ts->...s"  # Σ_s and Σ_t of a product, no [C, C] temporary
-        alpha = -bc * e / norm
-        dbeta = -dalpha * e / norm
-        dgam = dalpha * alpha + drho * (scale * scale) * e
-        dgam[..., -1] += dlam * e[..., -1]
-        dn = -(dalpha * alpha + domega * D[..., -1, :] / norm) / norm
-        # the solve, strictly lower: dL = −Mᵀ dM Mᵀ, L_ts = β_t κ̂_ts D_ts; the [C, C] buffers are reused in place
-        dL = torch.tril(-((M.mT @ dM) @ M.mT), diagonal=-1)  # [NC, H, C, C]
-        dD = dL * gram
-        dbeta += torch.einsum(rowdot, dD, D)
-        dD.mul_(bc[..., :, None])  # dD from L
-        dgram = dL.mul_(D).mul_(bc[..., :, None])  # dκ̂
-        dD[..., -1, :] += domega / norm  # ω = D[C, ·] / n
-        # the scores, A = tril(κ(sQ, K) ⊙ D ⊘ n)
-        dscores = torch.tril(dA).div_(norm[..., None, :])
-        scores.mul_(dscores)
-        dn -= torch.einsum(coldot, scores, D) / norm
-        dD += scores
-        del scores, t
-        dscores.mul_(D)  # dκ(sQ, K)
-        # the normalised Gram, κ̂ = κ(K, K) ⊘ (n nᵀ)
-        dn -= (torch.einsum(rowdot, dgram, gram) + torch.einsum(coldot, dgram, gram)) / norm
-        del gram
-        dgram.div_(norm[..., :, None]).div_(norm[..., None, :])  # dκ(K, K)
-        # the decays, D_ts = exp(γ_t − γ_s) for s <= t, γ = cumsum(g)
-        dD.mul_(D)
-        dgam += dD.sum(-1) - dD.sum(-2)
-        del dD, D
-        dg = torch.flip(torch.cumsum(torch.flip(dgam, [-1]), -1), [-1])
-        ds = torch.where(square >= eps**2, dn / (2 * norm), 0.0)  # n = sqrt(max(κ(k, k), eps²))
-        dq, dk = fmap.kernel_vjp(scale * qc, kc, dscores)
-        del dscores
-        dk1, dk2 = fmap.kernel_vjp(kc, kc, dgram)
-        del dgram
-        dk3, dk4 = fmap.kernel_vjp(kc[..., None, :], kc[..., None, :], ds[..., None, None])
-        return dk + dk1 + dk2 + (dk3 + dk4)[..., 0, :], scale * dq, dbeta, dg, None, None, None
+@chunk_algebra.register_fake
+def _(kc, qc, bc, gc, groups, combine, scale, eps):
+    NC, H, C, _ = kc.shape
+    return (kc.new_empty(NC, H, C, C), kc.new_empty(NC, H, C, C), bc.new_empty(bc.shape), bc.new_empty(bc.shape),
+            bc.new_empty(bc.shape), bc.new_empty(NC, H))
+
+
+@torch.library.custom_op("polyattn::deltakata_algebra_backward", mutates_args=())
+def chunk_algebra_backward(
+    dM: torch.Tensor, dA: torch.Tensor, dalpha: torch.Tensor, domega: torch.Tensor, drho: torch.Tensor, dlam: torch.Tensor,
+    kc: torch.Tensor, qc: torch.Tensor, bc: torch.Tensor, gc: torch.Tensor, M: torch.Tensor, groups: int, combine: str,
+    scale: float, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunk_algebra`'s backward (its docstring has the formulas): `(dk, dq, dβ, dg)` from every output's cotangent,
+    the inputs and M; the terms are recomputed and the `[C, C]` buffers reused in place."""
+    fmap = make_feature_map("psd", kc.shape[-1], groups, combine)
+    t = _algebra_terms(kc, qc, gc, fmap, scale, eps)
+    square, norm, D, gram, scores, e = t["square"], t["norm"], t["D"], t["gram"], t["scores"], t["exp"]
+    alpha = -bc * e / norm
+    dbeta = -dalpha * e / norm
+    dgam = dalpha * alpha + drho * (scale * scale) * e
+    dgam[..., -1] += dlam * e[..., -1]
+    dn = -(dalpha * alpha + domega * D[..., -1, :] / norm) / norm
+    # Every product below is taken in place in a [C, C] buffer and summed along its rows or columns (an einsum's
+    # column sums would transpose both operands into copies). E collects dD ⊙ D, all the decays need.
+    # The solve, strictly lower: dL = −Mᵀ dM Mᵀ, L_ts = β_t κ̂_ts D_ts
+    dL = torch.tril(-((M.mT @ dM) @ M.mT), diagonal=-1)  # [NC, H, C, C]
+    E = (dL * gram).mul_(D)  # dL ⊙ κ̂ ⊙ D
+    dbeta += E.sum(-1)
+    E.mul_(bc[..., :, None])  # E from L
+    dgram = dL.mul_(D).mul_(bc[..., :, None])  # dκ̂
+    E[..., -1, :] += domega / norm * D[..., -1, :]  # ω = D[C, ·] / n
+    # the scores, A = tril(κ(sQ, K) ⊙ D ⊘ n)
+    dscores = torch.tril(dA).div_(norm[..., None, :])
+    scores.mul_(dscores).mul_(D)  # tril(dA) ⊙ A
+    dn -= scores.sum(-2) / norm
+    E += scores
+    del scores, t
+    dscores.mul_(D)  # dκ(sQ, K)
+    # the normalised Gram, κ̂ = κ(K, K) ⊘ (n nᵀ)
+    gram.mul_(dgram)
+    dn -= (gram.sum(-1) + gram.sum(-2)) / norm
+    del gram
+    dgram.div_(norm[..., :, None]).div_(norm[..., None, :])  # dκ(K, K)
+    # the decays, D_ts = exp(γ_t − γ_s) for s <= t, γ = cumsum(g)
+    dgam += E.sum(-1) - E.sum(-2)
+    del E, D
+    dg = torch.flip(torch.cumsum(torch.flip(dgam, [-1]), -1), [-1])
+    ds = torch.where(square >= eps**2, dn / (2 * norm), 0.0)  # n = sqrt(max(κ(k, k), eps²))
+    dq, dk = fmap.kernel_vjp(scale * qc, kc, dscores)
+    del dscores
+    dk1, dk2 = fmap.kernel_vjp(kc, kc, dgram)
+    del dgram
+    dk3, dk4 = fmap.kernel_vjp(kc[..., None, :], kc[..., None, :], ds[..., None, None])
+    return dk + dk1 + dk2 + (dk3 + dk4)[..., 0, :], scale * dq, dbeta, dg
+
+
+@chunk_algebra_backward.register_fake
+def _(dM, dA, dalpha, domega, drho, dlam, kc, qc, bc, gc, M, groups, combine, scale, eps):
+    return kc.new_empty(kc.shape), qc.new_empty(qc.shape), bc.new_empty(bc.shape), gc.new_empty(gc.shape)
+
+
+def _algebra_setup_context(ctx, inputs, output):
+    kc, qc, bc, gc, groups, combine, scale, eps = inputs
+    ctx.save_for_backward(kc, qc, bc, gc, output[0])
+    ctx.options = (groups, combine, scale, eps)
+
+
+def _algebra_backward(ctx, *grads):
+    kc, qc, bc, gc, M = ctx.saved_tensors
+    outs = (M, M, bc, bc, bc, gc[..., 0])  # an unused output's cotangent may arrive as None: zeros of its shape
+    grads = [torch.zeros_like(x) if d is None else d.contiguous() for d, x in zip(grads, outs)]
+    return (*chunk_algebra_backward(*grads, kc, qc, bc, gc, M, *ctx.options), None, None, None, None)
+
+
+chunk_algebra.register_autograd(_algebra_backward, setup_context=_algebra_setup_context)
 
 
 def deltakata_coefficients(q, k, v, beta, g, *, fmap, scale: float, eps: float, idx, mask):
     """The chunk-local algebra of the walk (module docstring), from flat fp32 tokens `q, k [N_tok, H, K]`,
     `v [N_tok, H, V]`, `beta`, `g [N_tok, H]` (g None: no decay): `(M, A [NC, H, C, C], b [N_tok, H, V],
-    α, ω, ρ [N_tok, H], λ [NC, H])`, differentiable (`ChunkAlgebra`'s written-out backward for the `[C, C]` part).
+    α, ω, ρ [N_tok, H], λ [NC, H])`, differentiable (`chunk_algebra`'s written-out backward for the `[C, C]` part).
     Padded rows have k = 0 and β = 0: they neither read nor write."""
     kc, qc, vc, bc = (to_chunks(x, idx, mask) for x in (k, q, v, beta))  # [NC, H, C, ...]
     gc = torch.zeros_like(bc) if g is None else to_chunks(reset_limit_ref(g), idx, mask)  # [NC, H, C]
-    M, A, alpha, omega, rho, lam = ChunkAlgebra.apply(kc, qc, bc, gc, fmap, scale, eps)
+    M, A, alpha, omega, rho, lam = chunk_algebra(kc, qc, bc, gc, fmap.groups, fmap.combine, scale, eps)
     b, alpha, omega, rho = (from_chunks(x, mask) for x in (bc[..., None] * vc, alpha, omega, rho))
     return M, A, b, alpha, omega, rho, lam
 
@@ -644,7 +678,7 @@ def deltakata_chunk_fused(
     q, k, v, beta, g=None, *, groups, combine, eps, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
 ):
     """Triton chunked form of DeltaKATA for the PSD maps (inputs validated, scale resolved), forward and backward:
-    the chunk-local coefficients in PyTorch (`ChunkAlgebra`'s written-out backward), the walk on the kernels. q, k
+    the chunk-local coefficients in PyTorch (`chunk_algebra`'s written-out backward), the walk on the kernels. q, k
     `[B, T, H, K]`, v `[B, T, H, V]`, beta, g `[B, T, H]`; initial_state `S [N, H, P, V]`; cu_seqlens with B == 1. Everything
     enters in fp32 copies (one rounding of each gradient), q and k the kernels' tensor cores in their own
     dtype. Returns `(o [B, T, H, V] in q's dtype, S [N, H, P, V] fp32 or None)`."""
@@ -667,7 +701,7 @@ def deltakata_chunk_fused(
 
 
 __all__ = [
-    "ChunkAlgebra", "checkpoint_counts", "deltakata_chunk_fused", "deltakata_coefficients", "deltakata_states_kernel",
+    "checkpoint_counts", "chunk_algebra", "chunk_algebra_backward", "deltakata_chunk_fused", "deltakata_coefficients", "deltakata_states_kernel",
     "deltakata_walk", "deltakata_walk_grad_kernel", "deltakata_walk_kernel", "deltakata_walk_ref", "state_interval",
     "state_rounds",
 ]
