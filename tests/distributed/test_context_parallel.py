@@ -282,3 +282,31 @@ def test_bad_input(one_rank):
         model(torch.zeros(1, 6, dtype=torch.int64), use_cache=True)
     one_rank_out, _ = model(torch.zeros(1, 6, dtype=torch.int64))  # one rank: the plain model
     assert torch.equal(one_rank_out, enable_context_parallel(model, False)(torch.zeros(1, 6, dtype=torch.int64))[0])
+
+
+def test_context_parallel_run_checks_every_rank_against_one_process(tmp_path):
+    """`benchmarks/context_parallel_run.py` under torchrun on two gloo ranks: a row per case with the step, the
+    compute alone and the collective timed, every output and gradient within its bound of the one-process op;
+    a bound no run can meet stops it with a ValueError that names the case."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "context_parallel_run.py"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+              "--device", "cpu", "--T", "200", "--cases", "delta_rule", "kata_m2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(launch + ["--out", str(tmp_path)], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "context_parallel_run.json").read_text())
+    assert result["world_size"] == 2 and [r["case"] for r in result["rows"]] == ["delta_rule", "kata_m2"]
+    for row in result["rows"]:
+        assert row["shard"] == 100 and row["summary_bytes_per_rank"] > 0
+        assert all(row[f"{k}_ms"] > 0 for k in ("cp_fwd", "cp_fwdbwd", "local_fwd", "local_fwdbwd", "comm"))
+        errors = {k: v for k, v in row.items() if k.startswith("rel_err_")}
+        assert set(errors) >= {"rel_err_o", "rel_err_dq", "rel_err_dk", "rel_err_dv", "rel_err_dg"}
+        assert all(v <= 1e-4 for v in errors.values()), errors
+    strict = subprocess.run(launch[:-3] + ["--cases", "kata_m2", "--rtol", "1e-30", "--out", str(tmp_path / "strict")],
+                            capture_output=True, text=True, timeout=240, env=env)
+    assert strict.returncode != 0 and "kata_m2 at T = 200 on 2 ranks differs from one process" in strict.stderr
