@@ -2,12 +2,17 @@
 outputs and gradients on every shard == the single-process op on the whole row in float64, for every
 family, over splits that cut a chunk, sit on a Fenwick level boundary (64) and cut packed documents;
 the bytes each rank contributes to the collective == the stated summary size; a model switched by
-``enable_context_parallel`` == the same model in one process (logits and summed parameter gradients)."""
+``enable_context_parallel`` == the same model in one process (logits and summed parameter gradients);
+``benchmarks/context_parallel_run.py`` under torchrun."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -288,11 +293,6 @@ def test_context_parallel_run_checks_every_rank_against_one_process(tmp_path):
     """`benchmarks/context_parallel_run.py` under torchrun on two gloo ranks: a row per case with the step, the
     compute alone and the collective timed, every output and gradient within its bound of the one-process op;
     a bound no run can meet stops it with a ValueError that names the case."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "context_parallel_run.py"
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
               "--device", "cpu", "--T", "200", "--cases", "delta_rule", "kata_m2"]

@@ -3,8 +3,8 @@ lifted features): the kernel-trick UT recurrence walked by one program per (sequ
 lifted state streamed through memory row block by row block.
 
 The chunk form (ops/kata/README.md, "Chunk form (kernel-trick UT)") splits into chunk-local algebra that
-needs no state (PyTorch, `deltakata_coefficients`; its `[C, C]` part `chunk_algebra`, a custom op whose backward is written out)
-and a walk that does. With the coefficients of chunk c (C tokens, state S entering it)
+needs no state (PyTorch, `deltakata_coefficients`; its `[C, C]` part `chunk_algebra`, a custom op whose backward
+is written out) and a walk that does. With the coefficients of chunk c (C tokens, state S entering it)
 
     M = (I + diag(β) tril(κ̂(K, K) ⊙ D, −1))⁻¹       [C, C]   the UT inverse
     A = κ(scale Q, K) ⊙ D ⊘ n                         [C, C]   the in-chunk scores, causal
@@ -332,9 +332,10 @@ def _algebra_terms(kc, qc, gc, fmap, scale: float, eps: float) -> dict:
 def chunk_algebra(
     kc: torch.Tensor, qc: torch.Tensor, bc: torch.Tensor, gc: torch.Tensor, groups: int, combine: str, scale: float, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The `[C, C]` part of the chunk-local algebra (module docstring) as a custom op, from chunked fp32 `kc, qc [NC, H, C, K]`, β and
-    the log-decays `[NC, H, C]`: `(M, A [NC, H, C, C], α, ω, ρ [NC, H, C], λ [NC, H])`. Its backward is written
-    out, so that only the inputs and M are kept from the forward and no `[C, C]` intermediate of autograd's:
+    """The `[C, C]` part of the chunk-local algebra (module docstring) as a custom op, from chunked fp32
+    `kc, qc [NC, H, C, K]`, β and the log-decays `[NC, H, C]`: `(M, A [NC, H, C, C], α, ω, ρ [NC, H, C], λ [NC, H])`.
+    Its backward (`chunk_algebra_backward`, another custom op) is written out, so that only the inputs and M are
+    kept from the forward and no `[C, C]` intermediate of autograd's:
 
         dL = −Mᵀ dM Mᵀ (strictly lower; L = I + diag(β) tril(κ̂ ⊙ D, −1))
         dβ_t += Σ_s dL_ts κ̂_ts D_ts,   dκ̂ = diag(β) dL ⊙ D,   dD += diag(β) dL ⊙ κ̂
@@ -701,7 +702,7 @@ def deltakata_chunk_fused(
 
 
 __all__ = [
-    "checkpoint_counts", "chunk_algebra", "chunk_algebra_backward", "deltakata_chunk_fused", "deltakata_coefficients", "deltakata_states_kernel",
-    "deltakata_walk", "deltakata_walk_grad_kernel", "deltakata_walk_kernel", "deltakata_walk_ref", "state_interval",
-    "state_rounds",
+    "checkpoint_counts", "chunk_algebra", "chunk_algebra_backward", "deltakata_chunk_fused", "deltakata_coefficients",
+    "deltakata_states_kernel", "deltakata_walk", "deltakata_walk_grad_kernel", "deltakata_walk_kernel",
+    "deltakata_walk_ref", "state_interval", "state_rounds",
 ]
