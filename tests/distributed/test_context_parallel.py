@@ -301,10 +301,10 @@ def test_context_parallel_run_checks_every_rank_against_one_process(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "context_parallel_run.json").read_text())
     assert result["world_size"] == 2 and [r["case"] for r in result["rows"]] == ["delta_rule", "kata_m2"]
-    for row in result["rows"]:
-        assert row["shard"] == 100 and row["summary_bytes_per_rank"] > 0
-        assert all(row[f"{k}_ms"] > 0 for k in ("cp_fwd", "cp_fwdbwd", "local_fwd", "local_fwdbwd", "comm"))
-        errors = {k: v for k, v in row.items() if k.startswith("rel_err_")}
+    for entry in result["rows"]:
+        assert entry["shard"] == 100 and entry["summary_bytes_per_rank"] > 0
+        assert all(entry[f"{k}_ms"] > 0 for k in ("cp_fwd", "cp_fwdbwd", "local_fwd", "local_fwdbwd", "comm"))
+        errors = {k: v for k, v in entry.items() if k.startswith("rel_err_")}
         assert set(errors) >= {"rel_err_o", "rel_err_dq", "rel_err_dk", "rel_err_dv", "rel_err_dg"}
         assert all(v <= 1e-4 for v in errors.values()), errors
     strict = subprocess.run(launch[:-3] + ["--cases", "kata_m2", "--rtol", "1e-30", "--out", str(tmp_path / "strict")],
