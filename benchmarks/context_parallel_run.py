@@ -65,7 +65,12 @@ def row_slice(start: int, end: int, H: int, K: int, V: int, L: int, dtype, devic
     return out
 
 
-class TimedGather(ContextParallel):
+def output_weights(start: int, end: int, H: int, V: int, device, seed: int) -> torch.Tensor:
+    """The seeded weights `w [1, end - start, H, V]` of the loss `Σ o · w` over one shard `[start, end)`."""
+    return torch.randn(1, end - start, H, V, generator=torch.Generator(device=device).manual_seed(seed + 7 + start), device=device)
+
+
+class CountingGather(ContextParallel):
     """`ContextParallel` that counts the bytes of the summaries it sends (one all-gather per call)."""
 
     sent_bytes = 0
@@ -104,10 +109,10 @@ def run_case(name, T, args, device, dtype, rank, world):
     bounds = shard_bounds(T, world)
     s, e = bounds[rank], bounds[rank + 1]
     x = {n: t.requires_grad_(n in names) for n, t in row_slice(s, e, H, K, V, L, dtype, device, args.seed).items()}
-    cp = TimedGather(dist.group.WORLD, bounds)
+    cp = CountingGather(dist.group.WORLD, bounds)
     call = lambda impl: impl(*[x[n] for n in names], **options)[0]  # noqa: E731
     cp_op, plain_op = getattr(cp, op), getattr(ops, op)
-    weights = torch.randn(1, e - s, H, V, generator=torch.Generator(device=device).manual_seed(args.seed + 7 + s), device=device)
+    weights = output_weights(s, e, H, V, device, args.seed)
 
     def fwd(impl):
         with torch.no_grad():
@@ -147,9 +152,7 @@ def check(name, T, args, device, dtype, rank, world, x, weights, call, cp_op, na
         op, _, options, _, _ = CASES[name]
         whole = {n: t.requires_grad_(n in names) for n, t in row_slice(0, T, *dims, dtype, device, args.seed).items()}
         bounds = shard_bounds(T, world)
-        w_all = torch.cat([torch.randn(1, bounds[r + 1] - bounds[r], dims[0], dims[2], device=device,
-                                       generator=torch.Generator(device=device).manual_seed(args.seed + 7 + bounds[r]))
-                           for r in range(world)], dim=1)
+        w_all = torch.cat([output_weights(bounds[r], bounds[r + 1], dims[0], dims[2], device, args.seed) for r in range(world)], dim=1)
         o_ref = getattr(ops, op)(*[whole[n] for n in names], **options)[0]
         g_ref = torch.autograd.grad((o_ref.float() * w_all).sum(), [whole[n] for n in names])
         for i, label in enumerate(["o"] + [f"d{n}" for n in names]):

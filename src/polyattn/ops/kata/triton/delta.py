@@ -382,7 +382,7 @@ def chunk_algebra_backward(
     # Every product below is taken in place in a [C, C] buffer and summed along its rows or columns (an einsum's
     # column sums would transpose both operands into copies). E collects dD ⊙ D, all the decays need.
     # The solve, strictly lower: dL = −Mᵀ dM Mᵀ, L_ts = β_t κ̂_ts D_ts
-    dL = torch.tril(-((M.mT @ dM) @ M.mT), diagonal=-1)  # [NC, H, C, C]
+    dL = torch.tril((M.mT @ dM) @ M.mT, diagonal=-1).neg_()  # [NC, H, C, C]
     E = (dL * gram).mul_(D)  # dL ⊙ κ̂ ⊙ D
     dbeta += E.sum(-1)
     E.mul_(bc[..., :, None])  # E from L
