@@ -9,12 +9,15 @@ stage is also compared with its PyTorch twin.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from polyattn.ops.delta import delta_rule_chunk, delta_rule_naive
 from polyattn.ops.delta.recurrent import delta_rule_step
 from polyattn.ops.delta.triton import delta_rule_step_inplace, delta_rule_triton
+from polyattn.ops.triton.plan import get_config, use_config
 from polyattn.testing import assert_fused_steps, assert_low_precision_matches, assert_one_token_step, dtype_id, rel_err, seeded_inputs
 
 CUDA = torch.cuda.is_available()
@@ -56,13 +59,16 @@ def test_triton_key_tiles(dtype):
     )
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-outputs", "output-kernel"])
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=dtype_id)
-def test_triton_varlen(dtype):
+def test_triton_varlen(dtype, fused):
+    """Packed sequences with states, the outputs formed in the recurrence or by the per-chunk kernel."""
     lengths = [1, 64, 37, 130] if not CUDA else [1, 64, 1000, 2047, 130]
-    assert_low_precision_matches(
-        delta_rule_naive, delta_rule_chunk, delta_rule_triton, _inputs(1, sum(lengths), True, seed=4),
-        _h0(len(lengths), 3), dtype, lengths=lengths,
-    )
+    with use_config(replace(get_config(), delta_fused_outputs=fused)):
+        assert_low_precision_matches(
+            delta_rule_naive, delta_rule_chunk, delta_rule_triton, _inputs(1, sum(lengths), True, seed=4),
+            _h0(len(lengths), 3), dtype, lengths=lengths,
+        )
 
 
 def _flat(x):
@@ -76,7 +82,7 @@ def test_stages_match_twins(decay):
     from polyattn.ops.delta.triton.forward import delta_forward_ref
     from polyattn.ops.delta.triton.function import _apply as delta_rule_kernels
     from polyattn.ops.delta.triton.wy import wy_factors, wy_factors_ref, wy_ref, wy_solve
-    from polyattn.ops.triton.plan import chunk_table, get_config
+    from polyattn.ops.triton.plan import chunk_table
 
     lengths = [70, 5, 64] if not CUDA else [700, 5, 640]
     x = {n: None if t is None else t.float() for n, t in _inputs(1, sum(lengths), decay, seed=9).items()}
@@ -127,19 +133,39 @@ def test_one_token_call_runs_the_step(decay):
     assert_one_token_step(delta_rule_triton, list(x.values()), _h0(B, 14).float())
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-outputs", "output-kernel"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_forward_without_backward(dtype):
+def test_forward_without_backward(dtype, fused):
     """Without gradients (nothing kept for a backward): the same o and final state as the path a
-    backward follows, on packed sequences with states."""
+    backward follows, on packed sequences with states, the outputs formed in the recurrence or by the
+    per-chunk kernel."""
     lengths = [1, 64, 37, 130] if not CUDA else [1, 64, 1000, 130]
     x = {n: None if t is None else t.to(dtype) for n, t in _inputs(1, sum(lengths), True, seed=21).items()}
     h0 = _h0(len(lengths), 22).float()
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
     kwargs = dict(scale=K**-0.5, initial_state=h0, output_final_state=True, cu_seqlens=cu)
-    with torch.no_grad():
-        o, ht = delta_rule_triton(*x.values(), **kwargs)
-    leaves = [t.clone().requires_grad_() for t in x.values()]
-    o_ref, ht_ref = delta_rule_triton(*leaves, **kwargs)
+    with use_config(replace(get_config(), delta_fused_outputs=fused)):
+        with torch.no_grad():
+            o, ht = delta_rule_triton(*x.values(), **kwargs)
+        leaves = [t.clone().requires_grad_() for t in x.values()]
+        o_ref, ht_ref = delta_rule_triton(*leaves, **kwargs)
     rtol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: o rounded once on each path
     assert rel_err(o, o_ref) <= rtol, f"o: {rel_err(o, o_ref):.2e}"
     assert rel_err(ht, ht_ref) <= 1e-5, f"final state: {rel_err(ht, ht_ref):.2e}"
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-outputs", "output-kernel"])
+@pytest.mark.parametrize("field", ["k", "v"])
+def test_nonfinite_token_under_both_output_paths(field, fused):
+    """A NaN key or value at one token (head 0, value column 0) leaves every earlier output bit-identical
+    and reaches the outputs from that token on, whether the recurrence or the per-chunk kernel forms them."""
+    lengths, p = [40, 150], 40 + 100
+    x = {n: t.float() for n, t in _inputs(1, sum(lengths), True, seed=31).items()}
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    with use_config(replace(get_config(), delta_fused_outputs=fused)), torch.no_grad():
+        clean = delta_rule_triton(*x.values(), scale=K**-0.5, cu_seqlens=cu)[0]
+        x[field][:, p, 0, 0] = float("nan")
+        o = delta_rule_triton(*x.values(), scale=K**-0.5, cu_seqlens=cu)[0]
+    assert bool(torch.isfinite(clean).all())
+    assert torch.equal(o[:, :p], clean[:, :p]), f"{field}=nan at {p} changed an earlier output"
+    assert bool(torch.isnan(o[:, p, 0]).any()) and bool(torch.isnan(o[:, -1, 0]).any()), "the NaN never reached the outputs"

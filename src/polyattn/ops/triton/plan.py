@@ -37,7 +37,9 @@ class KernelConfig:
     than at 8, yet a forward + backward took 13.5 ms at 4 against 17.9 at 8 on the H200); delta_fp32_dot how their fp32 x fp32
     products run on bf16/fp16 inputs (`precision.FP32_DOTS`: "split", the default, keeps the
     tests' error bound; "tf32" and "rounded" trade accuracy for fewer tensor-core products and
-    are there to be measured). KATA's quadratic kernels (ops/kata/triton) tile queries by
+    are there to be measured); delta_fused_outputs whether the recurrence forms the outputs (None: when its
+    programs number at least twice the multiprocessors; on the H200 fused took 2.95 / 2.94 ms against 3.29 / 3.26 at
+    2K / 8K tokens per sequence, 4.10 / 13.9 against 4.07 / 11.8 at 32K / 128K: tune-delta-fused-outputs-call29.json). KATA's quadratic kernels (ops/kata/triton) tile queries by
     kata_block_m and keys by kata_block_n (kata_block_m a multiple of it: kata_block_m / kata_block_n
     key tiles per diagonal; both for G <= 2 groups and bf16/fp16, divided by G / 2 for more groups and
     by 2 for fp32 inputs, at least 16: ops/kata/README.md, "Forward tiling"), run kata_num_warps (forward) and kata_bwd_warps (the two gradient kernels) warps
@@ -89,6 +91,7 @@ class KernelConfig:
     delta_out_block_v: int = 64
     delta_chunk_warps: int = 4
     delta_fp32_dot: str = "split"
+    delta_fused_outputs: bool | None = None
     kata_block_m: int = 128
     kata_block_n: int = 64
     kata_num_warps: int = 8

@@ -1,18 +1,19 @@
-"""Stages 2 and 3 of the delta rule forward: the chunk-to-chunk recurrence, then the outputs.
+"""Stages 2 and 3 of the delta rule forward: the chunk-to-chunk recurrence and the outputs.
 
 Together they implement `delta_rule_chunk` (ops/delta/chunk.py). Per chunk, with `gc` the
-chunk-local cumulative log-decay, W and Ū the WY factors of wy.py and h the [K, V] fp32 state
+chunk-local cumulative log-decay, Tinv the solved matrix of wy.py and h the [K, V] fp32 state
 entering the chunk (ops/delta/README.md, "Chunk form"):
 
-    U  = Ū - W h                                                          pseudo-values [C, V]
+    R  = diag(beta) (V - diag(exp(gc)) K h),   U = Tinv R                 pseudo-values [C, V]
     h' = exp(gc_last) h + K^T diag(exp(gc_last - gc)) U
     O  = (scale Q K^T ⊙ Γ ⊙ L) U + diag(exp(gc)) (scale Q) h
 
 `delta_states_kernel` runs the first two lines, one program per sequence, head and value tile
-with the state on chip, and stores h entering every chunk (`hs: [NC, H, K, V]`) and U
-(`us: [N_tok, H, V]`), both fp32; only two products per chunk sit on its dependent path.
-`delta_outputs_kernel` then forms O for every chunk in parallel. Every fp32 operand (state, W,
-U, the score tile) enters the tensor cores split in input-dtype halves, exact to ~2^-16
+with the state on chip (three products per chunk on its dependent path), and forms O as it goes
+or stores h entering every chunk (`hs: [NC, H, K, V]`) and U (`us: [N_tok, H, V]`), both fp32,
+for `delta_outputs_kernel`, which forms O for every chunk in parallel (function.fused_outputs
+picks; the backward reads hs and us either way). Every fp32 operand (state, R, U, the score
+tile) enters the tensor cores split in input-dtype halves, exact to ~2^-16
 (`KernelConfig.delta_fp32_dot` picks other modes). `delta_forward_ref` is the PyTorch twin of both.
 """
 import torch
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix, select_scores
-from polyattn.ops.triton.precision import mma, mma_fp32, mma_right_fp32, nan_rows_from, to_output
+from polyattn.ops.triton.precision import first_nonfinite_row, mma, mma_fp32, mma_right_fp32, nan_rows_from, to_output
 
 
 @triton.jit
@@ -60,15 +61,27 @@ def chunk_program(chunks, C: tl.constexpr):
 
 
 @triton.jit
+def chunk_outputs(b_q, b_k, b_g, b_gc, b_last, b_u, b_h, first, scale, F32: tl.constexpr, FP32_DOT: tl.constexpr):
+    """`O = A_qk U + diag(exp(gc)) (scale Q) h` [C, BV] of one chunk and value tile from U [C, BV] and the
+    entering state h [BK, BV] (both fp32); the rows from the chunk's first non-finite token `first` on are NaN."""
+    b_att = chunk_scores(b_q, b_k, b_g, b_gc, b_last, scale, F32)  # [C, C]
+    b_o = mma_fp32(b_att, b_u, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
+    b_o += mma_right_fp32(b_q, b_h, F32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BK] @ [BK, BV] -> [C, BV]
+    return nan_rows_from(b_o, first)  # [C, BV]
+
+
+@triton.jit
 def delta_states_kernel(
-    k, g, w, u_bar, firsts, seqs, cu_chunks, h0, ht, hs, us, H, K, V,
-    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
+    q, k, v, beta, g, t_inv, firsts, seqs, cu_chunks, h0, ht, hs, us, out, scale, H, K, V,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr, SAVE: tl.constexpr, OUT: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). The fp32 state tile [BK, BV] stays in registers for the whole
-    sequence; per chunk two products on the dependent path, `W h` and `K^T U`, and the state
-    entering the chunk (`hs`) and U (`us`) stored for the output stage and the backward. A chunk
-    with a non-finite token (`firsts` < C, wy.py) leaves a NaN state: every later output is NaN."""
+    sequence; per chunk three products on the dependent path, `K h`, `Tinv R` and `K^T U`. With SAVE
+    the state entering the chunk (`hs`) and U (`us`) are stored for the backward (and for
+    `delta_outputs_kernel`); with OUT the chunk's outputs are formed here, off the dependent path.
+    The chunk's rows from its first non-finite token (`firsts`, wy.py: key, beta or log-decay; or a value
+    of this tile) enter R as zeros and leave a NaN state: every later output of the tile is NaN."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     o_t = tl.arange(0, C)
     if USE_H0:
@@ -78,32 +91,43 @@ def delta_states_kernel(
     for i in range(0, tl.cdiv(eos - bos, C)):
         t = bos + i * C + o_t
         m_t = t < eos
-        tl.store(hs + ((c0 + i) * H + i_h) * K * V + state_tile, b_h, mask=m_s)
+        if SAVE:
+            tl.store(hs + ((c0 + i) * H + i_h) * K * V + state_tile, b_h, mask=m_s)
         row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
         m_tk = m_t[:, None] & m_k[None, :]
-        b_w = tl.load(w + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
         b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
         row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_u = tl.load(u_bar + row_v, mask=m_tv, other=0.0) - mma_fp32(b_w, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]
-        tl.store(us + row_v, b_u, mask=m_tv)
+        b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
+        b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+        b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-        b_w = tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: exp(gc_last - gc)
-        b_h = b_h * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_k), b_u * b_w[:, None], F32)  # [BK, C] @ [C, BV]
-        b_h += tl.where(tl.load(firsts + (c0 + i) * H + i_h) < C, float("nan"), 0.0)  # non-finite input: NaN from here on
+        first = tl.minimum(tl.load(firsts + (c0 + i) * H + i_h), first_nonfinite_row(b_v))
+        b_r = b_v - mma_right_fp32(b_k, b_h, F32) * tl.exp2(b_gc)[:, None]  # [C, BK] @ [BK, BV] -> [C, BV]
+        b_r = tl.where((o_t < first)[:, None], b_r * b_beta[:, None], 0.0)  # R = diag(beta) (V - diag(exp(gc)) K h)
+        b_u = mma_fp32(b_tinv, b_r, b_k.dtype, F32, FP32_DOT)  # U = Tinv R: [C, C] @ [C, BV] -> [C, BV]
+        if SAVE:
+            tl.store(us + row_v, b_u, mask=m_tv)
+        if OUT:
+            b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
+            b_o = chunk_outputs(b_q, b_k, b_g, b_gc, b_last, b_u, b_h, first, scale, F32, FP32_DOT)  # [C, BV]
+            tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
+        b_s = tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: exp(gc_last - gc)
+        b_h = b_h * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_k), b_u * b_s[:, None], F32)  # [BK, C] @ [C, BV]
+        b_h += tl.where(first < C, float("nan"), 0.0)  # non-finite input: NaN from here on
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h) * K * V + state_tile, b_h, mask=m_s)
 
 
 @triton.jit
 def delta_outputs_kernel(
-    q, k, g, us, hs, firsts, out, chunks, scale, H, K, V,
+    q, k, v, g, us, hs, firsts, out, chunks, scale, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
     """grid: (num_chunks, H, cdiv(V, BV)). `O = A_qk U + diag(exp(gc)) (scale Q) h` for one chunk,
     head and value tile, from the stored U and entering state h: every chunk in parallel; the rows
-    from the chunk's first non-finite token (`firsts`) on are NaN."""
+    from the chunk's first non-finite token (`firsts`, or a value of this tile) on are NaN."""
     i_ch, i_h, _, _, _, t, m_t = chunk_program(chunks, C)
     i_v = tl.program_id(2)
     o_k = tl.arange(0, BK)
@@ -115,14 +139,12 @@ def delta_outputs_kernel(
     b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
     b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
     b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-    b_att = chunk_scores(b_q, b_k, b_g, b_gc, b_last, scale, F32)  # [C, C]
     row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
     m_tv = m_t[:, None] & m_v[None, :]
     b_u = tl.load(us + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
     b_h = tl.load(hs + (i_ch * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-    b_o = mma_fp32(b_att, b_u, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
-    b_o += mma_right_fp32(b_q, b_h, F32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BK] @ [BK, BV] -> [C, BV]
-    b_o = nan_rows_from(b_o, tl.load(firsts + i_ch * H + i_h))  # [C, BV]
+    first = tl.minimum(tl.load(firsts + i_ch * H + i_h), first_nonfinite_row(tl.load(v + row_v, mask=m_tv, other=0.0)))
+    b_o = chunk_outputs(b_q, b_k, b_g, b_gc, b_last, b_u, b_h, first, scale, F32, FP32_DOT)  # [C, BV]
     tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
 
 

@@ -1,7 +1,7 @@
 """Autograd Function and form function of the Triton `delta_rule`.
 
-Forward: wy.py (per-chunk solve and WY factors, parallel), then forward.py (the recurrence with
-the state on chip, then the outputs of every chunk in parallel).
+Forward: wy.py (the per-chunk solve, parallel), then forward.py (the recurrence with the state on
+chip, which forms the outputs too, or leaves them to a per-chunk kernel: `KernelConfig.delta_fused_outputs`).
 Backward: backward.py's per-chunk factors of dR, its reverse recurrence for the state gradient,
 then its per-chunk kernel for dq, dk, dv, dbeta. The log-decay gradient needs no kernel of its own: writing
 `S~_t = exp(-G_t) S_t` turns the gated rule into the ungated one on `q~_t = exp(G_t) q_t` and
@@ -14,18 +14,29 @@ and dg is its per-sequence reverse cumsum (`G` is the inclusive cumsum of g).
 import torch
 import triton
 
-from polyattn.ops.triton.plan import block, chunk_table, get_config, kernel_call, no_output, reverse_cumsum, segment_table
+from polyattn.ops.triton.plan import (
+    block, chunk_table, get_config, kernel_call, no_output, num_sms, reverse_cumsum, segment_table,
+)
 from polyattn.ops.triton.precision import dot_f32, fp32_dot_mode
 
 from .backward import delta_grad_factors_kernel, delta_grads_kernel, delta_score_grads, delta_state_grad_kernel
 from .forward import delta_outputs_kernel, delta_states_kernel
 from .step import delta_rule_step_inplace
-from .wy import wy_factors, wy_solve
+from .wy import wy_solve
 
 
 def _num_chunks(seq_lens, C: int) -> int:
     """Rows of the chunk table: every sequence has at least one (plan.chunk_table)."""
     return sum(max(1, triton.cdiv(n, C)) for n in seq_lens)
+
+
+def fused_outputs(config, walks: int, device) -> bool:
+    """Whether the recurrence forms the outputs (`KernelConfig.delta_fused_outputs`; None: when its `walks`
+    programs number at least twice the multiprocessors, so that the outputs' work is spread as widely
+    as the per-chunk kernel would spread it)."""
+    if config.delta_fused_outputs is not None:
+        return config.delta_fused_outputs
+    return walks >= 2 * num_sms(device)
 
 
 def _flatten(q, k, v, beta, g, seq_lens):
@@ -51,24 +62,26 @@ def delta_rule_forward(
     config, (B, T, H, K, V, C, N), (qf, kf, vf, bf, gf), seq_lens, chunks, seqs = _flatten(q, k, v, beta, g, seq_lens)
     h0 = h0.float().contiguous() if h0 is not None else None
     t_inv, firsts = wy_solve(kf, bf, gf, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
-    w, u_bar = wy_factors(kf, vf, bf, gf, t_inv, firsts, chunks=chunks, num_warps=config.num_warps)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if store_ht else no_output(q)
-    hs = torch.empty(chunks[2], H, K, V, dtype=torch.float32, device=q.device)
-    us = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device)
     BK, BV = block(K), min(block(V), config.delta_block_v)
+    fused = fused_outputs(config, triton.cdiv(V, BV) * N * H, q.device)
+    keep = save or not fused  # the separate output kernel reads hs and us
+    hs = torch.empty(chunks[2], H, K, V, dtype=torch.float32, device=q.device) if keep else no_output(q)
+    us = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device) if keep else no_output(q)
+    o = torch.empty_like(vf)
     F32, FP32_DOT, USE_G = dot_f32(q.dtype), fp32_dot_mode(config, "delta_fp32_dot"), gf is not None
     delta_states_kernel[(triton.cdiv(V, BV), N, H)](
-        kf, gf, w, u_bar, firsts, seqs, chunks[1], h0, ht, hs, us, H, K, V,
-        C=C, BK=BK, BV=BV, USE_G=USE_G, USE_H0=h0 is not None, STORE_HT=store_ht, F32=F32, FP32_DOT=FP32_DOT,
-        num_warps=config.delta_num_warps, num_stages=config.num_stages,
+        qf, kf, vf, bf, gf, t_inv, firsts, seqs, chunks[1], h0, ht, hs, us, o, scale, H, K, V,
+        C=C, BK=BK, BV=BV, USE_G=USE_G, USE_H0=h0 is not None, STORE_HT=store_ht, SAVE=keep, OUT=fused,
+        F32=F32, FP32_DOT=FP32_DOT, num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
-    o = torch.empty_like(vf)
-    BVO = min(block(V), config.delta_out_block_v)
-    delta_outputs_kernel[(chunks[2], H, triton.cdiv(V, BVO))](
-        qf, kf, gf, us, hs, firsts, o, chunks[0], scale, H, K, V,
-        C=C, BK=BK, BV=BVO, USE_G=USE_G, F32=F32, FP32_DOT=FP32_DOT,
-        num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
-    )
+    if not fused:
+        BVO = min(block(V), config.delta_out_block_v)
+        delta_outputs_kernel[(chunks[2], H, triton.cdiv(V, BVO))](
+            qf, kf, vf, gf, us, hs, firsts, o, chunks[0], scale, H, K, V,
+            C=C, BK=BK, BV=BVO, USE_G=USE_G, F32=F32, FP32_DOT=FP32_DOT,
+            num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
+        )
     if not save:
         hs, us = no_output(q), no_output(q)
     return o.view(B, T, H, V), ht, t_inv, hs, us  # [B*T, H, V] -> [B, T, H, V]

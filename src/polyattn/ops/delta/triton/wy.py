@@ -5,14 +5,14 @@
     A    = strict_lower(diag(beta) (K K^T ⊙ Γ))       Γ[i, j] = exp(gc_i - gc_j)
     Tinv = (I + A)^{-1}                                 unit lower triangular, fp32
 
-and stores row i of `Tinv` at token i: `t_inv: [N_tok, H, C]` fp32. `wy_factors_kernel` then
-forms the two state-independent factors of the chunk's pseudo-values,
+and stores row i of `Tinv` at token i: `t_inv: [N_tok, H, C]` fp32. The delta rule's recurrence
+(forward.py) applies Tinv itself, `U = Tinv diag(beta) (V - diag(exp(gc)) K h)`. Log-linear Gated
+DeltaNet (ops/loglinear/triton/gdn.py), whose level walks read U under several states, takes the two
+state-independent factors that `wy_factors_kernel` forms,
 
     W = Tinv diag(beta exp(gc)) K    [C, K] fp32,      Ū = Tinv diag(beta) V    [C, V] fp32,
 
-so that from the entering state h the recurrence (forward.py) needs one product per chunk for
-them: `U = Tinv diag(beta) (V - diag(exp(gc)) K h) = Ū - W h`. `wy_ref` and `wy_factors_ref`
-are the PyTorch twins.
+so that `U = Ū - W h` is one product per state. `wy_ref` and `wy_factors_ref` are the PyTorch twins.
 """
 import torch
 import triton
