@@ -40,7 +40,7 @@ def plan(argv):
 
 
 def test_the_evidence_configs_are_committed():
-    assert {p.stem for p in CONFIGS} >= {"mqar-extrapolation", "mqar-loglinear", "mqar-hla", "mqar-hla3", "mqar-hybrid", "overwrite", "niah",
+    assert {p.stem for p in CONFIGS} >= {"mqar-extrapolation", "mqar-loglinear", "mqar-hla", "mqar-hla3", "mqar-hybrid", "mqar-kata-variants", "overwrite", "niah",
                                           "text-loss-by-position"}
 
 
