@@ -2,7 +2,7 @@
 
 python benchmarks/triton_spills.py [linear delta gdn kata]
 Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel`) and the delta rule's
-(`wy_kernel`, `wy_factors_kernel`, the two recurrences, the per-chunk output and two gradient kernels) and log-linear
+(`wy_kernel`, `wy_factors_kernel`, the two recurrences (the forward's with and without its outputs and stores), the per-chunk output and two gradient kernels) and log-linear
 Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_backward_kernel`, `gdn_chunk_grads_kernel`) and
 KATA's chunked form's (`kata_states_kernel` both ways, `kata_read_kernel`, `kata_lift_grad_kernel` with and without
 its read, at K = V = 64 with the default tiles) and DeltaKATA's walks and state recompute (`deltakata_walk_kernel`, `deltakata_walk_grad_kernel`, `deltakata_states_kernel`) for sm_90a with the installed Triton (or the families named) and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
@@ -104,8 +104,9 @@ def delta_rule() -> None:
     for BV in (32, 64):
         for warps in (4, 8):
             rec = dict(delta, BV=BV, FP32_DOT=0)
-            print(f"delta states     BV{BV} warps{warps}: "
-                  f"{resources(delta_states_kernel, dict(rec, USE_H0=False, STORE_HT=True), warps, 2)}")
+            for save, out in ((True, True), (False, True), (True, False)):  # training, inference, the output kernel's walk
+                walk = dict(rec, USE_H0=False, STORE_HT=True, SAVE=save, OUT=out)
+                print(f"delta states     BV{BV} warps{warps} save {save:d} outputs {out:d}: {resources(delta_states_kernel, walk, warps, 2)}")
             print(f"delta outputs    BV{BV} warps{warps}: {resources(delta_outputs_kernel, rec, warps, 2)}")
             print(f"delta state grad BV{BV} warps{warps}: "
                   f"{resources(delta_state_grad_kernel, dict(rec, USE_DHT=True, STORE_DH0=False), warps, 2)}")
