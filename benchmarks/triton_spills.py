@@ -109,7 +109,7 @@ def delta_rule() -> None:
                 print(f"delta states     BV{BV} warps{warps} save {save:d} outputs {out:d}: {resources(delta_states_kernel, walk, warps, 2)}")
             print(f"delta outputs    BV{BV} warps{warps}: {resources(delta_outputs_kernel, rec, warps, 2)}")
             print(f"delta state grad BV{BV} warps{warps}: "
-                  f"{resources(delta_state_grad_kernel, dict(rec, USE_DHT=True, STORE_DH0=False), warps, 2)}")
+                  f"{resources(delta_state_grad_kernel, dict(rec, USE_DHT=True, STORE_DH0=False, SAVE=True), warps, 2)}")
             print(f"delta score grads BV{BV} warps{warps}: {resources(delta_score_grads_kernel, dict(rec, BK=64), warps, 2)}")
             print(f"delta grads BK64 BV{BV} warps{warps}: {resources(delta_grads_kernel, dict(rec, BK=64), warps, 2)}")
 

@@ -154,15 +154,56 @@ def test_forward_without_backward(dtype, fused):
     assert rel_err(ht, ht_ref) <= 1e-5, f"final state: {rel_err(ht, ht_ref):.2e}"
 
 
+SPLIT = dict(delta_split_per_sm=64, min_segment_chunks=1)  # segments of one chunk or more at these shapes
+
+
+@pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_triton_segments(dtype, decay):
+    """The recurrence cut into segments (`KernelConfig.delta_split_per_sm`): packed sequences with states, every
+    gradient; a one-chunk sequence and one of three chunks beside longer ones."""
+    lengths = [64, 150, 37, 300] if not CUDA else [64, 150, 1000, 2047]
+    with use_config(replace(get_config(), **SPLIT)):
+        assert_low_precision_matches(
+            delta_rule_naive, delta_rule_chunk, delta_rule_triton, _inputs(1, sum(lengths), decay, seed=41),
+            _h0(len(lengths), 42), dtype, lengths=lengths,
+        )
+
+
+def test_segment_states_match_twin():
+    """Each segment's entering state (`entering_states`: the affine maps of the segments before it, chained)
+    against the PyTorch twin's state entering that chunk, in fp32."""
+    from polyattn.ops.delta.triton.forward import delta_forward_ref
+    from polyattn.ops.delta.triton.function import entering_states, split_plan
+    from polyattn.ops.delta.triton.wy import wy_solve
+    from polyattn.ops.triton.plan import block, chunk_table
+
+    lengths = [64, 256, 5, 450] if not CUDA else [64, 3000, 5, 4500]
+    x = {n: t.float() for n, t in _inputs(1, sum(lengths), True, seed=43).items()}
+    q, k, v, beta, g = (_flat(x[n]) for n in ("q", "k", "v", "beta", "g"))
+    C = get_config().chunk_size
+    chunks = chunk_table(tuple(lengths), C, k.device)
+    t_inv, firsts = wy_solve(k, beta, g, chunk_size=C, chunks=chunks)
+    h0 = _h0(len(lengths), 44).float()
+    plan = split_plan(tuple(lengths), 4, C, str(k.device))
+    assert plan["walks"].shape[0] == 1 + 4 + 1 + 4, "four segments where the chunks allow"
+    got = entering_states(k, v, beta, g, t_inv, firsts, h0, plan, C=C, BV=min(32, block(V)), config=get_config())
+    _, _, hs_ref, _ = delta_forward_ref(q, k, v, beta, g, t_inv, tuple(lengths), scale=K**-0.5, chunk_size=C, initial_state=h0)
+    want = hs_ref[plan["walk_chunks"].long()]  # [S, H, K, V]
+    assert rel_err(got, want) <= 1e-5, f"entering states: {rel_err(got, want):.2e}"
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-walk", "segments"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-outputs", "output-kernel"])
 @pytest.mark.parametrize("field", ["k", "v"])
-def test_nonfinite_token_under_both_output_paths(field, fused):
+def test_nonfinite_token_under_both_output_paths(field, fused, split):
     """A NaN key or value at one token (head 0, value column 0) leaves every earlier output bit-identical
-    and reaches the outputs from that token on, whether the recurrence or the per-chunk kernel forms them."""
+    and reaches the outputs from that token on, whether the recurrence or the per-chunk kernel forms them,
+    in one walk per sequence or in segments."""
     lengths, p = [40, 150], 40 + 100
     x = {n: t.float() for n, t in _inputs(1, sum(lengths), True, seed=31).items()}
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
-    with use_config(replace(get_config(), delta_fused_outputs=fused)), torch.no_grad():
+    with use_config(replace(get_config(), delta_fused_outputs=fused, **(SPLIT if split else {}))), torch.no_grad():
         clean = delta_rule_triton(*x.values(), scale=K**-0.5, cu_seqlens=cu)[0]
         x[field][:, p, 0, 0] = float("nan")
         o = delta_rule_triton(*x.values(), scale=K**-0.5, cu_seqlens=cu)[0]

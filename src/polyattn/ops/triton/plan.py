@@ -39,7 +39,9 @@ class KernelConfig:
     tests' error bound; "tf32" and "rounded" trade accuracy for fewer tensor-core products and
     are there to be measured); delta_fused_outputs whether the recurrence forms the outputs (None: when its
     programs number at least twice the multiprocessors; on the H200 fused took 2.95 / 2.94 ms against 3.29 / 3.26 at
-    2K / 8K tokens per sequence, 4.10 / 13.9 against 4.07 / 11.8 at 32K / 128K: tune-delta-fused-outputs-call29.json). KATA's quadratic kernels (ops/kata/triton) tile queries by
+    2K / 8K tokens per sequence, 4.10 / 13.9 against 4.07 / 11.8 at 32K / 128K: tune-delta-fused-outputs-call29.json). delta_split_per_sm
+    cuts sequences into segments of whole chunks when the recurrence's programs would be fewer than this many per
+    multiprocessor (0: never; ops/delta/README.md, "Segments": built and tested, not yet timed on a GPU, so off). KATA's quadratic kernels (ops/kata/triton) tile queries by
     kata_block_m and keys by kata_block_n (kata_block_m a multiple of it: kata_block_m / kata_block_n
     key tiles per diagonal; both for G <= 2 groups and bf16/fp16, divided by G / 2 for more groups and
     by 2 for fp32 inputs, at least 16: ops/kata/README.md, "Forward tiling"), run kata_num_warps (forward) and kata_bwd_warps (the two gradient kernels) warps
@@ -92,6 +94,7 @@ class KernelConfig:
     delta_chunk_warps: int = 4
     delta_fp32_dot: str = "split"
     delta_fused_outputs: bool | None = None
+    delta_split_per_sm: int = 0
     kata_block_m: int = 128
     kata_block_n: int = 64
     kata_num_warps: int = 8
@@ -253,10 +256,12 @@ def grid_chunk_table(seq_lens: tuple, position: torch.Tensor, chunk_size: int):
     return table.to(torch.int32), cu, NC
 
 
-def plan_segments(seq_lens: tuple, H: int, DC: int, config: KernelConfig, device) -> int:
-    """Segments per sequence so that `programs = segments * H * cdiv(DC, block_c)` fills the GPU."""
-    base = len(seq_lens) * H * triton.cdiv(DC, config.block_c)
-    target = config.programs_per_sm * num_sms(device)
+def plan_segments(seq_lens: tuple, H: int, DC: int, config: KernelConfig, device, *, block: int | None = None,
+                  per_sm: int | None = None) -> int:
+    """Segments per sequence so that `programs = segments * H * cdiv(DC, block)` fills the GPU: `per_sm`
+    programs per multiprocessor (default: config.block_c and config.programs_per_sm, linear attention's)."""
+    base = len(seq_lens) * H * triton.cdiv(DC, block or config.block_c)
+    target = (per_sm or config.programs_per_sm) * num_sms(device)
     if base >= target:
         return 1
     longest = max(seq_lens)

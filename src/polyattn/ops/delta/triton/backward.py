@@ -69,11 +69,12 @@ def delta_state_grad_kernel(
     q, k, do, beta, g, xs, ys, seqs, cu_chunks, dht, dh0, dhs, drs,
     scale, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, F32: tl.constexpr,
+    USE_G: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, SAVE: tl.constexpr, F32: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). The fp32 [BK, BV] state gradient stays in registers; the
-    loop walks the sequence's chunks last to first: `dR = X + Y dh'`, then dh."""
+    loop walks the sequence's chunks last to first: `dR = X + Y dh'`, then dh; with SAVE, dh' of every
+    chunk (`dhs`) and dR (`drs`) are stored for the per-chunk gradient kernels."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     o_t = tl.arange(0, C)
     if USE_DHT:
@@ -85,7 +86,8 @@ def delta_state_grad_kernel(
         i = n_chunks - 1 - j
         t = bos + i * C + o_t
         m_t = t < eos
-        tl.store(dhs + ((c0 + i) * H + i_h) * K * V + state_tile, b_dh, mask=m_s)
+        if SAVE:
+            tl.store(dhs + ((c0 + i) * H + i_h) * K * V + state_tile, b_dh, mask=m_s)
         row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
         m_tk = m_t[:, None] & m_k[None, :]
         row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
@@ -94,7 +96,8 @@ def delta_state_grad_kernel(
         b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
         b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
         b_dr = tl.load(xs + row_v, mask=m_tv, other=0.0) + mma_fp32(b_y, b_dh, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]
-        tl.store(drs + row_v, b_dr, mask=m_tv)
+        if SAVE:
+            tl.store(drs + row_v, b_dr, mask=m_tv)
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV]
         b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar

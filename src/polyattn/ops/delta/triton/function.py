@@ -10,12 +10,17 @@ then its per-chunk kernel for dq, dk, dv, dbeta. The log-decay gradient needs no
     dL/dG_t = q_t . dq_t - v_t . dv_t  (+ <dht, ht> at a sequence's last token)
 
 and dg is its per-sequence reverse cumsum (`G` is the inclusive cumsum of g).
+With `KernelConfig.delta_split_per_sm`, both recurrences run in segments of a sequence at once, each from the
+state (or gradient) that the segments' affine maps carry to it (`split_plan`, `entering_states`,
+`leaving_gradients`; ops/delta/README.md, "Segments").
 """
+import functools
+
 import torch
 import triton
 
 from polyattn.ops.triton.plan import (
-    block, chunk_table, get_config, kernel_call, no_output, num_sms, reverse_cumsum, segment_table,
+    block, chunk_table, get_config, kernel_call, no_output, num_sms, plan_segments, reverse_cumsum, segment_table,
 )
 from polyattn.ops.triton.precision import dot_f32, fp32_dot_mode
 
@@ -37,6 +42,125 @@ def fused_outputs(config, walks: int, device) -> bool:
     if config.delta_fused_outputs is not None:
         return config.delta_fused_outputs
     return walks >= 2 * num_sms(device)
+
+
+@functools.lru_cache(maxsize=64)
+def split_plan(seq_lens: tuple, segments: int, C: int, device: str) -> dict:
+    """The recurrence's segment split (ops/delta/README.md, "Segments"), built on the host and cached per shape:
+    `walks [S, 4]` the segments' rows `(bos, eos, sequence, 0)` and `walk_chunks [S]` their first chunks (the index
+    of the per-chunk buffers); `pre [P, 4]`, `pre_chunks [P]` the same for the segments that another one follows,
+    `post`, `post_chunks` for those that follow another (the reverse recurrence's); `heads [N]`, `ends [N]` each
+    sequence's first and last segment; `steps`, per rank j ≥ 1 of a segment in its sequence, the indices `(pre row
+    of segment j - 1, segment j - 1, segment j)`; `back_steps`, per rank from the end, `(post row of segment j,
+    segment j, segment j - 1)`: the gradient leaving segment j - 1 is the one entering segment j."""
+    walks, walk_chunks, pre, pre_chunks, post, post_chunks, heads, ends = [], [], [], [], [], [], [], []
+    steps: dict[int, list] = {}
+    back_steps: dict[int, list] = {}
+    bos = chunk0 = 0
+    for n, length in enumerate(seq_lens):
+        n_chunks = max(1, triton.cdiv(length, C))
+        per = triton.cdiv(n_chunks, min(segments, n_chunks))
+        starts = list(range(0, n_chunks, per))
+        heads.append(len(walks))
+        for j, c in enumerate(starts):
+            row = (bos + min(c * C, length), bos + min((c + per) * C, length), n, 0)
+            if j > 0:
+                steps.setdefault(j, []).append((len(pre) - 1, len(walks) - 1, len(walks)))
+            if j < len(starts) - 1:
+                pre.append(row)
+                pre_chunks.append(chunk0 + c)
+            if j > 0:  # in reverse, segment j - 1 follows segment j
+                back_steps.setdefault(len(starts) - j, []).append((len(post), len(walks), len(walks) - 1))
+                post.append(row)
+                post_chunks.append(chunk0 + c)
+            walks.append(row)
+            walk_chunks.append(chunk0 + c)
+        ends.append(len(walks) - 1)
+        bos += length
+        chunk0 += n_chunks
+
+    def ints(x, dtype=torch.int32):
+        return torch.tensor(x, dtype=dtype).to(device)
+
+    return dict(walks=ints(walks), walk_chunks=ints(walk_chunks), pre=ints(pre), pre_chunks=ints(pre_chunks),
+                post=ints(post), post_chunks=ints(post_chunks), heads=ints(heads, torch.long), ends=ints(ends, torch.long),
+                steps=[ints(steps[j], torch.long).unbind(1) for j in sorted(steps)],
+                back_steps=[ints(back_steps[j], torch.long).unbind(1) for j in sorted(back_steps)])
+
+
+def split(config, seq_lens: tuple, H: int, V: int, BV: int, C: int, device) -> dict | None:
+    """The split of both recurrences (`split_plan`), or None when `KernelConfig.delta_split_per_sm` asks for none
+    or the walks already fill the GPU."""
+    if not config.delta_split_per_sm:
+        return None
+    segments = plan_segments(seq_lens, H, V, config, device, block=BV, per_sm=config.delta_split_per_sm)
+    return split_plan(seq_lens, segments, C, str(device)) if segments > 1 else None
+
+
+def identity_columns(x: torch.Tensor, K: int) -> torch.Tensor:
+    """`[0 | x]`: K zero columns before x's last dimension, the columns of a transition's identity."""
+    return torch.cat([x.new_zeros(*x.shape[:-1], K), x], -1)
+
+
+def identity_start(P: int, H: int, K: int, W: int, device) -> torch.Tensor:
+    """`[I | 0]` for P segments: `[P, H, K, W]` fp32."""
+    start = torch.zeros(P, H, K, W, dtype=torch.float32, device=device)
+    start[..., :K] = torch.eye(K, dtype=torch.float32, device=device)
+    return start
+
+
+def chain(maps: torch.Tensor, known, known_rows, steps: list, S: int) -> torch.Tensor:
+    """Every segment's state from the segments' affine maps `maps [P, H, K, K + V]` (`[M | b]`: `h -> M h + b`), in
+    float64: `known [N, H, K, V]` (or zero) at the rows `known_rows`, then per rank `state[dst] = M[row] state[src] +
+    b[row]` for the `(row, src, dst)` of `steps`. Returns `[S, H, K, V]` fp32."""
+    maps = maps.double()
+    K = maps.shape[-2]
+    states = torch.zeros(S, *maps.shape[1:3], maps.shape[-1] - K, dtype=torch.float64, device=maps.device)
+    if known is not None:
+        states[known_rows] = known.double()
+    for row, src, dst in steps:
+        states[dst] = maps[row, ..., :K] @ states[src] + maps[row, ..., K:]  # [n, H, K, K] @ [n, H, K, V] -> [n, H, K, V]
+    return states.float()
+
+
+def leaving_gradients(qf, kf, dof, bf, gf, xs, ys, dht, plan: dict, *, scale: float, C: int, BV: int, config) -> torch.Tensor:
+    """The state gradient leaving every segment of `plan`: `[S, H, K, V]` fp32. The reverse recurrence is affine in
+    the gradient it starts from too, `dh' -> N dh' + c`: every segment that another one follows in reverse runs it
+    from `[I | 0]` on `[0 | dO]`, `[0 | X]` (its state is then `[N | c]`), and each sequence chains the maps from its
+    end, in float64, from `dht` (or zero)."""
+    _, H, K = kf.shape
+    W = K + dof.shape[-1]
+    post = plan["post"]
+    start = identity_start(post.shape[0], H, K, W, kf.device)
+    Nc = torch.empty_like(start)  # [P, H, K, K + V]
+    none = no_output(kf)
+    delta_state_grad_kernel[(triton.cdiv(W, BV), post.shape[0], H)](
+        qf, kf, identity_columns(dof, K), bf, gf, identity_columns(xs, K), ys, post, plan["post_chunks"], start, Nc,
+        none, none, scale, H, K, W,
+        C=C, BK=block(K), BV=BV, USE_G=gf is not None, USE_DHT=True, STORE_DH0=True, SAVE=False,
+        F32=dot_f32(qf.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
+        num_warps=config.delta_num_warps, num_stages=config.num_stages,
+    )
+    return chain(Nc, dht, plan["ends"], plan["back_steps"], plan["walks"].shape[0])
+
+
+def entering_states(kf, vf, bf, gf, t_inv, firsts, h0, plan: dict, *, C: int, BV: int, config) -> torch.Tensor:
+    """The state entering every segment of `plan` (`split_plan`): `[S, H, K, V]` fp32. The segments that another
+    one follows run the recurrence at once, each from `[I | 0]` on values `[0 | v]`, so that the state leaving one is
+    `[M | b]`, its affine map `h -> M h + b`; then each sequence's segments chain these maps, in float64."""
+    _, H, K = kf.shape
+    W = K + vf.shape[-1]
+    P = plan["pre"].shape[0]
+    start = identity_start(P, H, K, W, kf.device)
+    Mb = torch.empty_like(start)  # [P, H, K, K + V]
+    none = no_output(kf)
+    delta_states_kernel[(triton.cdiv(W, BV), P, H)](
+        kf, kf, identity_columns(vf, K), bf, gf, t_inv, firsts, plan["pre"], plan["pre_chunks"], start, Mb, none, none, none, 1.0, H, K, W,
+        C=C, BK=block(K), BV=BV, USE_G=gf is not None, USE_H0=True, STORE_HT=True, SAVE=False, OUT=False,
+        F32=dot_f32(kf.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
+        num_warps=config.delta_num_warps, num_stages=config.num_stages,
+    )
+    return chain(Mb, h0, plan["heads"], plan["steps"], plan["walks"].shape[0])
 
 
 def _flatten(q, k, v, beta, g, seq_lens):
@@ -64,17 +188,26 @@ def delta_rule_forward(
     t_inv, firsts = wy_solve(kf, bf, gf, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if store_ht else no_output(q)
     BK, BV = block(K), min(block(V), config.delta_block_v)
-    fused = fused_outputs(config, triton.cdiv(V, BV) * N * H, q.device)
+    plan = split(config, seq_lens, H, V, BV, C, q.device)
+    walks, walk_chunks, walk_h0, walk_ht = seqs, chunks[1], h0, ht
+    if plan is not None:
+        walks, walk_chunks = plan["walks"], plan["walk_chunks"]
+        walk_h0 = entering_states(kf, vf, bf, gf, t_inv, firsts, h0, plan, C=C, BV=BV, config=config)
+        walk_ht = torch.empty_like(walk_h0) if store_ht else ht
+    n_walks = walks.shape[0]
+    fused = fused_outputs(config, triton.cdiv(V, BV) * n_walks * H, q.device)
     keep = save or not fused  # the separate output kernel reads hs and us
     hs = torch.empty(chunks[2], H, K, V, dtype=torch.float32, device=q.device) if keep else no_output(q)
     us = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device) if keep else no_output(q)
     o = torch.empty_like(vf)
     F32, FP32_DOT, USE_G = dot_f32(q.dtype), fp32_dot_mode(config, "delta_fp32_dot"), gf is not None
-    delta_states_kernel[(triton.cdiv(V, BV), N, H)](
-        qf, kf, vf, bf, gf, t_inv, firsts, seqs, chunks[1], h0, ht, hs, us, o, scale, H, K, V,
-        C=C, BK=BK, BV=BV, USE_G=USE_G, USE_H0=h0 is not None, STORE_HT=store_ht, SAVE=keep, OUT=fused,
+    delta_states_kernel[(triton.cdiv(V, BV), n_walks, H)](
+        qf, kf, vf, bf, gf, t_inv, firsts, walks, walk_chunks, walk_h0, walk_ht, hs, us, o, scale, H, K, V,
+        C=C, BK=BK, BV=BV, USE_G=USE_G, USE_H0=walk_h0 is not None, STORE_HT=store_ht, SAVE=keep, OUT=fused,
         F32=F32, FP32_DOT=FP32_DOT, num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
+    if plan is not None and store_ht:
+        ht = walk_ht[plan["ends"]]  # [S, H, K, V] -> [N, H, K, V]: the last segment's leaving state
     if not fused:
         BVO = min(block(V), config.delta_out_block_v)
         delta_outputs_kernel[(chunks[2], H, triton.cdiv(V, BVO))](
@@ -120,12 +253,20 @@ def delta_rule_backward(
         qf, kf, dof, gf, t_inv, chunks[0], xs, ys, scale, H, K, V,
         C=C, BK=BK, BD=64, USE_G=gf is not None, F32=F32, FP32_DOT=FP32_DOT, num_warps=config.num_warps,
     )
-    delta_state_grad_kernel[(n_v, N, H)](
-        qf, kf, dof, bf, gf, xs, ys, seqs, chunks[1], dht, dh0, dhs, drs,
+    plan = split(config, seq_lens, H, V, BV, C, qf.device)
+    walks, walk_chunks, walk_dht, walk_dh0 = seqs, chunks[1], dht, dh0
+    if plan is not None:
+        walks, walk_chunks = plan["walks"], plan["walk_chunks"]
+        walk_dht = leaving_gradients(qf, kf, dof, bf, gf, xs, ys, dht, plan, scale=scale, C=C, BV=BV, config=config)
+        walk_dh0 = torch.empty_like(walk_dht) if dh0 is not None else None
+    delta_state_grad_kernel[(n_v, walks.shape[0], H)](
+        qf, kf, dof, bf, gf, xs, ys, walks, walk_chunks, walk_dht, walk_dh0, dhs, drs,
         scale, H, K, V,
-        C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_DHT=walk_dht is not None, STORE_DH0=dh0 is not None, SAVE=True,
         F32=F32, FP32_DOT=FP32_DOT, num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
+    if plan is not None and dh0 is not None:
+        dh0 = walk_dh0[plan["heads"]]  # [S, H, K, V] -> [N, H, K, V]: the first segment's entering gradient
     del xs, ys
     dss, mms, dv, dbeta, vdv = delta_score_grads(
         kf, vf, bf, gf, dof, us, drs, scale=scale, chunks=chunks, chunk_size=C, block_v=BV, fp32_dot=FP32_DOT,
