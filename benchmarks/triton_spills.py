@@ -105,11 +105,11 @@ def delta_rule() -> None:
         for warps in (4, 8):
             rec = dict(delta, BV=BV, FP32_DOT=0)
             for save, out in ((True, True), (False, True), (True, False)):  # training, inference, the output kernel's walk
-                walk = dict(rec, USE_H0=False, STORE_HT=True, SAVE=save, OUT=out)
+                walk = dict(rec, USE_H0=False, STORE_HT=True, SAVE=save, OUT=out, LEAD=0)
                 print(f"delta states     BV{BV} warps{warps} save {save:d} outputs {out:d}: {resources(delta_states_kernel, walk, warps, 2)}")
             print(f"delta outputs    BV{BV} warps{warps}: {resources(delta_outputs_kernel, rec, warps, 2)}")
             print(f"delta state grad BV{BV} warps{warps}: "
-                  f"{resources(delta_state_grad_kernel, dict(rec, USE_DHT=True, STORE_DH0=False, SAVE=True), warps, 2)}")
+                  f"{resources(delta_state_grad_kernel, dict(rec, USE_DHT=True, STORE_DH0=False, SAVE=True, LEAD=0), warps, 2)}")
             print(f"delta score grads BV{BV} warps{warps}: {resources(delta_score_grads_kernel, dict(rec, BK=64), warps, 2)}")
             print(f"delta grads BK64 BV{BV} warps{warps}: {resources(delta_grads_kernel, dict(rec, BK=64), warps, 2)}")
 

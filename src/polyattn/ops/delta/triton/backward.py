@@ -37,7 +37,7 @@ from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.plan import block
 from polyattn.ops.triton.precision import dot_f32, mma, mma_fp32, mma_left_fp32, mma_right_fp32, to_output
 
-from .forward import chunk_program, chunk_scores, sequence_tile
+from .forward import chunk_program, chunk_scores, sequence_tile, value_rows
 from .wy import factor_tiles
 
 
@@ -70,11 +70,12 @@ def delta_state_grad_kernel(
     scale, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, SAVE: tl.constexpr, F32: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, LEAD: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). The fp32 [BK, BV] state gradient stays in registers; the
     loop walks the sequence's chunks last to first: `dR = X + Y dh'`, then dh; with SAVE, dh' of every
-    chunk (`dhs`) and dR (`drs`) are stored for the per-chunk gradient kernels."""
+    chunk (`dhs`) and dR (`drs`) are stored for the per-chunk gradient kernels. LEAD: the state's first
+    LEAD columns see no dO and no X (`do`, `xs` have V - LEAD columns; forward.value_rows)."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     o_t = tl.arange(0, C)
     if USE_DHT:
@@ -95,10 +96,10 @@ def delta_state_grad_kernel(
         b_y = tl.load(ys + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
         b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
         b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
-        b_dr = tl.load(xs + row_v, mask=m_tv, other=0.0) + mma_fp32(b_y, b_dh, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]
+        b_dr = value_rows(xs, t, H, i_h, V, o_v, m_tv, LEAD) + mma_fp32(b_y, b_dh, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]
         if SAVE:
             tl.store(drs + row_v, b_dr, mask=m_tv)
-        b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV]
+        b_do = value_rows(do, t, H, i_h, V, o_v, m_tv, LEAD)  # [C, BV]
         b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
         b_egc = tl.exp2(b_gc)  # [C]

@@ -61,6 +61,16 @@ def chunk_program(chunks, C: tl.constexpr):
 
 
 @triton.jit
+def value_rows(x, t, H, i_h, V, o_v, m_tv, LEAD: tl.constexpr):
+    """Rows `t` of `x [N_tok, H, V - LEAD]` in the state's value columns `o_v` ([C, BV], masked by `m_tv`): the
+    state's first LEAD columns read zeros (LEAD = K: a transition's identity, `function.entering_states`)."""
+    if LEAD == 0:
+        return tl.load(x + (t * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+    cols = o_v - LEAD  # [BV]: x's columns, negative on the identity's
+    return tl.load(x + (t * H + i_h)[:, None] * (V - LEAD) + cols[None, :], mask=m_tv & (cols >= 0)[None, :], other=0.0)
+
+
+@triton.jit
 def chunk_outputs(b_q, b_k, b_g, b_gc, b_last, b_u, b_h, first, scale, F32: tl.constexpr, FP32_DOT: tl.constexpr):
     """`O = A_qk U + diag(exp(gc)) (scale Q) h` [C, BV] of one chunk and value tile from U [C, BV] and the
     entering state h [BK, BV] (both fp32); the rows from the chunk's first non-finite token `first` on are NaN."""
@@ -75,11 +85,13 @@ def delta_states_kernel(
     q, k, v, beta, g, t_inv, firsts, seqs, cu_chunks, h0, ht, hs, us, out, scale, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr,
     STORE_HT: tl.constexpr, SAVE: tl.constexpr, OUT: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
+    LEAD: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). The fp32 state tile [BK, BV] stays in registers for the whole
     sequence; per chunk three products on the dependent path, `K h`, `Tinv R` and `K^T U`. With SAVE
     the state entering the chunk (`hs`) and U (`us`) are stored for the backward (and for
-    `delta_outputs_kernel`); with OUT the chunk's outputs are formed here, off the dependent path.
+    `delta_outputs_kernel`); with OUT the chunk's outputs are formed here, off the dependent path. LEAD: the
+    state's first LEAD columns see no values (`v` has V - LEAD columns; `value_rows`).
     The chunk's rows from its first non-finite token (`firsts`, wy.py: key, beta or log-decay; or a value
     of this tile) enter R as zeros and leave a NaN state: every later output of the tile is NaN."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
@@ -98,7 +110,7 @@ def delta_states_kernel(
         b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
         row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
+        b_v = value_rows(v, t, H, i_h, V, o_v, m_tv, LEAD).to(tl.float32)  # [C, BV]
         b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
         b_tinv = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C]
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar

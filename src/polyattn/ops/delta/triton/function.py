@@ -97,11 +97,6 @@ def split(config, seq_lens: tuple, H: int, V: int, BV: int, C: int, device) -> d
     return split_plan(seq_lens, segments, C, str(device)) if segments > 1 else None
 
 
-def identity_columns(x: torch.Tensor, K: int) -> torch.Tensor:
-    """`[0 | x]`: K zero columns before x's last dimension, the columns of a transition's identity."""
-    return torch.cat([x.new_zeros(*x.shape[:-1], K), x], -1)
-
-
 def identity_start(P: int, H: int, K: int, W: int, device) -> torch.Tensor:
     """`[I | 0]` for P segments: `[P, H, K, W]` fp32."""
     start = torch.zeros(P, H, K, W, dtype=torch.float32, device=device)
@@ -126,7 +121,8 @@ def chain(maps: torch.Tensor, known, known_rows, steps: list, S: int) -> torch.T
 def leaving_gradients(qf, kf, dof, bf, gf, xs, ys, dht, plan: dict, *, scale: float, C: int, BV: int, config) -> torch.Tensor:
     """The state gradient leaving every segment of `plan`: `[S, H, K, V]` fp32. The reverse recurrence is affine in
     the gradient it starts from too, `dh' -> N dh' + c`: every segment that another one follows in reverse runs it
-    from `[I | 0]` on `[0 | dO]`, `[0 | X]` (its state is then `[N | c]`), and each sequence chains the maps from its
+    from `[I | 0]` on `[0 | dO]`, `[0 | X]` (zeros on the identity's columns, read as such: `LEAD`; its state is then
+    `[N | c]`), and each sequence chains the maps from its
     end, in float64, from `dht` (or zero)."""
     _, H, K = kf.shape
     W = K + dof.shape[-1]
@@ -135,10 +131,9 @@ def leaving_gradients(qf, kf, dof, bf, gf, xs, ys, dht, plan: dict, *, scale: fl
     Nc = torch.empty_like(start)  # [P, H, K, K + V]
     none = no_output(kf)
     delta_state_grad_kernel[(triton.cdiv(W, BV), post.shape[0], H)](
-        qf, kf, identity_columns(dof, K), bf, gf, identity_columns(xs, K), ys, post, plan["post_chunks"], start, Nc,
-        none, none, scale, H, K, W,
+        qf, kf, dof, bf, gf, xs, ys, post, plan["post_chunks"], start, Nc, none, none, scale, H, K, W,
         C=C, BK=block(K), BV=BV, USE_G=gf is not None, USE_DHT=True, STORE_DH0=True, SAVE=False,
-        F32=dot_f32(qf.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
+        F32=dot_f32(qf.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"), LEAD=K,
         num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
     return chain(Nc, dht, plan["ends"], plan["back_steps"], plan["walks"].shape[0])
@@ -146,7 +141,8 @@ def leaving_gradients(qf, kf, dof, bf, gf, xs, ys, dht, plan: dict, *, scale: fl
 
 def entering_states(kf, vf, bf, gf, t_inv, firsts, h0, plan: dict, *, C: int, BV: int, config) -> torch.Tensor:
     """The state entering every segment of `plan` (`split_plan`): `[S, H, K, V]` fp32. The segments that another
-    one follows run the recurrence at once, each from `[I | 0]` on values `[0 | v]`, so that the state leaving one is
+    one follows run the recurrence at once, each from `[I | 0]` on values `[0 | v]` (the identity's columns read
+    zeros: `LEAD`), so that the state leaving one is
     `[M | b]`, its affine map `h -> M h + b`; then each sequence's segments chain these maps, in float64."""
     _, H, K = kf.shape
     W = K + vf.shape[-1]
@@ -155,9 +151,9 @@ def entering_states(kf, vf, bf, gf, t_inv, firsts, h0, plan: dict, *, C: int, BV
     Mb = torch.empty_like(start)  # [P, H, K, K + V]
     none = no_output(kf)
     delta_states_kernel[(triton.cdiv(W, BV), P, H)](
-        kf, kf, identity_columns(vf, K), bf, gf, t_inv, firsts, plan["pre"], plan["pre_chunks"], start, Mb, none, none, none, 1.0, H, K, W,
+        kf, kf, vf, bf, gf, t_inv, firsts, plan["pre"], plan["pre_chunks"], start, Mb, none, none, none, 1.0, H, K, W,
         C=C, BK=block(K), BV=BV, USE_G=gf is not None, USE_H0=True, STORE_HT=True, SAVE=False, OUT=False,
-        F32=dot_f32(kf.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
+        F32=dot_f32(kf.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"), LEAD=K,
         num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
     return chain(Mb, h0, plan["heads"], plan["steps"], plan["walks"].shape[0])
@@ -204,7 +200,7 @@ def delta_rule_forward(
     delta_states_kernel[(triton.cdiv(V, BV), n_walks, H)](
         qf, kf, vf, bf, gf, t_inv, firsts, walks, walk_chunks, walk_h0, walk_ht, hs, us, o, scale, H, K, V,
         C=C, BK=BK, BV=BV, USE_G=USE_G, USE_H0=walk_h0 is not None, STORE_HT=store_ht, SAVE=keep, OUT=fused,
-        F32=F32, FP32_DOT=FP32_DOT, num_warps=config.delta_num_warps, num_stages=config.num_stages,
+        F32=F32, FP32_DOT=FP32_DOT, LEAD=0, num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
     if plan is not None and store_ht:
         ht = walk_ht[plan["ends"]]  # [S, H, K, V] -> [N, H, K, V]: the last segment's leaving state
@@ -263,7 +259,7 @@ def delta_rule_backward(
         qf, kf, dof, bf, gf, xs, ys, walks, walk_chunks, walk_dht, walk_dh0, dhs, drs,
         scale, H, K, V,
         C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_DHT=walk_dht is not None, STORE_DH0=dh0 is not None, SAVE=True,
-        F32=F32, FP32_DOT=FP32_DOT, num_warps=config.delta_num_warps, num_stages=config.num_stages,
+        F32=F32, FP32_DOT=FP32_DOT, LEAD=0, num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
     if plan is not None and dh0 is not None:
         dh0 = walk_dh0[plan["heads"]]  # [S, H, K, V] -> [N, H, K, V]: the first segment's entering gradient
