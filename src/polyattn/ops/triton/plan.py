@@ -174,6 +174,14 @@ def sequence_lengths(cu_seqlens: torch.Tensor | None, B: int, T: int) -> tuple:
 _TABLES: dict = {}
 
 
+def segment_starts(length: int, num_segments_hint: int, chunk_size: int) -> tuple[list, int]:
+    """`(starts, seg_len)`: the token offsets of one sequence's segments, whole chunks of `seg_len` tokens each
+    (one segment, at 0, for an empty sequence)."""
+    chunks = triton.cdiv(length, chunk_size)
+    seg_len = triton.cdiv(chunks, max(1, min(num_segments_hint, chunks))) * chunk_size
+    return list(range(0, length, seg_len)) or [0], seg_len
+
+
 def segment_table(seq_lens: tuple, num_segments_hint: int, chunk_size: int, device):
     """Cut each sequence into segments of whole chunks.
 
@@ -187,10 +195,7 @@ def segment_table(seq_lens: tuple, num_segments_hint: int, chunk_size: int, devi
     rows, cu = [], [0]
     bos = 0
     for n, length in enumerate(seq_lens):
-        chunks = triton.cdiv(length, chunk_size)
-        per_segment = triton.cdiv(chunks, max(1, min(num_segments_hint, chunks)))
-        seg_len = per_segment * chunk_size
-        starts = list(range(0, length, seg_len)) or [0]
+        starts, seg_len = segment_starts(length, num_segments_hint, chunk_size)
         for i, s in enumerate(starts):
             flags = (FIRST if i == 0 else 0) | (LAST if i == len(starts) - 1 else 0)
             rows.append((bos + s, bos + min(s + seg_len, length), n, flags))

@@ -20,7 +20,8 @@ import torch
 import triton
 
 from polyattn.ops.triton.plan import (
-    block, chunk_table, get_config, kernel_call, no_output, num_sms, plan_segments, reverse_cumsum, segment_table,
+    block, chunk_table, get_config, kernel_call, no_output, num_sms, plan_segments, reverse_cumsum, segment_starts,
+    segment_table,
 )
 from polyattn.ops.triton.precision import dot_f32, fp32_dot_mode
 
@@ -58,12 +59,11 @@ def split_plan(seq_lens: tuple, segments: int, C: int, device: str) -> dict:
     back_steps: dict[int, list] = {}
     bos = chunk0 = 0
     for n, length in enumerate(seq_lens):
-        n_chunks = max(1, triton.cdiv(length, C))
-        per = triton.cdiv(n_chunks, min(segments, n_chunks))
-        starts = list(range(0, n_chunks, per))
+        starts, seg_len = segment_starts(length, segments, C)  # the linear passes' cut (plan.segment_table)
         heads.append(len(walks))
-        for j, c in enumerate(starts):
-            row = (bos + min(c * C, length), bos + min((c + per) * C, length), n, 0)
+        for j, s in enumerate(starts):
+            c = s // C
+            row = (bos + s, bos + min(s + seg_len, length), n, 0)
             if j > 0:
                 steps.setdefault(j, []).append((len(pre) - 1, len(walks) - 1, len(walks)))
             if j < len(starts) - 1:
@@ -77,7 +77,7 @@ def split_plan(seq_lens: tuple, segments: int, C: int, device: str) -> dict:
             walk_chunks.append(chunk0 + c)
         ends.append(len(walks) - 1)
         bos += length
-        chunk0 += n_chunks
+        chunk0 += max(1, triton.cdiv(length, C))
 
     def ints(x, dtype=torch.int32):
         return torch.tensor(x, dtype=dtype).to(device)
