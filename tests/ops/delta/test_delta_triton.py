@@ -154,7 +154,8 @@ def test_forward_without_backward(dtype, fused):
     assert rel_err(ht, ht_ref) <= 1e-5, f"final state: {rel_err(ht, ht_ref):.2e}"
 
 
-SPLIT = dict(delta_split_per_sm=64, min_segment_chunks=1)  # segments of one chunk or more at these shapes
+# both recurrences in segments of one chunk or more at these shapes, however many walks there are
+SPLIT = dict(delta_split_per_sm=64, delta_split_fill=float("inf"), delta_split_backward=True, min_segment_chunks=1)
 
 
 @pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
@@ -191,6 +192,29 @@ def test_segment_states_match_twin():
     _, _, hs_ref, _ = delta_forward_ref(q, k, v, beta, g, t_inv, tuple(lengths), scale=K**-0.5, chunk_size=C, initial_state=h0)
     want = hs_ref[plan["walk_chunks"].long()]  # [S, H, K, V]
     assert rel_err(got, want) <= 1e-5, f"entering states: {rel_err(got, want):.2e}"
+
+
+def test_split_policy():
+    """The forward splits only while its walks fill at most `delta_split_fill` of the multiprocessors, the backward
+    only with `delta_split_backward`; the segments aim at `delta_split_per_sm` walks per multiprocessor."""
+    from polyattn.ops.delta.triton.function import split
+    from polyattn.ops.triton.plan import KernelConfig, num_sms
+
+    device = torch.device(DEVICE)
+    sms, C = num_sms(device), 64
+    long = (C * 64 * sms,)  # one sequence with chunks enough for any segment count below
+
+    def segments(config, seq_lens, H, backward=False):
+        plan = split(config, seq_lens, H, 32, 32, C, device, backward=backward)  # V = BV: one walk per head
+        return 1 if plan is None else plan["walks"].shape[0] // len(seq_lens)
+
+    config = KernelConfig(delta_split_per_sm=4, delta_split_fill=0.5)
+    H = max(1, sms // 2)  # H walks: at most half the multiprocessors
+    assert segments(config, long, H) == -(-4 * sms // H), "forward on a half-idle GPU: split to 4 walks per SM"
+    assert segments(config, long, H, backward=True) == 1, "reverse recurrence: not without delta_split_backward"
+    assert segments(replace(config, delta_split_backward=True), long, H, backward=True) > 1
+    assert segments(config, long * 2, H) == 1, "two sequences' walks fill more than half: no split"
+    assert segments(replace(config, delta_split_per_sm=0), long, H) == 1, "0 turns the split off"
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-walk", "segments"])

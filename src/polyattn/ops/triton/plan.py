@@ -40,8 +40,11 @@ class KernelConfig:
     are there to be measured); delta_fused_outputs whether the recurrence forms the outputs (None: when its
     programs number at least twice the multiprocessors; on the H200 fused took 2.95 / 2.94 ms against 3.29 / 3.26 at
     2K / 8K tokens per sequence, 4.10 / 13.9 against 4.07 / 11.8 at 32K / 128K: tune-delta-fused-outputs-call29.json). delta_split_per_sm
-    cuts sequences into segments of whole chunks when the recurrence's programs would be fewer than this many per
-    multiprocessor (0: never; ops/delta/README.md, "Segments": built and tested, not yet timed on a GPU, so off). KATA's quadratic kernels (ops/kata/triton) tile queries by
+    cuts sequences into segments of whole chunks, aiming at this many recurrence programs per multiprocessor (0:
+    never), when the unsplit walks would fill at most delta_split_fill of the multiprocessors; the reverse recurrence
+    too only with delta_split_backward (ops/delta/README.md, "Segments": on the H200 the split took the forward at
+    128K from 12.47 to 9.73 ms but the fwd+bwd from 35.8 to 37.7, and the forward at 32K, whose 128 walks fill the
+    GPU, from 4.14 to 4.69). KATA's quadratic kernels (ops/kata/triton) tile queries by
     kata_block_m and keys by kata_block_n (kata_block_m a multiple of it: kata_block_m / kata_block_n
     key tiles per diagonal; both for G <= 2 groups and bf16/fp16, divided by G / 2 for more groups and
     by 2 for fp32 inputs, at least 16: ops/kata/README.md, "Forward tiling"), run kata_num_warps (forward) and kata_bwd_warps (the two gradient kernels) warps
@@ -94,7 +97,9 @@ class KernelConfig:
     delta_chunk_warps: int = 4
     delta_fp32_dot: str = "split"
     delta_fused_outputs: bool | None = None
-    delta_split_per_sm: int = 0
+    delta_split_per_sm: int = 4
+    delta_split_fill: float = 0.5
+    delta_split_backward: bool = False
     kata_block_m: int = 128
     kata_block_n: int = 64
     kata_num_warps: int = 8

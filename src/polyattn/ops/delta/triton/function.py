@@ -10,7 +10,8 @@ then its per-chunk kernel for dq, dk, dv, dbeta. The log-decay gradient needs no
     dL/dG_t = q_t . dq_t - v_t . dv_t  (+ <dht, ht> at a sequence's last token)
 
 and dg is its per-sequence reverse cumsum (`G` is the inclusive cumsum of g).
-With `KernelConfig.delta_split_per_sm`, both recurrences run in segments of a sequence at once, each from the
+With few walks (`KernelConfig.delta_split_per_sm`, `delta_split_fill`), the forward recurrence (and with
+`delta_split_backward` the reverse one) runs in segments of a sequence at once, each from the
 state (or gradient) that the segments' affine maps carry to it (`split_plan`, `entering_states`,
 `leaving_gradients`; ops/delta/README.md, "Segments").
 """
@@ -88,10 +89,15 @@ def split_plan(seq_lens: tuple, segments: int, C: int, device: str) -> dict:
                 back_steps=[ints(back_steps[j], torch.long).unbind(1) for j in sorted(back_steps)])
 
 
-def split(config, seq_lens: tuple, H: int, V: int, BV: int, C: int, device) -> dict | None:
-    """The split of both recurrences (`split_plan`), or None when `KernelConfig.delta_split_per_sm` asks for none
-    or the walks already fill the GPU."""
-    if not config.delta_split_per_sm:
+def split(config, seq_lens: tuple, H: int, V: int, BV: int, C: int, device, *, backward: bool = False) -> dict | None:
+    """The segment split of the forward (or with `backward`, the reverse) recurrence (`split_plan`), or None:
+    when `KernelConfig.delta_split_per_sm` is 0, when the unsplit walks fill more than `delta_split_fill` of the
+    multiprocessors, or for the reverse recurrence without `delta_split_backward`. Each split recurrence does
+    `1 + 2 (S - 1) / S` walks' work (ops/delta/README.md, "Segments"), which pays only on a mostly idle GPU."""
+    walks = len(seq_lens) * H * triton.cdiv(V, BV)
+    if not config.delta_split_per_sm or walks > config.delta_split_fill * num_sms(device):
+        return None
+    if backward and not config.delta_split_backward:
         return None
     segments = plan_segments(seq_lens, H, V, config, device, block=BV, per_sm=config.delta_split_per_sm)
     return split_plan(seq_lens, segments, C, str(device)) if segments > 1 else None
@@ -249,7 +255,7 @@ def delta_rule_backward(
         qf, kf, dof, gf, t_inv, chunks[0], xs, ys, scale, H, K, V,
         C=C, BK=BK, BD=64, USE_G=gf is not None, F32=F32, FP32_DOT=FP32_DOT, num_warps=config.num_warps,
     )
-    plan = split(config, seq_lens, H, V, BV, C, qf.device)
+    plan = split(config, seq_lens, H, V, BV, C, qf.device, backward=True)
     walks, walk_chunks, walk_dht, walk_dh0 = seqs, chunks[1], dht, dh0
     if plan is not None:
         walks, walk_chunks = plan["walks"], plan["walk_chunks"]
