@@ -43,8 +43,8 @@ class KernelConfig:
     cuts sequences into segments of whole chunks, aiming at this many recurrence programs per multiprocessor (0:
     never), when the unsplit walks would fill at most delta_split_fill of the multiprocessors; the reverse recurrence
     too only with delta_split_backward (ops/delta/README.md, "Segments": on the H200 the split took the forward at
-    128K from 12.47 to 9.73 ms but the fwd+bwd from 35.8 to 37.7, and the forward at 32K, whose 128 walks fill the
-    GPU, from 4.14 to 4.69). KATA's quadratic kernels (ops/kata/triton) tile queries by
+    128K from 12.57 to 9.83 ms and its peak from 4.0 to 1.0 GiB, but with the reverse one split too the fwd+bwd from
+    34.5 to 37.0 ms, and the forward at 32K, whose 128 walks fill the GPU, from 4.17 to 4.70: tune-delta-split.json). KATA's quadratic kernels (ops/kata/triton) tile queries by
     kata_block_m and keys by kata_block_n (kata_block_m a multiple of it: kata_block_m / kata_block_n
     key tiles per diagonal; both for G <= 2 groups and bf16/fp16, divided by G / 2 for more groups and
     by 2 for fp32 inputs, at least 16: ops/kata/README.md, "Forward tiling"), run kata_num_warps (forward) and kata_bwd_warps (the two gradient kernels) warps
