@@ -214,17 +214,26 @@ def segment_table(seq_lens: tuple, num_segments_hint: int, chunk_size: int, devi
     return _TABLES[key]
 
 
-def sequence_starts(seq_lens: tuple, device) -> torch.Tensor:
-    """`[N + 1]` int32 offsets of the sequences laid end to end (cached like the tables)."""
-    key = ("starts", seq_lens, str(device))
+def device_ints(values: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """The integers `values` as a `[len(values)]` tensor on `device`, cached like the tables: a host-to-device
+    copy synchronises the stream, which left the GPU idle for 1.2 ms of a 7.3 ms forward + backward of
+    `linear_attn` with decay on the H200 when the backward built the sequence lengths on every call."""
+    key = ("ints", values, dtype, str(device))
     if key not in _TABLES:
-        bounds = [0]
-        for n in seq_lens:
-            bounds.append(bounds[-1] + n)
         if len(_TABLES) > 256:
             _TABLES.clear()
-        _TABLES[key] = torch.tensor(bounds, dtype=torch.int32).to(device)
+        _TABLES[key] = torch.tensor(values, dtype=dtype).to(device)
     return _TABLES[key]
+
+
+def device_lengths(seq_lens: tuple, device) -> torch.Tensor:
+    """`[N]` int64 lengths of the sequences on `device` (`device_ints`)."""
+    return device_ints(tuple(seq_lens), torch.int64, device)
+
+
+def sequence_starts(seq_lens: tuple, device) -> torch.Tensor:
+    """`[N + 1]` int32 offsets of the sequences laid end to end (`device_ints`)."""
+    return device_ints((0, *itertools.accumulate(seq_lens)), torch.int32, device)
 
 
 def chunk_table(seq_lens: tuple, chunk_size: int, device):
@@ -286,7 +295,7 @@ def reverse_cumsum(x: torch.Tensor, seq_lens: tuple) -> torch.Tensor:
     fake functions promise contiguous gradients)."""
     x64 = x.t().double()  # [N_tok, H] -> [H, N_tok]
     total = x64.cumsum(-1)  # [H, N_tok]
-    lengths = torch.tensor(seq_lens, device=x.device)
+    lengths = device_lengths(seq_lens, x.device)  # [N]
     ends = lengths.cumsum(0) - 1  # [N] last token of each sequence
     end_of = total[:, torch.repeat_interleave(ends, lengths, output_size=x.shape[0])]  # [H, N_tok]; size given: no host read
     return (end_of - total + x64).float().t().contiguous()  # [H, N_tok] -> [N_tok, H]
@@ -297,7 +306,7 @@ def prefix_cumsum(x: torch.Tensor, seq_lens: tuple) -> torch.Tensor:
     in fp64): `[N_tok, H]` fp32."""
     x64 = x.t().double()  # [N_tok, H] -> [H, N_tok]
     total = x64.cumsum(-1)  # [H, N_tok]
-    lengths = torch.tensor(seq_lens, device=x.device)
+    lengths = device_lengths(seq_lens, x.device)  # [N]
     starts = lengths.cumsum(0) - lengths  # [N] first token of each sequence
     base = (total - x64)[:, torch.repeat_interleave(starts, lengths, output_size=x.shape[0])]  # [H, N_tok]: the sum before it
     return (total - base).float().t().contiguous()  # [H, N_tok] -> [N_tok, H]

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from polyattn.ops.triton.plan import (
-    block, chunk_table, get_config, kernel_call, no_output, num_sms, plan_segments, reverse_cumsum, segment_starts,
+    block, chunk_table, device_lengths, get_config, kernel_call, no_output, num_sms, plan_segments, reverse_cumsum, segment_starts,
     segment_table,
 )
 from polyattn.ops.triton.precision import dot_f32, fp32_dot_mode
@@ -290,7 +290,7 @@ def delta_rule_backward(
     if want_dg:
         dgterm = qdq.sum(0) - vdv  # q . dq - v . dv, [n_k, B*T, H] -> [B*T, H]
         if dht is not None:
-            ends = torch.tensor(seq_lens, device=qf.device).cumsum(0) - 1  # [N]
+            ends = device_lengths(seq_lens, qf.device).cumsum(0) - 1  # [N]
             dgterm[ends] += (dht * ht).sum((-1, -2))  # [N, H, K, V] -> [N, H]
         dg = reverse_cumsum(dgterm, seq_lens).view(B, T, H).to(g.dtype)  # [B*T, H] -> [B, T, H]
     return (
@@ -330,10 +330,10 @@ delta_rule_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def _apply(q, k, v, beta, g, initial_state, scale, seq_lens, output_final_state):
     """The kernels through the custom ops; the per-chunk states and pseudo-values are kept only
-    when a gradient may be wanted."""
+    when a gradient may be wanted, the final state only when it is asked for (stored, it would come
+    back to the backward as a gradient of zeros)."""
     save = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, g, initial_state))
-    store_ht = output_final_state or save
-    o, ht, _, _, _ = delta_rule_forward(q, k, v, beta, g, initial_state, scale, list(seq_lens), store_ht, save)
+    o, ht, _, _, _ = delta_rule_forward(q, k, v, beta, g, initial_state, scale, list(seq_lens), output_final_state, save)
     return o, (ht if output_final_state else None)
 
 

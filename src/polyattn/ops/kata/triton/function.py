@@ -23,7 +23,7 @@ from polyattn.ops.kata.feature_maps import make_feature_map
 from polyattn.ops.kata.state import KataState, join_state, split_state, with_ones
 from polyattn.ops.triton.decay import reset_limit_ref
 from polyattn.ops.triton.plan import (
-    block, chunk_table, get_config, kata_state_chunk, no_output, prefix_cumsum, reverse_cumsum, segment_table, sequence_lengths, sequence_starts,
+    block, chunk_table, device_lengths, get_config, kata_state_chunk, no_output, prefix_cumsum, reverse_cumsum, segment_table, sequence_lengths, sequence_starts,
 )
 from polyattn.ops.triton.precision import check_kernel_inputs, dot_f32
 
@@ -464,7 +464,7 @@ def kata_chunk_backward(
     dg = no_output(q)
     if want_dg:
         if dht is not None:
-            ends = torch.tensor(seq_lens, device=q.device).cumsum(0) - 1  # [N]
+            ends = device_lengths(seq_lens, q.device).cumsum(0) - 1  # [N]
             term[ends] += (dht * ht).sum((-1, -2)) + (dzt * zt).sum(-1)  # [N, H]: <final state, its gradient>
         dg = reverse_cumsum(term, tuple(seq_lens)).view(B, T, H).to(g.dtype)
     return (

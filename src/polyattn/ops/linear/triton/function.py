@@ -17,7 +17,7 @@ every G_s with s >= t.
 """
 import torch
 
-from polyattn.ops.triton.plan import kernel_call, no_output, reverse_cumsum
+from polyattn.ops.triton.plan import device_lengths, kernel_call, no_output, reverse_cumsum
 
 from .launch import chunk_pass
 from .step import linear_attn_step_inplace
@@ -82,7 +82,7 @@ def linear_attn_backward(
     if want_dg:
         db = q_dq - k_dk  # [B*T, H]
         if dht is not None and ht is not None:
-            ends = torch.tensor(seq_lens, device=db.device).cumsum(0) - 1  # [N]
+            ends = device_lengths(seq_lens, db.device).cumsum(0) - 1  # [N]
             db[ends] += (dht * ht).sum((-1, -2))  # [N, H, K, V] -> [N, H]
         dg = reverse_cumsum(db, seq_lens).view(B, T, H).to(g.dtype)  # [B*T, H] -> [B, T, H]
     dh0 = dh0 * scale if dh0 is not None else no_output(q)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from polyattn.ops.common import one_token_step, wants_grad
 from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, fenwick_carry, occupied_levels
-from polyattn.ops.triton.plan import get_config, no_output, reverse_cumsum, sequence_lengths
+from polyattn.ops.triton.plan import device_lengths, get_config, no_output, reverse_cumsum, sequence_lengths
 from polyattn.ops.triton.precision import check_kernel_inputs
 
 from .gdn import ChunkLocals, gdn_chunk_backward, gdn_forward, gdn_levels_backward, kernel_heads
@@ -57,7 +57,7 @@ class _Layout(NamedTuple):
 
 
 def _layout(position, seq_lens, C, device) -> _Layout:
-    lengths = torch.tensor(seq_lens, device=device)  # [N]
+    lengths = device_lengths(seq_lens, device)  # [N]
     starts = lengths.cumsum(0) - lengths  # [N]
     return _Layout(lengths, first_chunk_rows(position, starts, lengths, C), last_chunk_rows(position, starts, lengths, C))
 
@@ -379,7 +379,7 @@ def loglinear_attn_fused(q, k, v, lam, g=None, *, beta=None, scale, initial_stat
     C = get_config().chunk_size
     seq_lens = sequence_lengths(cu_seqlens, B, T)
     N = len(seq_lens)
-    lengths = torch.tensor(seq_lens, device=q.device)  # [N]
+    lengths = device_lengths(seq_lens, q.device)  # [N]
     check_lam_levels(L, initial_state, T if cu_seqlens is None else lengths)
     if initial_state is not None:
         position = initial_state.position

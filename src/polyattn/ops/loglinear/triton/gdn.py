@@ -55,7 +55,7 @@ from polyattn.ops.common.segsum import causal_scores, suffix_sum
 from polyattn.ops.delta.triton.forward import chunk_program, chunk_scores, sequence_tile
 from polyattn.ops.delta.triton.wy import wy_factors, wy_solve
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
-from polyattn.ops.triton.plan import block, get_config, grid_chunk_table, segment_table
+from polyattn.ops.triton.plan import block, device_ints, get_config, grid_chunk_table, segment_table
 from polyattn.ops.triton.precision import (
     dot_f32, fp32_dot_mode, mma, mma_fp32, mma_left_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
 )
@@ -673,7 +673,7 @@ def checkpoint_plan(seq_lens: tuple, C: int, device) -> tuple[int, torch.Tensor,
     S = max(1, math.isqrt(max(rows)))
     blocks = [triton.cdiv(r, S) for r in rows]
     starts = [sum(blocks[:n]) for n in range(len(blocks))]
-    return S, torch.tensor(starts, dtype=torch.int32, device=device), sum(blocks)
+    return S, device_ints(tuple(starts), torch.int32, device), sum(blocks)
 
 
 def _walk_plan(seq_lens: tuple, position, L: int, chunks=None):
