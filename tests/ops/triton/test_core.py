@@ -254,13 +254,16 @@ def test_triton_forms_under_a_nan_gate(op, position):
     assert not bool(torch.isfinite(o[:, position:, 0]).all()), "the NaN gate never reached an output"
 
 
-@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla2", "loglinear_mamba2", "loglinear_gdn", "kata_m2_chunk"])
-def test_repeat_fwd_bwd_builds_no_tensor_from_host_data(op, monkeypatch):
-    """A tensor built from host data is a host-to-device copy, which on CUDA synchronises the stream: the GPU
-    idles while the host catches up (1.2 ms of a 7.3 ms forward + backward of `linear_attn` with decay on the
-    H200, when the backward built the sequence lengths on every call). After a first call has cached the
-    sequences' tables, a forward + backward with every gradient builds none."""
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla2", "loglinear_mamba2", "loglinear_gdn", "kata_m2", "kata_m2_chunk",
+                                "kata_lorentz", "deltakata_lorentz"])
+def test_repeat_fwd_bwd_reads_and_builds_nothing_on_the_host(op, monkeypatch):
+    """A tensor built from host data is a host-to-device copy, and a value read on the host (`item`, `tolist`,
+    `bool`) a device-to-host one: on CUDA both synchronise the stream, and the GPU idles while the host catches
+    up (1.2 ms of a 7.3 ms forward + backward of `linear_attn` with decay on the H200, when the backward built
+    the sequence lengths on every call). After a first call has cached the sequences' tables, a forward +
+    backward with every gradient does neither (value checks deferred, as they are on CUDA)."""
     from polyattn.ops.common import num_levels
+    from polyattn.ops.common.validate import set_value_checks
 
     T, H, K, V = 70, 2, 8, 12
     x = {n: t.float() for n, t in seeded_inputs(2, T, H, K, V, decay=True, beta=True, seed=7, device=DEVICE).items()}
@@ -270,11 +273,20 @@ def test_repeat_fwd_bwd_builds_no_tensor_from_host_data(op, monkeypatch):
     def fwd_bwd():
         torch.autograd.grad(_triton_call(op, x).square().sum(), leaves, allow_unused=True)
 
+    def counted(name, f):
+        return lambda *a, **kw: host.append(name) or f(*a, **kw)
+
     config = KernelConfig(kata_block_m=32, kata_block_n=16, kata_chunk_size=64, kata_read_block=32) if DEVICE == "cpu" else get_config()
-    with use_config(config):
-        fwd_bwd()
-        built = []
-        tensor = torch.tensor
-        monkeypatch.setattr(torch, "tensor", lambda data, *a, **kw: built.append(repr(data)[:80]) or tensor(data, *a, **kw))
-        fwd_bwd()
-    assert built == [], f"tensors built from host data on a repeat call: {built}"
+    previous = set_value_checks("async")
+    try:
+        with use_config(config):
+            fwd_bwd()
+            host = []
+            monkeypatch.setattr(torch, "tensor", counted("torch.tensor", torch.tensor))
+            for name in ("item", "tolist", "__bool__"):
+                monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+            fwd_bwd()
+            monkeypatch.undo()
+    finally:
+        set_value_checks(previous)
+    assert host == [], f"host reads or tensors built from host data on a repeat call: {host}"
