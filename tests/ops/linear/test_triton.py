@@ -8,6 +8,8 @@ tests/conftest.py) at tiny shapes; with CUDA the same tests run at real shapes o
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -52,15 +54,40 @@ def test_triton_varlen(dtype):
     )
 
 
+@pytest.mark.parametrize("layout", ["one", "two", "packed"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_triton_segment_split(dtype):
-    """One sequence, few heads: the sequence is split into segments combined by the scan."""
+def test_triton_segment_split(dtype, layout):
+    """Sequences cut into segments combined by the scan, however many programs there are (`split_fill`): one
+    sequence, two, and packed sequences of several lengths."""
     from polyattn.ops.triton.plan import KernelConfig, use_config
 
-    config = KernelConfig(chunk_size=16, block_c=16, min_segment_chunks=1) if not CUDA else KernelConfig()
-    h0 = torch.randn(1, H, K, V, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(DEVICE)
-    with use_config(config):
-        assert_low_precision_matches(linear_attn_naive, linear_attn_chunk, linear_attn_triton, _inputs(1, SPLIT_T, decay=True, seed=6), h0, dtype)
+    fields = dict(chunk_size=16, block_c=16, min_segment_chunks=1) if not CUDA else {}
+    lengths = [SPLIT_T // 3, 1, SPLIT_T // 2 + 5] if layout == "packed" else None
+    Bx, T = (1, sum(lengths)) if lengths else (2 if layout == "two" else 1, SPLIT_T)
+    h0 = torch.randn(len(lengths) if lengths else Bx, H, K, V, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(DEVICE)
+    with use_config(KernelConfig(split_fill=float("inf"), **fields)):
+        assert_low_precision_matches(
+            linear_attn_naive, linear_attn_chunk, linear_attn_triton, _inputs(Bx, T, decay=True, seed=6), h0, dtype, lengths=lengths
+        )
+
+
+def test_split_only_below_fill():
+    """A pass splits its sequences only while its unsplit programs number at most `split_fill` per multiprocessor,
+    and then aims at `programs_per_sm` of them."""
+    from polyattn.ops.triton.plan import KernelConfig, num_sms, plan_segments
+
+    device = torch.device(DEVICE)
+    sms, config = num_sms(device), KernelConfig(programs_per_sm=4, split_fill=1.0, min_segment_chunks=1)
+    long = (config.chunk_size * 8 * sms,)  # chunks enough for any segment count below
+
+    def segments(N, H):  # value tiles of 64 at DC = 64: N * H programs unsplit
+        return plan_segments(long * N, H, 64, config, device)
+
+    assert segments(1, sms) == 4, "one program per multiprocessor: four segments"
+    assert segments(1, sms + 1) == 1, "more programs than multiprocessors: no split"
+    assert segments(2, sms // 2) == 4
+    assert plan_segments(long, sms + 1, 64, replace(config, split_fill=2.0), device) == -(-4 * sms // (sms + 1))
+    assert plan_segments(long, sms, 64, replace(config, programs_per_sm=1), device) == 1, "the target already met"
 
 
 @pytest.mark.parametrize("field, value", [("k", "nan"), ("v", "inf"), ("g", "nan")])

@@ -29,7 +29,11 @@ class KernelConfig:
 
     chunk_size: tokens per chunk C; block_c: tile of the DC (value) dimension per program of a
     linear-attention pass; programs_per_sm: the segment split aims at this many programs per
-    multiprocessor. The delta rule's kernels hold more fp32 tiles per program (the solve matrix,
+    multiprocessor, and runs only while the unsplit programs number at most split_fill per multiprocessor (two
+    programs of the pass fit on one at once; on the H200 at 8K tokens per sequence, 256 programs on 132
+    multiprocessors, three segments each took a fwd+bwd of linear attention from 2.09 to 2.58 ms and with decay from
+    5.38 to 6.24, while at 32K, 64 programs, nine segments each beat three by 4 to 11%:
+    benchmarks/results/2026-12-04-h200/tune-linear-programs.json). The delta rule's kernels hold more fp32 tiles per program (the solve matrix,
     the pseudo-values, their split halves): delta_block_v is the value tile of their two recurrences,
     delta_num_warps their warps (the H200 profile: value tile 32 beat 64 by 1.25x at 4 warps),
     delta_out_block_v the value tile of the per-chunk output kernel and delta_chunk_warps the warps
@@ -90,6 +94,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 4
+    split_fill: float = 1.0
     min_segment_chunks: int = 4
     delta_block_v: int = 32
     delta_num_warps: int = 4
@@ -276,12 +281,14 @@ def grid_chunk_table(seq_lens: tuple, position: torch.Tensor, chunk_size: int):
 
 
 def plan_segments(seq_lens: tuple, H: int, DC: int, config: KernelConfig, device, *, block: int | None = None,
-                  per_sm: int | None = None) -> int:
+                  per_sm: int | None = None, fill: float | None = None) -> int:
     """Segments per sequence so that `programs = segments * H * cdiv(DC, block)` fills the GPU: `per_sm`
-    programs per multiprocessor (default: config.block_c and config.programs_per_sm, linear attention's)."""
+    programs per multiprocessor (default: config.block_c and config.programs_per_sm, linear attention's); 1 when
+    the unsplit programs already number more than `fill` per multiprocessor (default config.split_fill)."""
     base = len(seq_lens) * H * triton.cdiv(DC, block or config.block_c)
-    target = (per_sm or config.programs_per_sm) * num_sms(device)
-    if base >= target:
+    sms = num_sms(device)
+    target = (per_sm or config.programs_per_sm) * sms
+    if base >= target or base > (config.split_fill if fill is None else fill) * sms:
         return 1
     longest = max(seq_lens)
     max_segments = max(1, triton.cdiv(longest, config.chunk_size * config.min_segment_chunks))

@@ -94,12 +94,10 @@ def split(config, seq_lens: tuple, H: int, V: int, BV: int, C: int, device, *, b
     when `KernelConfig.delta_split_per_sm` is 0, when the unsplit walks fill more than `delta_split_fill` of the
     multiprocessors, or for the reverse recurrence without `delta_split_backward`. Each split recurrence does
     `1 + 2 (S - 1) / S` walks' work (ops/delta/README.md, "Segments"), which pays only on a mostly idle GPU."""
-    walks = len(seq_lens) * H * triton.cdiv(V, BV)
-    if not config.delta_split_per_sm or walks > config.delta_split_fill * num_sms(device):
+    if not config.delta_split_per_sm or backward and not config.delta_split_backward:
         return None
-    if backward and not config.delta_split_backward:
-        return None
-    segments = plan_segments(seq_lens, H, V, config, device, block=BV, per_sm=config.delta_split_per_sm)
+    segments = plan_segments(seq_lens, H, V, config, device, block=BV, per_sm=config.delta_split_per_sm,
+                             fill=config.delta_split_fill)
     return split_plan(seq_lens, segments, C, str(device)) if segments > 1 else None
 
 
