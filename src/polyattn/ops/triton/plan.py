@@ -33,8 +33,8 @@ class KernelConfig:
     programs of the pass fit on one at once; on the H200 at 8K tokens per sequence, 256 programs on 132
     multiprocessors, three segments each took a fwd+bwd of linear attention from 2.09 to 2.58 ms and with decay from
     5.38 to 6.24, while at 32K, 64 programs, nine segments each beat three by 4 to 11%:
-    benchmarks/results/2026-12-04-h200/tune-linear-programs.json). The delta rule's kernels hold more fp32 tiles per program (the solve matrix,
-    the pseudo-values, their split halves): delta_block_v is the value tile of their two recurrences,
+    benchmarks/results/2026-12-04-h200/tune-linear-programs.json). The delta rule's kernels hold more fp32 tiles
+    per program (the solve matrix, the pseudo-values, their split halves): delta_block_v is the value tile of their two recurrences,
     delta_num_warps their warps (the H200 profile: value tile 32 beat 64 by 1.25x at 4 warps),
     delta_out_block_v the value tile of the per-chunk output kernel and delta_chunk_warps the warps
     of the per-chunk output and gradient kernels (4: the two gradient kernels spill more at 4 warps
@@ -48,8 +48,8 @@ class KernelConfig:
     never), when the unsplit walks would fill at most delta_split_fill of the multiprocessors; the reverse recurrence
     too only with delta_split_backward (ops/delta/README.md, "Segments": on the H200 the split took the forward at
     128K from 12.57 to 9.83 ms and its peak from 4.0 to 1.0 GiB, but with the reverse one split too the fwd+bwd from
-    34.5 to 37.0 ms, and the forward at 32K, whose 128 walks fill the GPU, from 4.17 to 4.70: tune-delta-split.json). KATA's quadratic kernels (ops/kata/triton) tile queries by
-    kata_block_m and keys by kata_block_n (kata_block_m a multiple of it: kata_block_m / kata_block_n
+    34.5 to 37.0 ms, and the forward at 32K, whose 128 walks fill the GPU, from 4.17 to 4.70: tune-delta-split.json).
+    KATA's quadratic kernels (ops/kata/triton) tile queries by kata_block_m and keys by kata_block_n (kata_block_m a multiple of it: kata_block_m / kata_block_n
     key tiles per diagonal; both for G <= 2 groups and bf16/fp16, divided by G / 2 for more groups and
     by 2 for fp32 inputs, at least 16: ops/kata/README.md, "Forward tiling"), run kata_num_warps (forward) and kata_bwd_warps (the two gradient kernels) warps
     with kata_num_stages pipeline stages; kata_score_dot is how their fp32 tiles (scores, score

@@ -21,8 +21,8 @@ import torch
 import triton
 
 from polyattn.ops.triton.plan import (
-    block, chunk_table, device_lengths, get_config, kernel_call, no_output, num_sms, plan_segments, reverse_cumsum, segment_starts,
-    segment_table,
+    block, chunk_table, device_lengths, get_config, kernel_call, no_output, num_sms, plan_segments, reverse_cumsum,
+    segment_starts, segment_table,
 )
 from polyattn.ops.triton.precision import dot_f32, fp32_dot_mode
 
