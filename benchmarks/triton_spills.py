@@ -92,7 +92,7 @@ def linear() -> None:
             print(f"chunk_outputs  {name:15} C{C} BC{BC} warps{warps} stages{stages}: "
                   f"{resources(chunk_outputs_kernel, constexprs, warps, stages)}", flush=True)
     for warps in (4, 8):
-        constexprs = dict(C=64, BA=128, BC=64, REVERSE=False, USE_G=True, F32=False)
+        constexprs = dict(C=64, BA=128, BC=64, REVERSE=False, USE_G=True, F32=False, TERMINAL=True)
         print(f"segment_states decay C64 BC64 warps{warps}: {resources(segment_states_kernel, constexprs, warps, 2)}")
 
 

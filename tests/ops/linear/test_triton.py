@@ -90,16 +90,24 @@ def test_split_only_below_fill():
     assert plan_segments(long, sms, 64, replace(config, programs_per_sm=1), device) == 1, "the target already met"
 
 
+@pytest.mark.parametrize("scratch", ["zeros", "nan"])
+@pytest.mark.parametrize("where", ["middle", "last"], ids=["middle-segment", "last-segment"])
 @pytest.mark.parametrize("field, value", [("k", "nan"), ("v", "inf"), ("g", "nan")])
-def test_segment_split_keeps_nonfinite_input_causal(field, value):
+def test_segment_split_keeps_nonfinite_input_causal(field, value, where, scratch, monkeypatch):
     """With the segment split (the scan flags the segment that holds the token, the rerun takes it
     alone), a NaN or Inf in a key, value or log-decay leaves every earlier output bit-identical and
-    reaches the outputs from it on; the segments after it are not rerun and are NaN by their state."""
+    reaches the outputs from it on; the segments after it are not rerun and are NaN by their state.
+    The flags must not depend on what the pass's scratch memory held before (every fresh buffer filled
+    with zeros, then with NaN): the last segment's local state is computed for them, not read unwritten."""
     from polyattn.ops.triton.plan import KernelConfig, plan_segments, use_config
+
+    empty = torch.empty
+    fill = 0.0 if scratch == "zeros" else float("nan")
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: (x := empty(*a, **kw)).fill_(fill if x.is_floating_point() else 0))
 
     config = KernelConfig(chunk_size=16, block_c=16, min_segment_chunks=1) if not CUDA else KernelConfig()
     x = {n: t.float() for n, t in _inputs(1, SPLIT_T, decay=True, seed=15).items()}
-    position = SPLIT_T // 2 + 3
+    position = SPLIT_T // 2 + 3 if where == "middle" else SPLIT_T - 5  # the last: inside the last segment's last chunk
     with use_config(config):
         assert plan_segments((SPLIT_T,), H, V, config, torch.device(DEVICE)) > 2
         clean, _ = linear_attn_triton(x["q"], x["k"], x["v"], x["g"], scale=0.5)

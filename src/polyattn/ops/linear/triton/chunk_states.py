@@ -40,16 +40,16 @@ def segment_states_kernel(
     b, c, g, seg, states, seg_decay,
     H, DA, DC,
     C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr,
-    REVERSE: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
+    REVERSE: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr, TERMINAL: tl.constexpr,
 ):
     """Local end state of one segment (no incoming state).
 
     grid: (cdiv(DC, BC), num_segments, H). Each program owns a [BA, BC] fp32 state tile in
     registers and walks the segment's chunks of C tokens (forward for causal, backward for
-    anticausal), one `[BA, C] @ [C, BC]` product per chunk. The segment that ends its sequence
-    in the pass direction (last when causal, first when anticausal) is skipped: no later
-    segment reads its state. Writes `states[s, h]` ([DA, DC] fp32) and `seg_decay[s, h]`
-    (total log2-decay of the segment).
+    anticausal), one `[BA, C] @ [C, BC]` product per chunk. No later segment reads the state of
+    the segment that ends its sequence in the pass direction (last when causal, first when
+    anticausal): it is skipped unless TERMINAL, where the scan's non-finite flags need it (a guarded
+    pass). Writes `states[s, h]` ([DA, DC] fp32) and `seg_decay[s, h]` (total log2-decay of the segment).
     """
     i_c, i_s, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(seg + i_s * 4).to(tl.int64)
@@ -59,7 +59,7 @@ def segment_states_kernel(
         terminal = (flags & 1) != 0
     else:
         terminal = (flags & 2) != 0
-    if terminal:
+    if terminal and not TERMINAL:
         return
     o_a = tl.arange(0, BA)
     o_c = i_c * BC + tl.arange(0, BC)
@@ -101,10 +101,11 @@ def segment_scan_kernel(
     sequence's segments in pass order with an fp32 [BA, BC] carry starting from `h0[n]`
     (strided, so a transposed view works) or zero: it reads the segment's local state, writes
     the carry in its place, then `carry = exp2(decay) * carry + local`. The terminal segment's
-    local state is never read; the outputs kernel, which ends on the true final state,
+    local state enters no carry; the outputs kernel, which ends on the true final state,
     stores `ht`. CHECK: write `nonfinite[(h * S + s) * n_c + c]` = whether segment s's local
     state is not finite (a non-finite b or c row, or log-decay, inside it), for every segment,
-    the terminal one included: the flags of chunk_outputs.py's rerun, off its main kernel.
+    the terminal one included (its local state computed: `segment_states_kernel` with TERMINAL):
+    the flags of chunk_outputs.py's rerun, off its main kernel.
     """
     i_c, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lo = tl.load(cu_seg + i_n)

@@ -72,7 +72,7 @@ def chunk_pass(
         seg_decay = torch.empty(S, H, dtype=torch.float32, device=a.device)
         segment_states_kernel[(n_c, S, H)](
             b, c, g, seg, s_in, seg_decay, H, DA, DC,
-            C=C, BA=BA, BC=BC, REVERSE=reverse, USE_G=g is not None, F32=F32, **launch,
+            C=C, BA=BA, BC=BC, REVERSE=reverse, USE_G=g is not None, F32=F32, TERMINAL=guard, **launch,
         )
         segment_scan_kernel[(n_c, N, H)](
             s_in, seg_decay, cu_seg, initial_state, nonfinite, *strides, S, H, DA, DC,
