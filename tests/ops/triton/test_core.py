@@ -8,6 +8,8 @@ chunk's first token and inside a chunk; with CUDA at real shapes.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import triton
@@ -290,3 +292,30 @@ def test_repeat_fwd_bwd_reads_and_builds_nothing_on_the_host(op, monkeypatch):
     finally:
         set_value_checks(previous)
     assert host == [], f"host reads or tensors built from host data on a repeat call: {host}"
+
+
+@pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla2", "loglinear_mamba2", "loglinear_gdn", "kata_m2", "kata_m2_chunk",
+                                "kata_lorentz", "deltakata_lorentz"])
+def test_results_do_not_depend_on_scratch_memory(op, monkeypatch):
+    """Every buffer a Triton form allocates with `torch.empty` is written before it is read: the outputs and every
+    gradient are the same bits whether fresh buffers hold zeros or NaN (a read of an unwritten buffer once let a
+    non-finite token's NaN reach earlier outputs, or not, by what the memory held before)."""
+    from polyattn.ops.common import num_levels
+
+    T, H, K, V = 70, 2, 8, 12
+    x = {n: t.float() for n, t in seeded_inputs(1, T, H, K, V, decay=True, beta=True, seed=9, device=DEVICE).items()}
+    x["lam"] = torch.rand(1, T, H, num_levels(T), generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    leaves = [x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta", "lam")]
+    empty = torch.empty
+    config = KernelConfig(kata_block_m=32, kata_block_n=16, kata_chunk_size=64, kata_read_block=32, split_fill=float("inf"),
+                          min_segment_chunks=1) if DEVICE == "cpu" else replace(get_config(), split_fill=float("inf"))
+    results = []
+    for fill in (0.0, float("nan")):
+        monkeypatch.setattr(torch, "empty", lambda *a, fill=fill, **kw: (t := empty(*a, **kw)).fill_(fill if t.is_floating_point() else 0))
+        with use_config(config):
+            o = _triton_call(op, x)
+            grads = torch.autograd.grad(o.square().sum(), leaves, allow_unused=True)
+        results.append([o.detach(), *(g for g in grads if g is not None)])
+        monkeypatch.undo()
+    for i, (a, b) in enumerate(zip(*results, strict=True)):
+        assert torch.equal(a, b), f"{op}: result {i} depends on the scratch memory ({(a - b).abs().nan_to_num(1e9).max():.3g})"
