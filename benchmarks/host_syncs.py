@@ -21,16 +21,6 @@ from polyattn.bench.timing import bench_ms, kernel_times
 DEFAULT = ["linear_attn_decay:8192", "linear_attn:8192", "hla2_decay:8192", "delta_rule:8192"]
 
 
-def fwdbwd(op: str, T: int):
-    """One forward + backward of our Triton impl of `op` at T tokens per sequence, as the benchmark runs it."""
-    case = next(c for c in kernels.cases() if c.op == op and c.impl == "polyattn-triton")
-    q, k, v, g, beta = kernels.inputs(65536 // T, T, 128, requires_grad=True)
-    fn = case.make(q, k, v, g, beta)
-    leaves = kernels.leaves(case, fn, q, k, v, g, beta)
-    do = torch.randn_like(fn())
-    return lambda: torch.autograd.grad(fn(), leaves, do)
-
-
 def enqueue_ms(call, reps: int = 10) -> float:
     """Median host ms to enqueue `call()` on an idle GPU (a sync inside it counts the GPU's time too)."""
     times = []
@@ -66,7 +56,8 @@ def main(argv=None) -> int:
     rows = {}
     for spec in args.cases:
         op, T = spec.split(":")
-        call = fwdbwd(op, int(T))
+        case = next(c for c in kernels.cases() if c.op == op and c.impl == "polyattn-triton")
+        call = kernels.row_call(case, *kernels.inputs(kernels.TOKENS // int(T), int(T), 128, requires_grad=True), "fwdbwd")
         launches = kernel_times(call, by_launch=True)
         rows[spec] = dict(bench_ms=bench_ms(call), kernel_sum_ms=sum(launches.values()), host_enqueue_ms=enqueue_ms(call),
                           syncs=sync_lines(call), launches=launches)

@@ -45,16 +45,7 @@ def main(argv=None):
 
 def step(case, B, T, D, mode):
     """One call of `case` (forward, or forward + backward into every leaf the benchmark differentiates)."""
-    q, k, v, g, beta = kernels.inputs(B, T, D, requires_grad=mode == "fwdbwd")
-    fn = case.make(q, k, v, g, beta)
-    if mode == "fwd":
-        def forward():
-            with torch.no_grad():
-                fn()
-        return forward
-    leaves = kernels.leaves(case, fn, q, k, v, g, beta)
-    do = torch.randn_like(fn())
-    return lambda: torch.autograd.grad(fn(), leaves, do)
+    return kernels.row_call(case, *kernels.inputs(B, T, D, requires_grad=mode == "fwdbwd"), mode)
 
 
 if __name__ == "__main__":

@@ -238,21 +238,27 @@ def measure(case: Case, B: int, T: int, D: int, mode: str, timed: bool = True) -
     return measure_row(case, B, T, D, mode, timed)[0]
 
 
+def row_call(case: Case, q, k, v, g, beta, mode: str):
+    """One call of a row on these inputs: the forward without autograd (`fwd`), or the forward and the backward
+    into every leaf the row differentiates, from a fixed random output gradient (`fwdbwd`)."""
+    fn = case.make(q, k, v, g, beta)
+    if mode == "fwd":
+        def call():
+            with torch.no_grad():
+                return fn()
+        return call
+    grad_leaves = leaves(case, fn, q, k, v, g, beta)
+    do = torch.randn_like(fn())
+    return lambda: torch.autograd.grad(fn(), grad_leaves, do)
+
+
 def measure_row(case: Case, B: int, T: int, D: int, mode: str, timed: bool = True) -> tuple[float | str, int | None]:
     """`(ms or an error entry, peak bytes)`: the peak is what one more call allocates above what was
     allocated before it (inputs, `do`), None off CUDA or when the case cannot run."""
     q, k, v, g, beta = inputs(B, T, D, requires_grad=mode == "fwdbwd")
     bench = try_bench if timed else (lambda fn: fn())
     try:
-        fn = case.make(q, k, v, g, beta)
-        if mode == "fwd":
-            def call():
-                with torch.no_grad():
-                    return fn()
-        else:
-            grad_leaves = leaves(case, fn, q, k, v, g, beta)
-            do = torch.randn_like(fn())
-            call = lambda: torch.autograd.grad(fn(), grad_leaves, do)  # noqa: E731
+        call = row_call(case, q, k, v, g, beta, mode)
         ms = bench(call)
         return ms, peak_bytes(call) if isinstance(ms, float) else None
     except Exception as exc:  # noqa: BLE001 -- an anchor that cannot run is a table entry

@@ -55,7 +55,7 @@ from polyattn.ops.common.segsum import causal_scores, suffix_sum
 from polyattn.ops.delta.triton.forward import chunk_program, chunk_scores, sequence_tile
 from polyattn.ops.delta.triton.wy import wy_factors, wy_solve
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
-from polyattn.ops.triton.plan import block, device_ints, get_config, grid_chunk_table, segment_table
+from polyattn.ops.triton.plan import block, get_config, grid_chunk_table, segment_table, sequence_starts
 from polyattn.ops.triton.precision import (
     dot_f32, fp32_dot_mode, mma, mma_fp32, mma_left_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
 )
@@ -666,14 +666,13 @@ def kernel_heads(K: int, V: int) -> tuple[int, int]:
 
 
 def checkpoint_plan(seq_lens: tuple, C: int, device) -> tuple[int, torch.Tensor, int]:
-    """How the backward splits each sequence's walk: `(S, cu_blocks [N] int32, NB)`, blocks of S chunks
+    """How the backward splits each sequence's walk: `(S, cu_blocks [N + 1] int32, NB)`, blocks of S chunks
     (S = isqrt of the most grid rows a sequence owns, which balances the checkpoints, `NB` of them, against
     the S recomputed states a program holds), sequence n's first block at row `cu_blocks[n]`."""
     rows = [triton.cdiv(n, C) + 1 for n in seq_lens]  # grid rows per sequence (plan.grid_chunk_table): at least its chunks
     S = max(1, math.isqrt(max(rows)))
-    blocks = [triton.cdiv(r, S) for r in rows]
-    starts = [sum(blocks[:n]) for n in range(len(blocks))]
-    return S, device_ints(tuple(starts), torch.int32, device), sum(blocks)
+    blocks = tuple(triton.cdiv(r, S) for r in rows)
+    return S, sequence_starts(blocks, device), sum(blocks)
 
 
 def _walk_plan(seq_lens: tuple, position, L: int, chunks=None):
