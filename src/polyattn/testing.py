@@ -199,9 +199,12 @@ def _state_like(state, fields):
     return type(state)(*(next(it) if x.is_floating_point() else x for x in state))
 
 
-def forward_backward(form, inputs: dict, h0, cotangents, *, scale: float, cu_seqlens=None, backward: bool = True) -> dict:
+def forward_backward(
+    form, inputs: dict, h0, cotangents, *, scale: float, cu_seqlens=None, backward: bool = True, final_state: bool = True,
+) -> dict:
     """Forward + backward of one form of an op `form(*inputs.values(), scale=, initial_state=, ...)`
-    (`backward=False`: the forward alone, without gradients, for a form that has none).
+    (`backward=False`: the forward alone, without gradients, for a form that has none; `final_state=False`:
+    called without `output_final_state`, as in training, dht unused).
 
     `inputs` is ordered as the op's positional tensors (None entries passed as None and not
     differentiated); `h0` a tensor, a NamedTuple state (e.g. `KataState`; integer fields passed as they are) or None; gradients
@@ -209,7 +212,7 @@ def forward_backward(form, inputs: dict, h0, cotangents, *, scale: float, cu_seq
     final state. Returns `{"o", "final_state"..., "d<name>"..., "dh0"...}` (a NamedTuple state
     field by field, as `final_state.S`).
     """
-    kwargs = dict(scale=scale, output_final_state=True)
+    kwargs = dict(scale=scale, output_final_state=final_state)
     if cu_seqlens is not None:
         kwargs["cu_seqlens"] = cu_seqlens
     if not backward:
@@ -220,7 +223,7 @@ def forward_backward(form, inputs: dict, h0, cotangents, *, scale: float, cu_seq
     h0_leaves = [x.detach().clone().requires_grad_() for x in _named_fields("h0", h0).values()]
     o, ht = form(*leaves.values(), initial_state=None if h0 is None else _state_like(h0, h0_leaves), **kwargs)
     do, dht = cotangents
-    finals = _named_fields("final_state", ht)
+    finals = _named_fields("final_state", ht) if final_state else {}
     loss = (o.double() * do).sum() + sum((x.double() * d).sum() for x, d in zip(finals.values(), _named_fields("", dht).values()))
     wrt = {n: x for n, x in leaves.items() if x is not None}
     grads = torch.autograd.grad(loss, [*wrt.values(), *h0_leaves], allow_unused=True)
@@ -242,17 +245,21 @@ def per_sequence(form, lengths: list[int]):
             outs.append(o)
             states.append(s)
             bos += n
-        return torch.cat(outs, 1), state_cat(states)  # N x [1, T_i, H, V] -> [1, T, H, V]
+        return torch.cat(outs, 1), state_cat(states) if output_final_state else None  # N x [1, T_i, H, V] -> [1, T, H, V]
     return run
 
 
-def low_precision_errors(naive, chunk, fast, inputs: dict, h0, dtype, *, lengths=None, seed: int = 1, backward: bool = True) -> dict:
+def low_precision_errors(
+    naive, chunk, fast, inputs: dict, h0, dtype, *, lengths=None, seed: int = 1, backward: bool = True, final_state: bool = True,
+) -> dict:
     """`{tensor name: (rel_err(fast), bound)}` for `fast` (in `dtype`) against `naive` in float64
     on the same rounded inputs; the bound is the one stated above, set by `chunk` (the PyTorch chunk
     form, in `dtype`). With `lengths`, the inputs (B = 1) are packed sequences: `fast` gets
     `cu_seqlens`, the others run per sequence. `h0`: the initial state (a tensor, a NamedTuple of
     tensors, or None); the final-state cotangent is shaped like the final state. `backward=False`
-    compares o and the final state of forwards without gradients. Also checks dtypes and finiteness."""
+    compares o and the final state of forwards without gradients; `final_state=False` calls the forms
+    without `output_final_state` (as training does) and compares o and the gradients through o alone.
+    Also checks dtypes and finiteness."""
     gen = torch.Generator().manual_seed(seed)
     q, v = inputs["q"], inputs["v"]
     Bx, T, Hx, Kx = q.shape
@@ -268,9 +275,10 @@ def low_precision_errors(naive, chunk, fast, inputs: dict, h0, dtype, *, lengths
         _, ht = naive(*exact.values(), scale=scale, initial_state=h0_exact, output_final_state=True)
     do = torch.randn(Bx, T, Hx, v.shape[-1], generator=gen, dtype=torch.float64).to(q.device)
     dht = _state_like(ht, [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(q.device) for x in _named_fields("", ht).values()])
-    ref = forward_backward(naive, exact, h0_exact, (do, dht), scale=scale, backward=backward)
-    base = forward_backward(chunk, low, h0, (do, dht), scale=scale, backward=backward)
-    got = forward_backward(fast, low, h0, (do, dht), scale=scale, cu_seqlens=cu, backward=backward)
+    runs = dict(scale=scale, backward=backward, final_state=final_state)
+    ref = forward_backward(naive, exact, h0_exact, (do, dht), **runs)
+    base = forward_backward(chunk, low, h0, (do, dht), **runs)
+    got = forward_backward(fast, low, h0, (do, dht), cu_seqlens=cu, **runs)
     errors = {}
     call_scale = max((x.abs().max().item() for x in ref.values() if x.numel()), default=0.0)
     for name, expected in ref.items():
@@ -284,9 +292,14 @@ def low_precision_errors(naive, chunk, fast, inputs: dict, h0, dtype, *, lengths
     return errors
 
 
-def assert_low_precision_matches(naive, chunk, fast, inputs: dict, h0, dtype, *, lengths=None, seed: int = 1, backward: bool = True) -> None:
+def assert_low_precision_matches(
+    naive, chunk, fast, inputs: dict, h0, dtype, *, lengths=None, seed: int = 1, backward: bool = True, final_state: bool = True,
+) -> None:
     """Every tensor of `low_precision_errors` within its bound."""
-    for name, (err, bound) in low_precision_errors(naive, chunk, fast, inputs, h0, dtype, lengths=lengths, seed=seed, backward=backward).items():
+    errors = low_precision_errors(
+        naive, chunk, fast, inputs, h0, dtype, lengths=lengths, seed=seed, backward=backward, final_state=final_state,
+    )
+    for name, (err, bound) in errors.items():
         assert err <= bound, f"{name}: rel err {err:.2e} > {bound:.2e}"
 
 

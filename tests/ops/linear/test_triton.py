@@ -54,6 +54,29 @@ def test_triton_varlen(dtype):
     )
 
 
+@pytest.mark.parametrize("lengths", [None, "packed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_triton_training_call(dtype, lengths):
+    """A call without initial or final state, as training makes: the forward and the dv pass read no leaving
+    state, so their updates take the decayed values rounded (`KernelConfig.decay_update_dot`, the default);
+    o and every gradient within the same bound."""
+    lengths = [1, 64, 1000, 4095, 130] if lengths and CUDA else [1, 64, 37, 130] if lengths else None
+    Bx, T = (1, sum(lengths)) if lengths else (B, LONG_T)
+    assert_low_precision_matches(
+        linear_attn_naive, linear_attn_chunk, linear_attn_triton, _inputs(Bx, T, decay=True, seed=7), None, dtype,
+        lengths=lengths, final_state=False,
+    )
+
+
+def test_decay_update_dot_names():
+    """`decay_update_dot` takes "rounded" or "split"; another name is a ValueError before any launch."""
+    from polyattn.ops.triton.plan import KernelConfig, use_config
+
+    x = _inputs(1, 65, decay=True)
+    with use_config(KernelConfig(decay_update_dot="tf32")), pytest.raises(ValueError, match="decay_update_dot"):
+        linear_attn_triton(*(t.to(torch.bfloat16) for t in x.values()), scale=0.1)
+
+
 @pytest.mark.parametrize("layout", ["one", "two", "packed"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_triton_segment_split(dtype, layout):

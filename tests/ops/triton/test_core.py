@@ -25,7 +25,9 @@ from polyattn.ops.triton.decay import (
     chunk_decay, chunk_decay_ref, chunk_segsum, chunk_segsum_ref, chunk_suffix, chunk_suffix_ref,
 )
 from polyattn.ops.triton.plan import KernelConfig, get_config, use_config
-from polyattn.ops.triton.precision import first_nonfinite_row, first_nonfinite_row_ref
+from polyattn.ops.triton.precision import (
+    UPDATE_DOTS, first_nonfinite_row, first_nonfinite_row_ref, mma_right_acc, mma_right_acc_ref,
+)
 from polyattn.testing import (
     LOW_PRECISION_CEILING, LOW_PRECISION_FLOOR, assert_decay_weights_close, dtype_id, rel_err, seeded_inputs,
 )
@@ -179,6 +181,32 @@ def test_first_nonfinite_row_matches_twin(plant):
     out = torch.empty(1, dtype=torch.int32, device=DEVICE)
     first_nonfinite_row_kernel[(1,)](x, out, C=C, D=8)
     assert int(out) == first_nonfinite_row_ref(x) == (C if plant is None else plant[0])
+
+
+@triton.jit
+def mma_right_acc_kernel(x, y, acc, out, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, F32: tl.constexpr,
+                         MODE: tl.constexpr):
+    o_m, o_k, o_n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    b_x = tl.load(x + o_m[:, None] * K + o_k[None, :])  # [M, K]
+    b_y = tl.load(y + o_k[:, None] * N + o_n[None, :])  # [K, N] fp32
+    b_acc = tl.load(acc + o_m[:, None] * N + o_n[None, :])  # [M, N] fp32
+    tl.store(out + o_m[:, None] * N + o_n[None, :], mma_right_acc(b_x, b_y, b_acc, F32, MODE))
+
+
+@pytest.mark.parametrize("mode", sorted(UPDATE_DOTS))
+def test_mma_right_acc_matches_twin(mode):
+    """The state-update product of the linear passes: `acc + x @ y` equals its twin (y split in two halves, or
+    rounded) within fp32 accumulation, and the split keeps y to ~16 bits where rounding keeps 8."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    y, acc = torch.randn(32, 16, generator=gen).to(DEVICE), torch.randn(16, 16, generator=gen).to(DEVICE)
+    out = torch.empty(16, 16, device=DEVICE)
+    mma_right_acc_kernel[(1,)](x, y, acc, out, M=16, K=32, N=16, F32=DEVICE == "cpu", MODE=UPDATE_DOTS[mode])
+    assert rel_err(out, mma_right_acc_ref(x, y, acc, UPDATE_DOTS[mode])) <= 1e-6
+    exact = acc.double() + x.double() @ y.double()
+    assert rel_err(out, exact) <= (2.0**-14 if mode == "split" else 2.0**-7)
+    if mode == "rounded":
+        assert rel_err(out, exact) > 2.0**-14, "rounded y keeps only the input dtype's bits"
 
 
 # every Triton form: a NaN or Inf in q, k, v (or beta) changes no earlier output (ops/README.md,

@@ -33,7 +33,12 @@ class KernelConfig:
     programs of the pass fit on one at once; on the H200 at 8K tokens per sequence, 256 programs on 132
     multiprocessors, three segments each took a fwd+bwd of linear attention from 2.09 to 2.58 ms and with decay from
     5.38 to 6.24, while at 32K, 64 programs, nine segments each beat three by 4 to 11%:
-    benchmarks/results/2026-12-04-h200/tune-linear-programs.json). The delta rule's kernels hold more fp32 tiles
+    benchmarks/results/2026-12-04-h200/tune-linear-programs.json). decay_update_dot is how the forward of `linear_attn`
+    with decay, when no final state is asked for, feeds its state update `keys^T @ (values * decay)` to the tensor
+    cores on bf16/fp16 inputs (`precision.UPDATE_DOTS`, chunk_states.update_dot; every other pass splits):
+    "rounded", the default, one product of the decayed values rounded to the input dtype (o's error at most 1.3x the
+    split's, under the interpreter at the tests' CPU shapes, six seeds); "split" two products of their halves (on the H200 at 8K tokens the forward took 0.85 ms
+    split, 0.72 rounded: benchmarks/results/2026-12-04-h200/tune-update-dot-call10.json). The delta rule's kernels hold more fp32 tiles
     per program (the solve matrix, the pseudo-values, their split halves): delta_block_v is the value tile of their two recurrences,
     delta_num_warps their warps (the H200 profile: value tile 32 beat 64 by 1.25x at 4 warps),
     delta_out_block_v the value tile of the per-chunk output kernel and delta_chunk_warps the warps
@@ -95,6 +100,7 @@ class KernelConfig:
     num_stages: int = 2
     programs_per_sm: int = 4
     split_fill: float = 1.0
+    decay_update_dot: str = "rounded"
     min_segment_chunks: int = 4
     delta_block_v: int = 32
     delta_num_warps: int = 4

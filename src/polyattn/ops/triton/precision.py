@@ -62,15 +62,50 @@ def mma_right_fp32(x, y, F32: tl.constexpr):
     return mma(x, y_hi, F32) + mma(x, y_lo, F32)
 
 
+@triton.jit
+def mma_acc(x, y, acc, F32: tl.constexpr):
+    """`acc + x @ y`, the product accumulated into `acc` (fp32); x, y already hold input-dtype values."""
+    if F32:
+        return tl.dot(x.to(tl.float32), y.to(tl.float32), acc=acc, input_precision="ieee")
+    return tl.dot(x, y, acc=acc)
+
+
+@triton.jit
+def mma_right_acc(x, y, acc, F32: tl.constexpr, MODE: tl.constexpr):
+    """`acc + x @ y` for an input-dtype `x` and an fp32 `y`, each product accumulated into `acc`,
+    so no `[M, N]` fp32 temporary is live beside it (a state update: the temporaries of
+    `mma_right_fp32` pushed the linear passes' 4-warp programs past their registers). MODE
+    (`UPDATE_DOTS`): 0 y split like `mma_right_fp32`, two products; 2 y rounded to x's dtype, one."""
+    if x.dtype == tl.float32:
+        return tl.dot(x, y, acc=acc, input_precision="ieee")
+    y_hi = to_output(y, x.dtype, F32)  # downcast: high part (MODE 2: y rounded to the input dtype), nearest even
+    acc = mma_acc(x, y_hi, acc, F32)
+    if MODE == 0:
+        y_lo = to_output(y - y_hi.to(tl.float32), x.dtype, F32)  # downcast: rounding error of the high part
+        acc = mma_acc(x, y_lo, acc, F32)
+    return acc
+
+
+def mma_right_acc_ref(x: torch.Tensor, y: torch.Tensor, acc: torch.Tensor, mode: int) -> torch.Tensor:
+    """Twin of `mma_right_acc` in float64: `acc + x @ y` with y as the tensor cores take it (MODE 0:
+    `hi + lo` in x's dtype, 2: rounded to it)."""
+    y_hi = y.to(x.dtype)
+    y_in = y_hi.double() + (y - y_hi.float()).to(x.dtype).double() if mode == 0 else y_hi.double()
+    return acc.double() + x.double() @ y_in
+
+
+UPDATE_DOTS = {"split": 0, "rounded": 2}  # how mma_right_acc runs on bf16/fp16 inputs (KernelConfig.decay_update_dot)
+SPLIT = tl.constexpr(UPDATE_DOTS["split"])  # mma_right_acc's MODE where no config chooses
 FP32_DOTS = {"split": 0, "tf32": 1, "rounded": 2}  # how mma_fp32 runs on bf16/fp16 inputs
 
 
-def fp32_dot_mode(config, field: str) -> int:
-    """The `FP32_DOTS` mode that the KernelConfig field `field` names; ValueError for another name."""
+def fp32_dot_mode(config, field: str, modes: dict = FP32_DOTS) -> int:
+    """The mode of `modes` (`FP32_DOTS`, `UPDATE_DOTS`) that the KernelConfig field `field` names;
+    ValueError for another name."""
     name = getattr(config, field)
-    if name not in FP32_DOTS:
-        raise ValueError(f"KernelConfig: expected {field} in {sorted(FP32_DOTS)}, got {name!r}")
-    return FP32_DOTS[name]
+    if name not in modes:
+        raise ValueError(f"KernelConfig: expected {field} in {sorted(modes)}, got {name!r}")
+    return modes[name]
 
 
 @triton.jit
@@ -121,9 +156,9 @@ def nan_rows_from(x, first):
 
 @triton.jit
 def to_output(x, dtype: tl.constexpr, F32: tl.constexpr):
-    """Downcast fp32 `x` to the output dtype, rounding to nearest even. The interpreter
-    truncates fp32 -> bf16 (F32 and bf16 only meet there), so there the rounding is done on
-    the bits first and the cast is exact."""
+    """Downcast fp32 `x` to `dtype` (an output, or an operand rounded for the tensor cores), rounding
+    to nearest even. The interpreter truncates fp32 -> bf16 (F32 and bf16 only meet there), so there
+    the rounding is done on the bits first and the cast is exact."""
     if F32 and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000

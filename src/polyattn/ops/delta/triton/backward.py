@@ -35,7 +35,7 @@ import triton.language as tl
 
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.plan import block
-from polyattn.ops.triton.precision import dot_f32, mma, mma_fp32, mma_left_fp32, mma_right_fp32, to_output
+from polyattn.ops.triton.precision import SPLIT, dot_f32, mma, mma_fp32, mma_left_fp32, mma_right_acc, to_output
 
 from .forward import chunk_program, chunk_scores, sequence_tile, value_rows
 from .wy import factor_tiles
@@ -105,7 +105,8 @@ def delta_state_grad_kernel(
         b_egc = tl.exp2(b_gc)  # [C]
         b_dow = b_do.to(tl.float32) * (b_egc * scale)[:, None]  # [C, BV]
         b_drw = b_dr * (b_beta * b_egc)[:, None]  # [C, BV]
-        b_dh = b_dh * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_q), b_dow, F32) - mma_right_fp32(tl.trans(b_k), b_drw, F32)
+        b_dh = mma_right_acc(tl.trans(b_q), b_dow, b_dh * tl.exp2(b_last), F32, SPLIT)  # [BK, C] @ [C, BV]
+        b_dh = mma_right_acc(tl.trans(b_k), -b_drw, b_dh, F32, SPLIT)  # [BK, C] @ [C, BV]
     if STORE_DH0:
         tl.store(dh0 + (i_n * H + i_h) * K * V + state_tile, b_dh, mask=m_s)
 
@@ -133,7 +134,7 @@ def delta_score_grads_kernel(
         b_u = tl.load(us + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
         b_dr = tl.load(drs + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV]
-        b_p += mma_right_fp32(b_do, tl.trans(b_u), F32)  # [C, BV] @ [BV, C] -> [C, C]
+        b_p = mma_right_acc(b_do, tl.trans(b_u), b_p, F32, SPLIT)  # [C, BV] @ [BV, C] -> [C, C]
         b_e -= mma_fp32(b_dr, tl.trans(b_u), b_do.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, C] -> [C, C]
         b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
         b_dv = b_dr * b_beta[:, None]  # [C, BV]
@@ -196,7 +197,7 @@ def delta_grads_kernel(
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV]
         b_ht = tl.load(hs + p_state + o_v[:, None], mask=m_vk, other=0.0)  # [BV, BK] = h^T tile
         b_dht = tl.load(dhs + p_state + o_v[:, None], mask=m_vk, other=0.0)  # [BV, BK] = dh'^T tile
-        b_dqh += mma_right_fp32(b_do, b_ht, F32)  # [C, BV] @ [BV, BK] -> [C, BK]
+        b_dqh = mma_right_acc(b_do, b_ht, b_dqh, F32, SPLIT)  # [C, BV] @ [BV, BK] -> [C, BK]
         b_udh += mma_fp32(b_u, b_dht, b_q.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
         b_drh += mma_fp32(b_dr, b_ht, b_q.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
     b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]

@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix, select_scores
-from polyattn.ops.triton.precision import first_nonfinite_row, mma, mma_fp32, mma_right_fp32, nan_rows_from, to_output
+from polyattn.ops.triton.precision import (
+    SPLIT, first_nonfinite_row, mma, mma_fp32, mma_right_acc, mma_right_fp32, nan_rows_from, to_output,
+)
 
 
 @triton.jit
@@ -125,7 +127,7 @@ def delta_states_kernel(
             b_o = chunk_outputs(b_q, b_k, b_g, b_gc, b_last, b_u, b_h, first, scale, F32, FP32_DOT)  # [C, BV]
             tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
         b_s = tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: exp(gc_last - gc)
-        b_h = b_h * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_k), b_u * b_s[:, None], F32)  # [BK, C] @ [C, BV]
+        b_h = mma_right_acc(tl.trans(b_k), b_u * b_s[:, None], b_h * tl.exp2(b_last), F32, SPLIT)  # [BK, C] @ [C, BV]
         b_h += tl.where(first < C, float("nan"), 0.0)  # non-finite input: NaN from here on
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h) * K * V + state_tile, b_h, mask=m_s)

@@ -42,7 +42,7 @@ from polyattn.ops.triton.precision import (
     first_nonfinite_row, mma, mma_left_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
 )
 
-from .chunk_states import flag_nonfinite, keys_times_values
+from .chunk_states import add_keys_times_values, flag_nonfinite
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def segment_outputs(
     scale, N_tok, H, DA, DC, bos, eos, i_n, i_s, i_c, i_h,
     C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr,
     REVERSE: tl.constexpr, USE_G: tl.constexpr, SPLIT: tl.constexpr, USE_H0: tl.constexpr,
-    ROWDOT: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr,
+    ROWDOT: tl.constexpr, F32: tl.constexpr, UPDATE_DOT: tl.constexpr, GUARD: tl.constexpr,
 ):
     """The loop of `chunk_outputs_kernel` over one segment's chunks for one DC tile: writes the
     outputs (and rowdot) and returns the state that leaves the segment ([BA, BC] fp32)."""
@@ -94,7 +94,7 @@ def segment_outputs(
         b_o += mma_right_fp32(b_a, b_s, F32) * b_wa[:, None]  # [C, BA] @ [BA, BC] -> [C, BC]
         if GUARD:
             b_o = nan_rows_from(b_o, first)  # [C, BC]
-        b_s = b_s * tl.exp2(b_last) + keys_times_values(b_b, b_v, b_wk, USE_G, F32)
+        b_s = add_keys_times_values(b_s * tl.exp2(b_last), b_b, b_v, b_wk, USE_G, F32, UPDATE_DOT)
         tl.store(out + row_c, to_output(b_o, out.dtype.element_ty, F32), mask=m_tc)  # downcast: output dtype
         if ROWDOT:
             b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0).to(tl.float32)  # [C, BC]
@@ -109,7 +109,8 @@ def chunk_outputs_kernel(
     scale, N_tok, H, DA, DC,
     C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr,
     REVERSE: tl.constexpr, USE_G: tl.constexpr, SPLIT: tl.constexpr, USE_H0: tl.constexpr,
-    STORE_HT: tl.constexpr, ROWDOT: tl.constexpr, F32: tl.constexpr, CHECK: tl.constexpr, RERUN: tl.constexpr,
+    STORE_HT: tl.constexpr, ROWDOT: tl.constexpr, F32: tl.constexpr, UPDATE_DOT: tl.constexpr,
+    CHECK: tl.constexpr, RERUN: tl.constexpr,
 ):
     """One segment's outputs for one DC tile.
 
@@ -136,7 +137,7 @@ def chunk_outputs_kernel(
     b_s = segment_outputs(
         a, b, c, g, out, s_in, h0, dot_x, rowdot, s_h0n, s_h0h, s_h0a, s_h0c,
         scale, N_tok, H, DA, DC, bos, eos, i_n, i_s, i_c, i_h,
-        C, BA, BC, REVERSE, USE_G, SPLIT, USE_H0, ROWDOT, F32, RERUN,
+        C, BA, BC, REVERSE, USE_G, SPLIT, USE_H0, ROWDOT, F32, UPDATE_DOT, RERUN,
     )
     if CHECK:  # not finite when a key, value or log-decay of the segment (or the entering state) is not
         flag_nonfinite(nonfinite, b_s, program)

@@ -37,6 +37,7 @@ def linear_attn_forward(
     o, ht, _ = chunk_pass(
         qf, kf, vf, gf, tuple(seq_lens), scale=scale, reverse=False,
         initial_state=h0.contiguous() if h0 is not None else None, store_final_state=store_ht, guard=True,
+        rounded_updates=True,
     )
     return o.view(B, T, H, V), (ht if ht is not None else no_output(q))  # [B*T, H, V] -> [B, T, H, V]
 

@@ -20,7 +20,7 @@ import torch
 import triton
 
 from .chunk_outputs import chunk_outputs_kernel
-from .chunk_states import segment_scan_kernel, segment_states_kernel
+from .chunk_states import segment_scan_kernel, segment_states_kernel, update_dot
 from polyattn.ops.triton.plan import KernelConfig, block, get_config, plan_segments, segment_table
 from polyattn.ops.triton.precision import dot_f32
 
@@ -38,6 +38,7 @@ def chunk_pass(
     store_final_state: bool = False,
     dot_x: torch.Tensor | None = None,
     guard: bool = False,
+    rounded_updates: bool = False,
     config: KernelConfig | None = None,
 ):
     """Run one chunked pass over flattened tokens.
@@ -45,8 +46,10 @@ def chunk_pass(
     a, b: [N_tok, H, DA]; c, dot_x: [N_tok, H, DC]; g: [N_tok, H] or None; all contiguous.
     seq_lens: host lengths of the N sequences laid end to end. initial_state: [N, H, DA, DC]
     (any strides), the causal S_0 or the anticausal R_end. guard: keep a non-finite row of b or c
-    out of every earlier output (causal passes; chunk_outputs.py). config: default `get_config()`. Returns `(out [N_tok, H, DC] in
-    c's dtype, final_state [N, H, DA, DC] fp32 or None, rowdot [N_tok, H] fp32 or None)`.
+    out of every earlier output (causal passes; chunk_outputs.py). rounded_updates: with decay and no
+    final state stored, the state updates may take rounded decayed values (`chunk_states.update_dot`).
+    config: default `get_config()`. Returns `(out [N_tok, H, DC] in c's dtype, final_state [N, H, DA, DC]
+    fp32 or None, rowdot [N_tok, H] fp32 or None)`.
     """
     config = config or get_config()
     N_tok, H, DA = a.shape
@@ -55,6 +58,7 @@ def chunk_pass(
     BA, BC, C = block(DA), min(block(DC), config.block_c), config.chunk_size
     n_c = triton.cdiv(DC, BC)
     F32 = dot_f32(a.dtype)
+    UPDATE_DOT = update_dot(config, rounded=rounded_updates and not store_final_state)
     hint = plan_segments(seq_lens, H, DC, config, a.device)
     seg, cu_seg, S = segment_table(seq_lens, hint, C, a.device)
     split = S > N
@@ -72,7 +76,8 @@ def chunk_pass(
         seg_decay = torch.empty(S, H, dtype=torch.float32, device=a.device)
         segment_states_kernel[(n_c, S, H)](
             b, c, g, seg, s_in, seg_decay, H, DA, DC,
-            C=C, BA=BA, BC=BC, REVERSE=reverse, USE_G=g is not None, F32=F32, TERMINAL=guard, **launch,
+            C=C, BA=BA, BC=BC, REVERSE=reverse, USE_G=g is not None, F32=F32, UPDATE_DOT=UPDATE_DOT, TERMINAL=guard,
+            **launch,
         )
         segment_scan_kernel[(n_c, N, H)](
             s_in, seg_decay, cu_seg, initial_state, nonfinite, *strides, S, H, DA, DC,
@@ -87,7 +92,7 @@ def chunk_pass(
             scale, N_tok, H, DA, DC,
             C=C, BA=BA, BC=BC, REVERSE=reverse, USE_G=g is not None, SPLIT=split,
             USE_H0=initial_state is not None, STORE_HT=store_final_state, ROWDOT=dot_x is not None,
-            F32=F32, CHECK=guard and not rerun and not split, RERUN=rerun, **launch,
+            F32=F32, UPDATE_DOT=UPDATE_DOT, CHECK=guard and not rerun and not split, RERUN=rerun, **launch,
         )
     if rowdot is not None:
         rowdot = rowdot.sum(0)  # [n_c, N_tok, H] -> [N_tok, H]
