@@ -57,9 +57,9 @@ def test_triton_varlen(dtype):
 @pytest.mark.parametrize("lengths", [None, "packed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
 def test_triton_training_call(dtype, lengths):
-    """A call without initial or final state, as training makes: the forward and the dv pass read no leaving
-    state, so their updates take the decayed values rounded (`KernelConfig.decay_update_dot`, the default);
-    o and every gradient within the same bound."""
+    """A call without initial or final state, as training makes: the forward stores no final state, so its
+    updates take the decayed values rounded (`KernelConfig.decay_update_dot`, the default); o and every
+    gradient within the same bound."""
     lengths = [1, 64, 1000, 4095, 130] if lengths and CUDA else [1, 64, 37, 130] if lengths else None
     Bx, T = (1, sum(lengths)) if lengths else (B, LONG_T)
     assert_low_precision_matches(

@@ -41,11 +41,12 @@ import triton
 import triton.language as tl
 
 from polyattn.ops.common.fenwick import level_table
-from polyattn.ops.linear.triton.chunk_states import add_keys_times_values, update_dot
+from polyattn.ops.linear.triton.chunk_states import add_keys_times_values
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays, select_scores
 from polyattn.ops.triton.plan import KernelConfig, block, get_config, num_sms, segment_table, state_tile
 from polyattn.ops.triton.precision import (
-    dot_f32, first_nonfinite_row, mma, mma_left_fp32, mma_right_acc, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
+    SPLIT, dot_f32, first_nonfinite_row, mma, mma_left_fp32, mma_right_acc, mma_right_fp32, nan_rows_from, to_output,
+    zero_rows_from,
 )
 
 
@@ -77,7 +78,7 @@ def level_pass_kernel(
     scale, N_tok, H, DA, DC, L, NLC,
     C: tl.constexpr, LOG_C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr,
     REVERSE: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr, ROWDOT: tl.constexpr,
-    DLAM: tl.constexpr, F32: tl.constexpr, UPDATE_DOT: tl.constexpr, GUARD: tl.constexpr,
+    DLAM: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr,
 ):
     """One sequence, one head, one DC tile.
 
@@ -182,10 +183,11 @@ def level_pass_kernel(
                 if REVERSE:
                     b_lam = tl.load(lam + row_l + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
                     b_wv = b_v.to(tl.float32) * (tl.exp2(b_wk) * b_lam)[:, None]  # [C, BC]
-                    b_add = mma_right_acc(tl.trans(b_b), b_wv, tl.zeros([BA, BC], dtype=tl.float32), F32, UPDATE_DOT)
+                    b_add = mma_right_acc(tl.trans(b_b), b_wv, tl.zeros([BA, BC], dtype=tl.float32), F32, SPLIT)
                 else:  # formed per add, not once before the loop: a product held live across this loop's
                     # products miscompiles on the H200 (Triton 3.6: wrong outputs, illegal addresses)
-                    b_add = add_keys_times_values(tl.zeros([BA, BC], dtype=tl.float32), b_b, b_v, b_wk, USE_G, F32, UPDATE_DOT)
+                    b_zero = tl.zeros([BA, BC], dtype=tl.float32)
+                    b_add = add_keys_times_values(b_zero, b_b, b_v, b_wk, USE_G, F32, SPLIT)  # [BA, C] @ [C, BC] -> [BA, BC]
                 if p_ell > float("-inf"):
                     b_add += tl.load(p_s, mask=m_s, other=0.0) * tl.exp2(p_ell + b_last)
                 tl.store(p_s, b_add, mask=m_s)
@@ -262,8 +264,7 @@ def level_pass(
         scale, N_tok, H, DA, DC, L, NLC,
         C=C, LOG_C=LOG_C, BA=BA, BC=BC, BL=triton.next_power_of_2(NLC),
         REVERSE=reverse, USE_G=g is not None, USE_H0=initial_state is not None,
-        ROWDOT=dot_x is not None, DLAM=want_dlam, F32=F32, UPDATE_DOT=update_dot(config, rounded=False),
-        GUARD=guard,
+        ROWDOT=dot_x is not None, DLAM=want_dlam, F32=F32, GUARD=guard,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if rowdot is not None:
