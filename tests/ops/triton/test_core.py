@@ -26,7 +26,7 @@ from polyattn.ops.triton.decay import (
 )
 from polyattn.ops.triton.plan import KernelConfig, get_config, use_config
 from polyattn.ops.triton.precision import (
-    UPDATE_DOTS, first_nonfinite_row, first_nonfinite_row_ref, mma_right_acc, mma_right_acc_ref,
+    UPDATE_DOTS, dot_f32, first_nonfinite_row, first_nonfinite_row_ref, mma_right_acc, mma_right_acc_ref,
 )
 from polyattn.testing import (
     LOW_PRECISION_CEILING, LOW_PRECISION_FLOOR, assert_decay_weights_close, dtype_id, rel_err, seeded_inputs,
@@ -201,7 +201,7 @@ def test_mma_right_acc_matches_twin(mode):
     x = torch.randn(16, 32, generator=gen).to(DEVICE, torch.bfloat16)
     y, acc = torch.randn(32, 16, generator=gen).to(DEVICE), torch.randn(16, 16, generator=gen).to(DEVICE)
     out = torch.empty(16, 16, device=DEVICE)
-    mma_right_acc_kernel[(1,)](x, y, acc, out, M=16, K=32, N=16, F32=DEVICE == "cpu", MODE=UPDATE_DOTS[mode])
+    mma_right_acc_kernel[(1,)](x, y, acc, out, M=16, K=32, N=16, F32=dot_f32(x.dtype), MODE=UPDATE_DOTS[mode])
     assert rel_err(out, mma_right_acc_ref(x, y, acc, UPDATE_DOTS[mode])) <= 1e-6
     exact = acc.double() + x.double() @ y.double()
     assert rel_err(out, exact) <= (2.0**-14 if mode == "split" else 2.0**-7)
