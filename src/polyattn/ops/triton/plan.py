@@ -43,7 +43,10 @@ class KernelConfig:
     delta_num_warps their warps (the H200 profile: value tile 32 beat 64 by 1.25x at 4 warps),
     delta_out_block_v the value tile of the per-chunk output kernel and delta_chunk_warps the warps
     of the per-chunk output and gradient kernels (4: the two gradient kernels spill more at 4 warps
-    than at 8, yet a forward + backward took 13.5 ms at 4 against 17.9 at 8 on the H200); delta_fp32_dot how their fp32 x fp32
+    than at 8, yet a forward + backward took 13.5 ms at 4 against 17.9 at 8 on the H200); delta_grad_block_v
+    the value tile of the two per-chunk gradient kernels and delta_grad_block_k the key tile of the second (32 and 64:
+    on the H200 at 8K tokens a forward + backward took 11.31 ms, 12.65 with value tiles of 64, 15.18 with key tiles of
+    128, and value tiles of 128 ran out of shared memory: benchmarks/results/2026-12-04-h200/tune-delta-grad-tiles-call13.txt); delta_fp32_dot how their fp32 x fp32
     products run on bf16/fp16 inputs (`precision.FP32_DOTS`: "split", the default, keeps the
     tests' error bound; "tf32" and "rounded" trade accuracy for fewer tensor-core products and
     are there to be measured); delta_fused_outputs whether the recurrence forms the outputs (None: when its
@@ -106,6 +109,8 @@ class KernelConfig:
     delta_num_warps: int = 4
     delta_out_block_v: int = 64
     delta_chunk_warps: int = 4
+    delta_grad_block_v: int = 32
+    delta_grad_block_k: int = 64
     delta_fp32_dot: str = "split"
     delta_fused_outputs: bool | None = None
     delta_split_per_sm: int = 4

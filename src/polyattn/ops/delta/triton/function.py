@@ -268,18 +268,19 @@ def delta_rule_backward(
     if plan is not None and dh0 is not None:
         dh0 = walk_dh0[plan["heads"]]  # [S, H, K, V] -> [N, H, K, V]: the first segment's entering gradient
     del xs, ys
+    BVG = min(block(V), config.delta_grad_block_v)
     dss, mms, dv, dbeta, vdv = delta_score_grads(
-        kf, vf, bf, gf, dof, us, drs, scale=scale, chunks=chunks, chunk_size=C, block_v=BV, fp32_dot=FP32_DOT,
+        kf, vf, bf, gf, dof, us, drs, scale=scale, chunks=chunks, chunk_size=C, block_v=BVG, fp32_dot=FP32_DOT,
         num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
     )
-    BKT = min(BK, 64)
+    BKT = min(BK, config.delta_grad_block_k)
     n_k = triton.cdiv(K, BKT)
     dq, dk = torch.empty_like(qf), torch.empty_like(kf)
     dbh, qdq = (torch.empty(n_k, B * T, H, dtype=torch.float32, device=qf.device) for _ in range(2))
     delta_grads_kernel[(chunks[2], H, n_k)](
         qf, kf, gf, bf, dof, chunks[0], hs, dhs, us, drs, dss, mms, dq, dk, dbh, qdq,
         scale, B * T, H, K, V,
-        C=C, BK=BKT, BV=BV, USE_G=gf is not None, F32=F32, FP32_DOT=FP32_DOT,
+        C=C, BK=BKT, BV=BVG, USE_G=gf is not None, F32=F32, FP32_DOT=FP32_DOT,
         num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
     )
     del dss, mms
