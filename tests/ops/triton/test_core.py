@@ -26,7 +26,7 @@ from polyattn.ops.triton.decay import (
 )
 from polyattn.ops.triton.plan import KernelConfig, get_config, use_config
 from polyattn.ops.triton.precision import (
-    UPDATE_DOTS, dot_f32, first_nonfinite_row, first_nonfinite_row_ref, mma_right_acc, mma_right_acc_ref,
+    UPDATE_DOTS, dot_f32, first_nonfinite_row, first_nonfinite_row_ref, mma_left_acc, mma_right_acc, mma_right_acc_ref,
 )
 from polyattn.testing import (
     LOW_PRECISION_CEILING, LOW_PRECISION_FLOOR, assert_decay_weights_close, dtype_id, rel_err, seeded_inputs,
@@ -207,6 +207,29 @@ def test_mma_right_acc_matches_twin(mode):
     assert rel_err(out, exact) <= (2.0**-14 if mode == "split" else 2.0**-7)
     if mode == "rounded":
         assert rel_err(out, exact) > 2.0**-14, "rounded y keeps only the input dtype's bits"
+
+
+@triton.jit
+def mma_left_acc_kernel(x, y, acc, out, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, F32: tl.constexpr):
+    o_m, o_k, o_n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    b_x = tl.load(x + o_m[:, None] * K + o_k[None, :])  # [M, K] fp32
+    b_y = tl.load(y + o_k[:, None] * N + o_n[None, :])  # [K, N]
+    b_acc = tl.load(acc + o_m[:, None] * N + o_n[None, :])  # [M, N] fp32
+    tl.store(out + o_m[:, None] * N + o_n[None, :], mma_left_acc(b_x, b_y, b_acc, F32))
+
+
+def test_mma_left_acc_matches_twin():
+    """The lifted-state update of KATA's chunked walk: `acc + x @ y` with the fp32 x split in two halves equals
+    the right-hand twin transposed (`(accᵀ + yᵀ xᵀ)ᵀ`), and keeps x to ~16 bits."""
+    gen = torch.Generator().manual_seed(4)
+    x, acc = torch.randn(16, 32, generator=gen).to(DEVICE), torch.randn(16, 16, generator=gen).to(DEVICE)
+    y = torch.randn(32, 16, generator=gen).to(DEVICE, torch.bfloat16)
+    out = torch.empty(16, 16, device=DEVICE)
+    mma_left_acc_kernel[(1,)](x, y, acc, out, M=16, K=32, N=16, F32=dot_f32(y.dtype))
+    twin = mma_right_acc_ref(y.t(), x.t(), acc.t(), UPDATE_DOTS["split"]).t()
+    assert rel_err(out, twin) <= 1e-6
+    exact = acc.double() + x.double() @ y.double()
+    assert 2.0**-20 < rel_err(out, exact) <= 2.0**-14, "the split keeps ~16 bits of x, not all 24"
 
 
 # every Triton form: a NaN or Inf in q, k, v (or beta) changes no earlier output (ops/README.md,

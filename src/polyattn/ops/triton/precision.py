@@ -86,6 +86,17 @@ def mma_right_acc(x, y, acc, F32: tl.constexpr, MODE: tl.constexpr):
     return acc
 
 
+@triton.jit
+def mma_left_acc(x, y, acc, F32: tl.constexpr):
+    """`acc + x @ y` for an fp32 `x` and an input-dtype `y`, x split like `mma_left_fp32` and each
+    product accumulated into `acc` (as `mma_right_acc` does for the right operand)."""
+    if y.dtype == tl.float32:
+        return tl.dot(x, y, acc=acc, input_precision="ieee")
+    x_hi = to_output(x, y.dtype, F32)  # downcast: high part, nearest even
+    x_lo = to_output(x - x_hi.to(tl.float32), y.dtype, F32)  # downcast: rounding error of the high part
+    return mma_acc(x_lo, y, mma_acc(x_hi, y, acc, F32), F32)
+
+
 def mma_right_acc_ref(x: torch.Tensor, y: torch.Tensor, acc: torch.Tensor, mode: int) -> torch.Tensor:
     """Twin of `mma_right_acc` in float64: `acc + x @ y` with y as the tensor cores take it (MODE 0:
     `hi + lo` in x's dtype, 2: rounded to it)."""

@@ -34,7 +34,7 @@ import triton.language as tl
 from polyattn.ops.common import suffix_sum
 from polyattn.ops.kata.state import with_ones
 from polyattn.ops.triton.decay import chunk_decay, chunk_suffix, reset_limit_ref, reset_limited
-from polyattn.ops.triton.precision import LOG2E, mma_fp32, mma_left_fp32, mma_right_fp32
+from polyattn.ops.triton.precision import LOG2E, mma_fp32, mma_left_acc, mma_right_fp32
 
 
 @triton.jit
@@ -151,7 +151,7 @@ def kata_states_kernel(
                 b_y = b_y * b_a[:, None]  # [BS, BE·BF]
             else:
                 b_z += tl.sum(b_y, axis=0)  # [BE·BF]: the ones column (rows past the end are zero)
-            b_h += mma_left_fp32(tl.trans(b_y), b_v, F32)  # [BE·BF, BS] @ [BS, BV] -> [BE·BF, BV]
+            b_h = mma_left_acc(tl.trans(b_y), b_v, b_h, F32)  # [BE·BF, BS] @ [BS, BV] -> [BE·BF, BV]
     if STORE_HT:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * P * V + state, b_h, mask=m_s)
         tl.store(zt + (i_n * H + i_h).to(tl.int64) * P + rows, b_z)

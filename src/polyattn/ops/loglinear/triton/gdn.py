@@ -57,7 +57,8 @@ from polyattn.ops.delta.triton.wy import wy_factors, wy_solve
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.plan import block, get_config, grid_chunk_table, segment_table, sequence_starts
 from polyattn.ops.triton.precision import (
-    dot_f32, fp32_dot_mode, mma, mma_fp32, mma_left_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
+    SPLIT, dot_f32, fp32_dot_mode, mma, mma_fp32, mma_left_fp32, mma_right_acc, mma_right_fp32, nan_rows_from, to_output,
+    zero_rows_from,
 )
 
 from .level_pass import bit_length, intra_levels
@@ -132,7 +133,7 @@ def level_carry(b_h, b_w, b_k, b_u, b_wk, b_last, read, bad, F32: tl.constexpr, 
         b_x = -b_x
     else:
         b_x = b_u - b_x
-    b_h = b_h * tl.exp2(b_last) + mma_right_fp32(tl.trans(b_k), b_x * b_wk[:, None], F32)  # [BK, C] @ [C, BV]
+    b_h = mma_right_acc(tl.trans(b_k), b_x * b_wk[:, None], b_h * tl.exp2(b_last), F32, SPLIT)  # [BK, C] @ [C, BV]
     return b_h + tl.where(bad, float("nan"), 0.0)
 
 
