@@ -79,6 +79,8 @@ def segment_outputs(
         b_a = tl.load(a + row_a, mask=m_ta, other=0.0)  # [C, BA]
         b_b = tl.load(b + row_a, mask=m_ta, other=0.0)  # [C, BA]
         b_v = tl.load(c + row_c, mask=m_tc, other=0.0)  # [C, BC]
+        if ROWDOT:  # loaded with the other operands: issued early, its latency hides behind the dots
+            b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0)  # [C, BC]
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
         b_wq, b_wk = chunk_side_decays(b_g, b_gc, b_last, REVERSE, F32)  # [C], [C]
         b_wa = tl.exp2(b_wq) * scale  # [C]
@@ -97,8 +99,7 @@ def segment_outputs(
         b_s = add_keys_times_values(b_s * tl.exp2(b_last), b_b, b_v, b_wk, USE_G, F32, UPDATE_DOT)
         tl.store(out + row_c, to_output(b_o, out.dtype.element_ty, F32), mask=m_tc)  # downcast: output dtype
         if ROWDOT:
-            b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0).to(tl.float32)  # [C, BC]
-            tl.store(rowdot + (i_c * N_tok + t) * H + i_h, tl.sum(b_x * b_o, axis=1), mask=m_t)
+            tl.store(rowdot + (i_c * N_tok + t) * H + i_h, tl.sum(b_x.to(tl.float32) * b_o, axis=1), mask=m_t)
     return b_s
 
 
