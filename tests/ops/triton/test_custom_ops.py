@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_map
 
 from polyattn import ops
 from polyattn.layers import build_mixer
+from polyattn.ops.kata.feature_maps import make_feature_map
 from polyattn.ops.kata.state import KataState
 from polyattn.ops.loglinear import LogLinearState
 from polyattn.testing import assert_close_rel, seeded_inputs
@@ -58,6 +59,37 @@ def test_triton_forms_compile_as_one_graph(op):
     want = torch.autograd.grad(loss(*leaves), leaves)
     for i, (a, b) in enumerate(zip(got, want)):
         assert_close_rel(a, b, 1e-6, f"{op} gradient {i}")
+
+
+@pytest.mark.parametrize("op", ["delta_rule", "kata", "deltakata"])
+def test_gradient_through_the_final_state_alone(op):
+    """A loss of the final state alone, o unused: autograd hands the custom op no output cotangent (the ops
+    turn off materialized zeros, so their saved intermediates cost no zero fill) and every gradient equals
+    the PyTorch chunk form's."""
+    K = 16 if op == "deltakata" else 8  # DeltaKATA's chunked kernels take key groups of 16 or more
+    x = seeded_inputs(1, 70, 2, K, 12, decay=True, beta=True, seed=5, device=DEVICE, dtype=torch.float32)
+    x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
+    names = ("q", "k", "v", "g") + (("beta",) if op != "kata" else ())
+    P = K if op == "delta_rule" else make_feature_map("psd", K, 1, "concat").dim()  # the state's rows
+    weight = torch.randn(1, 2, P, 12, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+
+    def loss(impl, *tensors):
+        if op == "kata":
+            _, s = ops.kata(*tensors, impl=impl, output_final_state=True)
+            return (s.S * weight).sum() + s.z.square().sum()
+        q, k, v, g, beta = tensors
+        if op == "delta_rule":
+            _, state = ops.delta_rule(q, k, v, beta, g, impl=impl, output_final_state=True)
+        else:
+            _, state = ops.kata(q, k, v, g, beta=beta, normalize=False, impl=impl, output_final_state=True)
+        return (state * weight).sum()
+
+    leaves = [x[n].clone().requires_grad_() for n in names]
+    fast = "triton" if op == "delta_rule" else "triton_chunk"
+    got = torch.autograd.grad(loss(fast, *leaves), leaves, allow_unused=True, materialize_grads=True)
+    want = torch.autograd.grad(loss("chunk", *leaves), leaves, allow_unused=True, materialize_grads=True)
+    for name, a, b in zip(names, got, want):
+        assert_close_rel(a, b, 1e-4, f"{op} d{name}")
 
 
 def test_loglinear_gdn_compiles_as_one_graph():

@@ -311,10 +311,12 @@ def _setup_context(ctx, inputs, output):
     _, ht, t_inv, hs, us = output
     ctx.save_for_backward(q, k, v, beta, g, t_inv, hs, us, ht if store_ht else None)
     ctx.scale, ctx.seq_lens, ctx.has_h0 = scale, seq_lens, h0 is not None
+    ctx.set_materialize_grads(False)  # no zero cotangents filled for the saved intermediates (a GiB at 64K tokens)
 
 
 def _backward(ctx, do, dht, *_):
     q, k, v, beta, g, t_inv, hs, us, ht = ctx.saved_tensors
+    do = torch.zeros_like(v) if do is None else do  # o unused: only the final state carries a gradient
     want_dh0 = ctx.has_h0 and ctx.needs_input_grad[5]
     want_dg = g is not None and ctx.needs_input_grad[4]
     dht = dht if dht is not None and dht.numel() else None

@@ -657,6 +657,7 @@ def _walk_setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, m, a, b, alpha, omega, rho, lam, hs, u, yk, yq)
     ctx.options = (seq_lens, groups, combine, dtype)
     ctx.store_hs = store_hs
+    ctx.set_materialize_grads(False)  # no zero cotangents filled for the saved intermediates (hs: every chunk's lifted state)
 
 
 def _walk_backward(ctx, do, dht, _, __, ___, ____):

@@ -192,10 +192,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, g, o, o_lo, den)  # the backward's do·o: o + o_lo
     ctx.options = (scale, eps, seq_lens, groups, combine, normalize)
     ctx.has_prior, ctx.dtype = prior is not None, dtype
+    ctx.set_materialize_grads(False)  # no zero cotangents filled for the saved intermediates
 
 
 def _backward(ctx, do, _, __):
     q, k, v, g, o, o_lo, den = ctx.saved_tensors
+    do = torch.zeros_like(o) if do is None else do  # o unused (its normaliser alone carried the loss)
     want_dg = g is not None and ctx.needs_input_grad[3]
     want_dprior = ctx.has_prior and ctx.needs_input_grad[4]
     dq, dk, dv, dg, dprior = kata_parallel_backward(do, q, k, v, g, o, o_lo, den, *ctx.options, want_dg, want_dprior, ctx.dtype)
@@ -486,10 +488,12 @@ def _chunk_setup_context(ctx, inputs, output):
     o, ht, zt, den, o_lo = output
     ctx.save_for_backward(q, k, v, g, h0, z0, o, o_lo, den, ht if store_ht else None, zt if store_ht else None)  # do·o: o + o_lo
     ctx.options = (scale, eps, seq_lens, groups, combine, normalize)
+    ctx.set_materialize_grads(False)  # no zero cotangents filled for the saved intermediates
 
 
 def _chunk_backward(ctx, do, dht, dzt, _, __):
     q, k, v, g, h0, z0, o, o_lo, den, ht, zt = ctx.saved_tensors
+    do = torch.zeros_like(o) if do is None else do  # o unused: only the final state carries a gradient
     want_dg = g is not None and ctx.needs_input_grad[3]
     want_dh0 = h0 is not None and (ctx.needs_input_grad[4] or ctx.needs_input_grad[5])
     if ht is not None and any(x is not None and x.numel() for x in (dht, dzt)):  # the final state is used
