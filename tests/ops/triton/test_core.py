@@ -24,12 +24,12 @@ from polyattn.ops.linear.triton import linear_attn_triton
 from polyattn.ops.triton.decay import (
     chunk_decay, chunk_decay_ref, chunk_segsum, chunk_segsum_ref, chunk_suffix, chunk_suffix_ref,
 )
-from polyattn.ops.triton.plan import KernelConfig, get_config, use_config
+from polyattn.ops.triton.plan import KernelConfig, get_config, prefix_cumsum, reverse_cumsum, use_config
 from polyattn.ops.triton.precision import (
     UPDATE_DOTS, dot_f32, first_nonfinite_row, first_nonfinite_row_ref, mma_left_acc, mma_right_acc, mma_right_acc_ref,
 )
 from polyattn.testing import (
-    LOW_PRECISION_CEILING, LOW_PRECISION_FLOOR, assert_decay_weights_close, dtype_id, rel_err, seeded_inputs,
+    LOW_PRECISION_CEILING, LOW_PRECISION_FLOOR, assert_close_rel, assert_decay_weights_close, dtype_id, rel_err, seeded_inputs,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -231,6 +231,21 @@ def test_mma_left_acc_matches_twin():
     exact = acc.double() + x.double() @ y.double()
     assert 2.0**-20 < rel_err(out, exact) <= 2.0**-14, "the split keeps ~16 bits of x, not all 24"
 
+
+
+@pytest.mark.parametrize("lengths", [(1,), (64,), (1, 64, 130, 37), (200, 3)])
+def test_token_cumsums_match_per_sequence_sums(lengths):
+    """The log-decay gradient's per-sequence reverse cumsum and its prefix twin (summed in fp64 in blocks of
+    64 tokens) equal float64 sums sequence by sequence: no sum crosses a sequence's end or a block's edge wrongly."""
+    x = torch.randn(sum(lengths), 3, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    want_rev, want_pre, bos = [], [], 0
+    for n in lengths:
+        piece = x[bos:bos + n].double()
+        want_pre.append(piece.cumsum(0))
+        want_rev.append(piece.flip(0).cumsum(0).flip(0))
+        bos += n
+    assert_close_rel(reverse_cumsum(x, lengths), torch.cat(want_rev).float(), 1e-7, "reverse")
+    assert_close_rel(prefix_cumsum(x, lengths), torch.cat(want_pre).float(), 1e-7, "prefix")
 
 # every Triton form: a NaN or Inf in q, k, v (or beta) changes no earlier output (ops/README.md,
 # "Guarantees of the Triton forms")
