@@ -16,6 +16,7 @@ from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from polyattn.ops.delta.triton.backward import delta_grad_factors_kernel, delta_grads_kernel, delta_score_grads_kernel, delta_state_grad_kernel
@@ -28,6 +29,7 @@ from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
 from polyattn.ops.loglinear.triton.gdn import gdn_chunk_grads_kernel, gdn_chunk_kernel, gdn_levels_backward_kernel, gdn_levels_kernel
 from polyattn.ops.triton.plan import KernelConfig, kata_state_chunk
+from polyattn.ops.triton.precision import UPDATE_DOTS
 
 POINTERS = {
     "a": "*bf16", "b": "*bf16", "c": "*bf16", "g": "*fp32", "out": "*bf16", "seg": "*i32", "s_in": "*fp32",
@@ -36,18 +38,19 @@ POINTERS = {
     "beta": "*bf16", "chunks": "*i32", "nonfinite": "*i32", "seqs": "*i32", "cu_chunks": "*i32", "pos": "*i64",
     "tiles": "*i32", "starts": "*i32", "bounds": "*i32", "ckpt": "*i32",
 }
-PASSES = {  # name: (REVERSE, USE_G, ROWDOT)
-    "forward": (False, False, False),
-    "forward, decay": (False, True, False),
-    "dk pass, decay": (True, True, True),
+PASSES = {  # name: (REVERSE, USE_G, ROWDOT, UPDATE_DOT): a training forward rounds its decayed updates
+    "forward": (False, False, False, UPDATE_DOTS["split"]),
+    "forward, decay": (False, True, False, UPDATE_DOTS["rounded"]),
+    "dk pass, decay": (True, True, True, UPDATE_DOTS["split"]),
 }
+DIVISIBLE = {"H", "K", "V", "DA", "DC", "P", "E"}  # int arguments a benchmark launch passes as multiples of 16
 LAUNCHES = [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 8, 3), (64, 32, 4, 2), (64, 128, 8, 2), (32, 64, 4, 2)]  # C, BC, warps, stages
 
 
 def ptxas() -> Path:
-    """The newest ptxas bundled with Triton that accepts the PTX it emits."""
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    return next(p for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists())
+    """The ptxas that Triton itself runs for sm_90a (its `get_ptxas`; the Blackwell build, which it keeps for
+    sm_100 on, allocated registers differently: more spills reported for the same PTX)."""
+    return Path(get_ptxas(90).path)
 
 
 def resources(fn, constexprs: dict, warps: int, stages: int, pointers: dict | None = None) -> str:
@@ -56,7 +59,10 @@ def resources(fn, constexprs: dict, warps: int, stages: int, pointers: dict | No
     pointers = POINTERS | (pointers or {})
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, scalars.get(n, "*fp32")) for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
+    # what a launch specializes on: 16-byte aligned pointers and sizes that are multiples of 16 (H = 16, K = V = 128)
+    aligned = [i for i, n in enumerate(names) if signature[n].startswith("*") or (n in DIVISIBLE and i not in fn.do_not_specialize)]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"
@@ -85,14 +91,14 @@ def main() -> None:
 
 def linear() -> None:
     print("linear_attn: BA = 128 (K = 128)")
-    for name, (reverse, use_g, rowdot) in PASSES.items():
+    for name, (reverse, use_g, rowdot, update_dot) in PASSES.items():
         for C, BC, warps, stages in LAUNCHES:
-            constexprs = dict(C=C, BA=128, BC=BC, REVERSE=reverse, USE_G=use_g, SPLIT=True, USE_H0=False,
-                              STORE_HT=False, ROWDOT=rowdot, F32=False, CHECK=name.startswith("forward"), RERUN=False)
+            constexprs = dict(C=C, BA=128, BC=BC, REVERSE=reverse, USE_G=use_g, SPLIT=True, USE_H0=False, STORE_HT=False,
+                              ROWDOT=rowdot, F32=False, UPDATE_DOT=update_dot, CHECK=name.startswith("forward"), RERUN=False)
             print(f"chunk_outputs  {name:15} C{C} BC{BC} warps{warps} stages{stages}: "
                   f"{resources(chunk_outputs_kernel, constexprs, warps, stages)}", flush=True)
     for warps in (4, 8):
-        constexprs = dict(C=64, BA=128, BC=64, REVERSE=False, USE_G=True, F32=False, TERMINAL=True)
+        constexprs = dict(C=64, BA=128, BC=64, REVERSE=False, USE_G=True, F32=False, UPDATE_DOT=UPDATE_DOTS["rounded"], TERMINAL=True)
         print(f"segment_states decay C64 BC64 warps{warps}: {resources(segment_states_kernel, constexprs, warps, 2)}")
 
 
