@@ -91,7 +91,7 @@ class KernelConfig:
     none recomputed, the fastest backward; delta.state_interval).
     gdn_block_v and gdn_num_warps are the value tile and warps of log-linear Gated DeltaNet's level
     walks, forward and backward (ops/loglinear/triton/gdn.py; ptxas for sm_90a at K = 128, a 32-column
-    tile: the forward walk spills 408 bytes per thread at 8 warps, 2.2 KB at 4); gdn_chunk_warps the warps
+    tile: the forward walk spills 4 bytes per thread at 8 warps, 140 at 4); gdn_chunk_warps the warps
     of its per-chunk kernels (8; at K = 128 a forward + backward took the same time at 4 and 8. The illegal
     memory accesses of small heads came from narrow or partly masked tiles at either count, not from the
     warps: gdn.kernel_heads).
