@@ -320,7 +320,7 @@ def token_cumsum(x64: torch.Tensor, width: int = 64) -> torch.Tensor:
 
 def reverse_cumsum(x: torch.Tensor, seq_lens: tuple) -> torch.Tensor:
     """Per-sequence reverse cumsum over tokens; x: [N_tok, H] fp32, summed in fp64 along the
-    last (contiguous) dimension, where torch's scan is parallel. The log-decay gradient of every
+    last (contiguous) dimension by `token_cumsum`. The log-decay gradient of every
     family is this sum of a per-token term. Returns `[N_tok, H]` fp32, contiguous (the custom ops'
     fake functions promise contiguous gradients)."""
     x64 = x.t().double()  # [N_tok, H] -> [H, N_tok]
