@@ -177,8 +177,8 @@ def kata_read_kernel(
 ):
     """grid: (tiles, H). `prior [N_tok, H, V + 1]` fp32 for one tile of BT tokens of one chunk and head,
     the bilinear form read row block by row block of the state: for every group i reading a slot and every
-    e < E, `Σ_f q_if S_(e,f) = Q_i [S | z]_e` (`[BT, E] @ [E, V]`, the fp32 rows split in two halves, q
-    exact), weighted by the column `q_ie`, then the rows by `scale² exp(G_t - G_{cs-1})`; ψ is never built.
+    e < E, `Σ_f q_if S_(e,f) = Q_i [S | z]_e` (`[BT, BF] @ [BF, V]`, BF = E padded to at least 16 for the
+    tensor cores, the fp32 rows split in two halves, q exact), weighted by the column `q_ie`, then the rows by `scale² exp(G_t - G_{cs-1})`; ψ is never built.
     `tiles` rows: `(t0, t1, chunk, .)`, the chunk indexing `hs`, `zs` and `starts` (its first token)."""
     i_h, t0, i_c, t, m_t, o_f, o_v, m_v = read_tile(tiles, V, BF, BT, BV)
     b_w = tl.full([BT], scale2, dtype=tl.float32)
@@ -194,15 +194,16 @@ def kata_read_kernel(
     row = (t * H + i_h) * K  # [BT]
     b_num = tl.zeros([BT, BV], dtype=tl.float32)
     b_den = tl.zeros([BT], dtype=tl.float32)
+    m_f = o_f < E
     for i in range(0, G):  # group i reads slot 0 (Σg) or its own (Mg)
         slot = 0 if SUM else i
-        b_q = tl.load(q + row[:, None] + i * E + o_f[None, :], mask=m_t[:, None], other=0.0)  # [BT, E]
+        b_q = tl.load(q + row[:, None] + i * E + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0)  # [BT, BF]
         for e in range(0, E):
-            rows = (slot * E + e) * E + o_f  # [E]
-            b_s = tl.load(p_h + rows[:, None] * V + o_v[None, :], mask=(rows >= 0)[:, None] & m_v[None, :], other=0.0)  # [E, BV]
+            rows = (slot * E + e) * E + o_f  # [BF]
+            b_s = tl.load(p_h + rows[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)  # [BF, BV]
             b_qe = tl.load(q + row + i * E + e, mask=m_t, other=0.0).to(tl.float32)  # [BT]: the column q_ie
-            b_num += mma_right_fp32(b_q, b_s, F32) * b_qe[:, None]  # [BT, E] @ [E, BV] -> [BT, BV]
-            b_den += tl.sum(b_q.to(tl.float32) * tl.load(p_z + rows)[None, :], axis=1) * b_qe  # [BT]
+            b_num += mma_right_fp32(b_q, b_s, F32) * b_qe[:, None]  # [BT, BF] @ [BF, BV] -> [BT, BV]
+            b_den += tl.sum(b_q.to(tl.float32) * tl.load(p_z + rows, mask=m_f, other=0.0)[None, :], axis=1) * b_qe  # [BT]
     out = (t * H + i_h) * (V + 1)  # [BT]
     tl.store(prior + out[:, None] + o_v[None, :], b_num * b_w[:, None], mask=m_t[:, None] & m_v[None, :])
     tl.store(prior + out + V, b_den * b_w, mask=m_t)
@@ -224,7 +225,7 @@ def kata_lift_grad_kernel(
     or with ACCUMULATE added to (every token belongs to one tile); the rows `y_t = [a_t v_t | b_t]` as
     `kata_states_kernel`'s reverse walk takes them (`y [N_tok, H, V]` in x's dtype, entering exact, or fp32, split
     in halves like the state; `ya`, `yb [N_tok, H]` fp32);
-    `tiles` as `kata_read_kernel`'s. READ: the same pass also adds the read `a_t (ψ(x_t)ᵀ S_c)` into
+    `tiles` and BF as `kata_read_kernel`'s. READ: the same pass also adds the read `a_t (ψ(x_t)ᵀ S_c)` into
     `dr [N_tok, H, V]` fp32 (the backward's dv: x = k, the rows' a its weight), its products
     `X_i S_e` (`[BT·GS, E] @ [E, V]`) on the state rows just loaded, weighted by `x_ie` and summed over i."""
     GS: tl.constexpr = G if SUM else 1  # groups reading one slot
@@ -234,21 +235,23 @@ def kata_lift_grad_kernel(
     p_z = zs + (i_c * H + i_h) * P
     row = (t * H + i_h) * K  # [BT]
     o_g = tl.arange(0, GS)
+    m_f = o_f < E
     b_read = tl.zeros([BT, BV], dtype=tl.float32)
     for slot in range(0, G // GS):
         groups = (slot * GS + o_g) * E  # [GS]: the first column of each group reading the slot
-        cols = row[:, None, None] + groups[None, :, None] + o_f[None, None, :]  # [BT, GS, E]
-        b_xr = tl.load(x + cols, mask=m_t[:, None, None], other=0.0)  # [BT, GS, E]
+        cols = row[:, None, None] + groups[None, :, None] + o_f[None, None, :]  # [BT, GS, BF]
+        m_x = m_t[:, None, None] & m_f[None, None, :]
+        b_xr = tl.load(x + cols, mask=m_x, other=0.0)  # [BT, GS, BF]
         b_x = b_xr.to(tl.float32)
         b_dx = tl.zeros([BT, GS, BF], dtype=tl.float32)
         for e in range(0, E):
-            rows = (slot * E + e) * E + o_f  # [E]
-            b_s = tl.load(p_h + rows[:, None] * V + o_v[None, :], mask=(rows >= 0)[:, None] & m_v[None, :], other=0.0)  # [E, BV]
+            rows = (slot * E + e) * E + o_f  # [BF]
+            b_s = tl.load(p_h + rows[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)  # [BF, BV]
             if b_y.dtype == x.dtype.element_ty:  # [BT, BV] @ [BV, E]: y exact, the state split
                 b_u = mma_right_fp32(b_y, tl.trans(b_s), F32)
             else:  # fp32 rows with low-precision x: both split, three products
                 b_u = mma_fp32(b_y, tl.trans(b_s), x.dtype.element_ty, F32, 0)
-            b_u = b_u * b_ya[:, None] + b_yz[:, None] * tl.load(p_z + rows)[None, :]
+            b_u = b_u * b_ya[:, None] + b_yz[:, None] * tl.load(p_z + rows, mask=m_f, other=0.0)[None, :]
             b_xe = tl.load(x + row[:, None] + groups[None, :] + e, mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, GS]: columns x_ie
             b_row = tl.sum(b_u[:, None, :] * b_x, axis=2)  # [BT, GS]: Σ_f U_e[t, f] x_if
             b_dx += b_u[:, None, :] * b_xe[:, :, None] + tl.where(o_f[None, None, :] == e, b_row[:, :, None], 0.0)
@@ -256,8 +259,8 @@ def kata_lift_grad_kernel(
                 b_r = mma_right_fp32(tl.reshape(b_xr, (BT * GS, BF)), b_s, F32)  # [BT·GS, E] @ [E, BV]
                 b_read += tl.sum(tl.reshape(b_r, (BT, GS, BV)) * b_xe[:, :, None], axis=1)  # [BT, BV]
         if ACCUMULATE:
-            b_dx += tl.load(dx + cols, mask=m_t[:, None, None], other=0.0)
-        tl.store(dx + cols, b_dx, mask=m_t[:, None, None])
+            b_dx += tl.load(dx + cols, mask=m_x, other=0.0)
+        tl.store(dx + cols, b_dx, mask=m_x)
     if READ:
         m_tv = m_t[:, None] & m_v[None, :]
         p_r = dr + ((t * H + i_h) * V)[:, None] + o_v[None, :]  # [BT, BV]

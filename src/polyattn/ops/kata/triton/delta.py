@@ -546,7 +546,7 @@ def _lift_grad(x, y, weight, states, zs, plan: dict, tiles: dict, into: torch.Te
     chunk.py's lift-gradient kernel (rows `y` in x's dtype enter it exact, fp32 rows split in two halves)."""
     H, K, V, E, P = plan["sizes"]
     kata_lift_grad_kernel[(tiles["NT"], H)](
-        x, y, weight, weight, states, zs, into, None, tiles["tiles"], H, K, V, E, P, BF=E, BT=plan["BT"], BV=block(V),
+        x, y, weight, weight, states, zs, into, None, tiles["tiles"], H, K, V, E, P, BF=block(E), BT=plan["BT"], BV=block(V),
         ACCUMULATE=True, READ=False, num_warps=plan["warps"], num_stages=plan["stages"], **plan["meta"],
     )
 

@@ -295,7 +295,8 @@ def kata_parallel_fused(
 
 def feature_blocks(K: int, V: int, groups: int, combine: str, state_block: int) -> dict:
     """The chunked form's feature tiling: the group width `E` (a power of two, at least 4: its rows of the
-    state are whole tiles), `BF = E`, the block of `BE` rows of e per program (`BE·E` lifted features: about
+    state are whole tiles), `BF = E` (the walks' feature tile), `BR` (the reads' feature tile: E, at least 16
+    for the tensor cores, the columns past E masked), the block of `BE` rows of e per program (`BE·E` lifted features: about
     `state_block`, at most 8,192 fp32 state values with the whole padded V, at least 16 for the tensor
     cores), `NE` blocks per slot, the slots and `P`. ValueError for another E."""
     E = K // groups
@@ -304,7 +305,7 @@ def feature_blocks(K: int, V: int, groups: int, combine: str, state_block: int) 
     target = max(16, min(state_block, 8192 // block(V)))
     BE = max(16 // E, min(E, target // E))
     slots = 1 if combine == "sum" else groups
-    return dict(E=E, BF=E, BE=BE, BV=block(V), NE=E // BE, slots=slots, P=slots * E * E)
+    return dict(E=E, BF=E, BR=block(E), BE=BE, BV=block(V), NE=E // BE, slots=slots, P=slots * E * E)
 
 
 def _chunk_plan(q, v, seq_lens, groups: int, combine: str) -> dict:
@@ -323,7 +324,7 @@ def _chunk_plan(q, v, seq_lens, groups: int, combine: str) -> dict:
     return dict(
         CS=CS, BS=BS, BT=BT, tiling=tiling, pieces=pieces, cu_chunks=cu_chunks, NC=NC,
         seqs=segment_table(tuple(seq_lens), 1, CS, q.device)[0], sizes=(q.shape[2], K, v.shape[-1], tiling["E"], tiling["P"]),
-        meta=dict(G=groups, SUM=combine == "sum", BF=tiling["BF"], BV=tiling["BV"], F32=dot_f32(q.dtype),
+        meta=dict(G=groups, SUM=combine == "sum", BV=tiling["BV"], F32=dot_f32(q.dtype),
                   num_warps=config.kata_chunk_warps),
         stages=config.kata_num_stages, read_stages=config.kata_read_stages,
     )
@@ -351,7 +352,7 @@ def chunk_states(x, y, g, h0, z0, plan: dict, N: int, store_ht: bool, reverse: b
     rows = tuple(y) if reverse else (y, None, None)
     kata_states_kernel[(tiling["slots"] * tiling["NE"], N, H)](
         x, *rows, g, h0, z0, hs, zs, ht, zt, plan["seqs"], plan["cu_chunks"], *plan["sizes"], tiling["NE"],
-        BE=tiling["BE"], BS=plan["BS"], SUB=plan["CS"] // plan["BS"], USE_G=g is not None, USE_H0=h0 is not None,
+        BE=tiling["BE"], BF=tiling["BF"], BS=plan["BS"], SUB=plan["CS"] // plan["BS"], USE_G=g is not None, USE_H0=h0 is not None,
         STORE_HT=store_ht, REVERSE=reverse, num_stages=plan["stages"], **plan["meta"],
     )
     return hs, zs, ht, zt
@@ -369,8 +370,8 @@ def chunk_read(x, g, hs, zs, scale2: float, plan: dict):
     H, _, V, _, _ = plan["sizes"]
     tiles, NT, starts = _chunk_tiles(plan, x.device)
     out = torch.empty(x.shape[0], H, V + 1, dtype=torch.float32, device=x.device)
-    kata_read_kernel[(NT, H)](x, g, hs, zs, out, tiles, starts, scale2, *plan["sizes"], BT=plan["BT"], USE_G=g is not None,
-                                 num_stages=plan["read_stages"], **plan["meta"])
+    kata_read_kernel[(NT, H)](x, g, hs, zs, out, tiles, starts, scale2, *plan["sizes"], BF=plan["tiling"]["BR"], BT=plan["BT"],
+                                 USE_G=g is not None, num_stages=plan["read_stages"], **plan["meta"])
     return out
 
 
@@ -382,7 +383,7 @@ def chunk_lift_grad(x, y: Cotangents, hs, zs, plan: dict, into: torch.Tensor | N
     meta = plan["meta"]
     dx = torch.empty(x.shape, dtype=torch.float32, device=x.device) if into is None else into
     kata_lift_grad_kernel[(NT, x.shape[1])](
-        x, *y, hs, zs, dx, read_into, tiles, *plan["sizes"], G=meta["G"], SUM=meta["SUM"], BF=meta["BF"], BT=plan["BT"],
+        x, *y, hs, zs, dx, read_into, tiles, *plan["sizes"], G=meta["G"], SUM=meta["SUM"], BF=plan["tiling"]["BR"], BT=plan["BT"],
         BV=meta["BV"], F32=meta["F32"], ACCUMULATE=into is not None, READ=read_into is not None, num_warps=meta["num_warps"],
         num_stages=plan["read_stages"],
     )
