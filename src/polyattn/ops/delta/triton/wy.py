@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.triton.decay import chunk_decay, exact_segsum, exact_suffix
+from polyattn.ops.triton.decay import chunk_decay, exact_segsum
 from polyattn.ops.triton.plan import block
-from polyattn.ops.triton.precision import LOG2E, dot_f32, first_nonfinite_row, mma, mma_left_fp32, zero_rows_from
+from polyattn.ops.triton.precision import dot_f32, first_nonfinite_row, mma, mma_left_fp32, zero_rows_from
 
 from .forward import chunk_program
 
@@ -32,11 +32,11 @@ def fp32_dot(x, y):
 
 @triton.jit
 def invert_unit_lower(b_a):
-    """`(I + A)^{-1}` of a strictly lower `A: [16, 16]` (fp32). A is nilpotent (A^16 = 0), so
-    `(I + A)^{-1} = (I - A)(I + A^2)(I + A^4)(I + A^8)`: three squarings and three products,
-    each a [16, 16] @ [16, 16] fp32 product, instead of 15 dependent substitution steps."""
+    """`(I + A)^{-1}` of strictly lower `A: [NB, 16, 16]` (fp32, NB blocks at once). A is nilpotent
+    (A^16 = 0), so `(I + A)^{-1} = (I - A)(I + A^2)(I + A^4)(I + A^8)`: three squarings and three
+    products, each a batched [16, 16] @ [16, 16] fp32 product, instead of 15 dependent substitution steps."""
     o = tl.arange(0, 16)
-    eye = tl.where(o[:, None] == o[None, :], 1.0, 0.0)  # [16, 16]
+    eye = tl.where(o[:, None] == o[None, :], 1.0, 0.0)[None, :, :]  # [1, 16, 16]
     a2 = fp32_dot(b_a, b_a)
     a4 = fp32_dot(a2, a2)
     a8 = fp32_dot(a4, a4)
@@ -46,63 +46,28 @@ def invert_unit_lower(b_a):
 
 
 @triton.jit
-def block_rows(k, beta, g, bos, eos, i_b, H, i_h, K, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr):
-    """Rows `[i_b * BT, (i_b + 1) * BT)` of the chunk: keys [BT, BK], beta [BT], and the block's
-    log-decays [BT] (0 past the end, or without decay)."""
-    t = bos + i_b * BT + tl.arange(0, BT)
-    m_t = t < eos
-    o_k = tl.arange(0, BK)
-    b_k = tl.load(k + (t * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
-    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [BT]
-    if USE_G:
-        b_g = tl.load(g + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [BT]
-    else:
-        b_g = tl.zeros([BT], dtype=tl.float32)
-    return b_k, b_beta, b_g
+def block_offsets(t_inv, bos, eos, H, i_h, r0, c0, STEP: tl.constexpr, NB: tl.constexpr, S: tl.constexpr, C: tl.constexpr):
+    """Pointers and row mask of NB square blocks `[S, S]` of one chunk's rows of `t_inv [N_tok, H, C]`:
+    block b has rows `r0 + b·STEP + [0, S)` and columns `c0 + b·STEP + [0, S)` of the chunk's C × C matrix."""
+    o_b = tl.arange(0, NB) * STEP
+    o_s = tl.arange(0, S)
+    rows = bos + r0 + o_b[:, None, None] + o_s[None, :, None]  # [NB, S, 1]
+    cols = c0 + o_b[:, None, None] + o_s[None, None, :]  # [NB, 1, S]
+    return t_inv + (rows * H + i_h) * C + cols, rows < eos  # [NB, S, S], [NB, S, 1]
 
 
 @triton.jit
-def gram_block(b_ki, b_beta_i, b_kj, b_d, F32: tl.constexpr):
-    """The [BT, BT] block `diag(beta_i) (K_i K_j^T ⊙ exp2(D))` of A for the log2-decays `D`
-    between its rows and columns (-inf where the block is not below the diagonal)."""
-    b_a = mma(b_ki, tl.trans(b_kj), F32) * b_beta_i[:, None]  # [BT, BK] @ [BK, BT] -> [BT, BT]
-    return tl.where(b_d > float("-inf"), b_a * tl.exp2(b_d), 0.0)
+def load_blocks(t_inv, bos, eos, H, i_h, r0, c0, STEP: tl.constexpr, NB: tl.constexpr, S: tl.constexpr, C: tl.constexpr):
+    """`[NB, S, S]` fp32 blocks of `block_offsets`, rows past the chunk's end 0."""
+    ptrs, m = block_offsets(t_inv, bos, eos, H, i_h, r0, c0, STEP, NB, S, C)
+    return tl.load(ptrs, mask=m, other=0.0)
 
 
 @triton.jit
-def diagonal_decay(b_g):
-    """Log2-decays inside one block, strictly below the diagonal (-inf elsewhere)."""
-    o = tl.arange(0, b_g.shape[0])
-    return tl.where(o[:, None] > o[None, :], exact_segsum(b_g, False), float("-inf"))
-
-
-@triton.jit
-def cross_decay(b_gi, b_gj, between):
-    """Log2-decays from the rows of an earlier block j to those of block i: the suffix of j after
-    each column, the whole blocks in between, the prefix of i up to each row; direct sums only."""
-    return tl.cumsum(b_gi, axis=0)[:, None] * LOG2E + between + exact_suffix(b_gj)[None, :]
-
-
-@triton.jit
-def store_block(t_inv, bos, eos, i_b, j_b, b_x, H, i_h, C: tl.constexpr, BT: tl.constexpr):
-    t = bos + i_b * BT + tl.arange(0, BT)
-    cols = j_b * BT + tl.arange(0, BT)
-    tl.store(t_inv + (t * H + i_h)[:, None] * C + cols[None, :], b_x, mask=(t < eos)[:, None])
-
-
-@triton.jit
-def first_bad_row(b_k, b_beta, b_g, i_b, BT: tl.constexpr):
-    """The chunk row of block `i_b`'s first token whose key or beta is not finite or whose log-decay is NaN
-    (the chunk's 4·BT rows when none; `g = -inf` is a reset, not bad input)."""
-    bad = tl.sum(tl.where(b_k - b_k == 0, 0, 1), axis=1) + tl.where((b_beta - b_beta == 0) & (b_g == b_g), 0, 1)  # [BT]
-    return tl.min(tl.where(bad > 0, i_b * BT + tl.arange(0, BT), 4 * BT), axis=0)
-
-
-@triton.jit
-def clean_rows(b_k, b_beta, b_g, i_b, first, BT: tl.constexpr):
-    """Block `i_b`'s rows with those from chunk row `first` on set to zero (key, beta, log-decay)."""
-    keep = i_b * BT + tl.arange(0, BT) < first  # [BT]
-    return tl.where(keep[:, None], b_k, 0.0).to(b_k.dtype), tl.where(keep, b_beta, 0.0), tl.where(keep, b_g, 0.0)
+def store_blocks(t_inv, bos, eos, H, i_h, r0, c0, b_x, STEP: tl.constexpr, C: tl.constexpr):
+    """Stores `b_x [NB, S, S]` into the blocks of `block_offsets`, rows past the chunk's end left alone."""
+    ptrs, m = block_offsets(t_inv, bos, eos, H, i_h, r0, c0, STEP, b_x.shape[0], b_x.shape[1], C)
+    tl.store(ptrs, b_x, mask=m)
 
 
 @triton.jit
@@ -110,63 +75,47 @@ def wy_kernel(
     k, beta, g, t_inv, firsts, chunks, H, K,
     C: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
 ):
-    """grid: (num_chunks, H); one program per chunk and head, C = 64 as four row blocks of
-    BT = 16. Blocks of A come from `[BT, BK] @ [BK, BT]` products; the diagonal blocks of
-    `I + A` are inverted by `invert_unit_lower` and the blocks below by
-    `Tinv_ij = -Tinv_ii sum_{m=j}^{i-1} A_im Tinv_mj` (fp32 products); blocks above are 0.
-    A token whose key or beta is not finite, or whose log-decay is NaN, changes no earlier row: the chunk's rows
-    from the first such token on enter as zeros, and its row is stored in `firsts [num_chunks, H]`
-    (C when none) for the later stages, which make the outputs from it on NaN."""
-    BT: tl.constexpr = 16
-    i_ch, i_h = tl.program_id(0), tl.program_id(1)
-    bos = tl.load(chunks + i_ch * 4).to(tl.int64)
-    eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
-    k0, b0, g0 = block_rows(k, beta, g, bos, eos, 0, H, i_h, K, BT, BK, USE_G)
-    k1, b1, g1 = block_rows(k, beta, g, bos, eos, 1, H, i_h, K, BT, BK, USE_G)
-    k2, b2, g2 = block_rows(k, beta, g, bos, eos, 2, H, i_h, K, BT, BK, USE_G)
-    k3, b3, g3 = block_rows(k, beta, g, bos, eos, 3, H, i_h, K, BT, BK, USE_G)
-    first = tl.minimum(tl.minimum(first_bad_row(k0, b0, g0, 0, BT), first_bad_row(k1, b1, g1, 1, BT)),
-                       tl.minimum(first_bad_row(k2, b2, g2, 2, BT), first_bad_row(k3, b3, g3, 3, BT)))
+    """grid: (num_chunks, H); one program per chunk and head, C = 64. A is one `[C, BK] @ [BK, C]`
+    product, masked by the direct-sum decays `exp2(Σ_{j<s<=i} g_s)` below the diagonal, and is stored in
+    the chunk's rows of `t_inv`; the inverse is then built there in place, in three stages that read their
+    blocks back (a barrier between stages, the blocks cached on chip): the four diagonal 16 × 16 blocks
+    of `I + A` inverted at once (`invert_unit_lower`), the two 32 × 32 diagonal blocks completed by
+    `Tinv_10 = -Tinv_11 A_10 Tinv_00` (both in one batch), then the 64 × 64 by the same formula on
+    32 × 32 blocks; fp32 products throughout. A token whose key or beta is not finite, or whose log-decay
+    is NaN, changes no earlier row: the chunk's rows from the first such token on enter as zeros, and its
+    row is stored in `firsts [num_chunks, H]` (C when none) for the later stages, which make the outputs
+    from it on NaN."""
+    i_ch, i_h, bos, eos, o_t, t, m_t = chunk_program(chunks, C)
+    o_k = tl.arange(0, BK)
+    b_k = tl.load(k + (t * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)  # [C, BK]
+    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+    if USE_G:
+        b_g = tl.load(g + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+    else:
+        b_g = tl.zeros([C], dtype=tl.float32)
+    bad = (b_beta - b_beta != 0) | (b_g != b_g)  # [C]: beta not finite or log-decay NaN (-inf is a reset)
+    first = tl.minimum(first_nonfinite_row(b_k), tl.min(tl.where(bad, o_t, C), axis=0))
     tl.store(firsts + i_ch * H + i_h, first)
-    k0, b0, g0 = clean_rows(k0, b0, g0, 0, first, BT)
-    k1, b1, g1 = clean_rows(k1, b1, g1, 1, first, BT)
-    k2, b2, g2 = clean_rows(k2, b2, g2, 2, first, BT)
-    k3, b3, g3 = clean_rows(k3, b3, g3, 3, first, BT)
-    s1 = tl.sum(g1, axis=0) * LOG2E  # whole-block log2-decays between non-adjacent blocks
-    s2 = tl.sum(g2, axis=0) * LOG2E
-    t00 = invert_unit_lower(gram_block(k0, b0, k0, diagonal_decay(g0), F32))  # [BT, BT] each
-    t11 = invert_unit_lower(gram_block(k1, b1, k1, diagonal_decay(g1), F32))
-    t22 = invert_unit_lower(gram_block(k2, b2, k2, diagonal_decay(g2), F32))
-    t33 = invert_unit_lower(gram_block(k3, b3, k3, diagonal_decay(g3), F32))
-    a10 = gram_block(k1, b1, k0, cross_decay(g1, g0, 0.0), F32)
-    a20 = gram_block(k2, b2, k0, cross_decay(g2, g0, s1), F32)
-    a21 = gram_block(k2, b2, k1, cross_decay(g2, g1, 0.0), F32)
-    a30 = gram_block(k3, b3, k0, cross_decay(g3, g0, s1 + s2), F32)
-    a31 = gram_block(k3, b3, k1, cross_decay(g3, g1, s2), F32)
-    a32 = gram_block(k3, b3, k2, cross_decay(g3, g2, 0.0), F32)
-    t10 = -fp32_dot(t11, fp32_dot(a10, t00))
-    t21 = -fp32_dot(t22, fp32_dot(a21, t11))
-    t20 = -fp32_dot(t22, fp32_dot(a20, t00) + fp32_dot(a21, t10))
-    t32 = -fp32_dot(t33, fp32_dot(a32, t22))
-    t31 = -fp32_dot(t33, fp32_dot(a31, t11) + fp32_dot(a32, t21))
-    t30 = -fp32_dot(t33, fp32_dot(a30, t00) + fp32_dot(a31, t10) + fp32_dot(a32, t20))
-    b_zero = tl.zeros([BT, BT], dtype=tl.float32)
-    store_block(t_inv, bos, eos, 0, 0, t00, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 0, 1, b_zero, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 0, 2, b_zero, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 0, 3, b_zero, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 1, 0, t10, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 1, 1, t11, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 1, 2, b_zero, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 1, 3, b_zero, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 2, 0, t20, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 2, 1, t21, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 2, 2, t22, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 2, 3, b_zero, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 3, 0, t30, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 3, 1, t31, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 3, 2, t32, H, i_h, C, BT)
-    store_block(t_inv, bos, eos, 3, 3, t33, H, i_h, C, BT)
+    keep = o_t < first  # [C]
+    b_k = zero_rows_from(b_k, first)
+    b_g = tl.where(keep, b_g, 0.0)
+    b_a = mma(b_k, tl.trans(b_k), F32) * tl.where(keep, b_beta, 0.0)[:, None]  # [C, BK] @ [BK, C] -> [C, C]
+    b_d = exact_segsum(b_g, False)  # [C, C] log2-decays
+    b_a = tl.where(o_t[:, None] > o_t[None, :], b_a * tl.exp2(b_d), 0.0)
+    tl.store(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], b_a, mask=m_t[:, None])
+    tl.debug_barrier()
+    b_a_diag = load_blocks(t_inv, bos, eos, H, i_h, 0, 0, 16, 4, 16, C)  # A_00, A_11, A_22, A_33
+    b_a_sub = load_blocks(t_inv, bos, eos, H, i_h, 16, 0, 32, 2, 16, C)  # A_10, A_32
+    b_a_low = load_blocks(t_inv, bos, eos, H, i_h, 32, 0, 0, 1, 32, C)  # the lower-left 32 × 32 block
+    store_blocks(t_inv, bos, eos, H, i_h, 0, 0, invert_unit_lower(b_a_diag), 16, C)
+    tl.debug_barrier()
+    b_t_lo = load_blocks(t_inv, bos, eos, H, i_h, 0, 0, 32, 2, 16, C)  # Tinv_00, Tinv_22
+    b_t_hi = load_blocks(t_inv, bos, eos, H, i_h, 16, 16, 32, 2, 16, C)  # Tinv_11, Tinv_33
+    store_blocks(t_inv, bos, eos, H, i_h, 16, 0, -fp32_dot(b_t_hi, fp32_dot(b_a_sub, b_t_lo)), 32, C)
+    tl.debug_barrier()
+    b_t_lo = load_blocks(t_inv, bos, eos, H, i_h, 0, 0, 0, 1, 32, C)  # the upper-left 32 × 32 inverse
+    b_t_hi = load_blocks(t_inv, bos, eos, H, i_h, 32, 32, 0, 1, 32, C)  # the lower-right one
+    store_blocks(t_inv, bos, eos, H, i_h, 32, 0, -fp32_dot(b_t_hi, fp32_dot(b_a_low, b_t_lo)), 0, C)
 
 
 def wy_solve(k, beta, g, *, chunk_size: int, chunks, num_warps: int = 4):
@@ -176,7 +125,7 @@ def wy_solve(k, beta, g, *, chunk_size: int, chunks, num_warps: int = 4):
     N_tok, H, K = k.shape
     table, _, NC = chunks
     if chunk_size != 64:
-        raise ValueError(f"expected chunk_size 64 for the delta rule kernels (four blocks of 16), got {chunk_size}")
+        raise ValueError(f"expected chunk_size 64 for the delta rule kernels (blocks of 16 and 32), got {chunk_size}")
     t_inv = torch.empty(N_tok, H, chunk_size, dtype=torch.float32, device=k.device)
     firsts = torch.empty(NC, H, dtype=torch.int32, device=k.device)
     wy_kernel[(NC, H)](
