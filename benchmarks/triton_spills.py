@@ -144,9 +144,10 @@ def kata_chunked() -> None:
                             STORE_HT=True, REVERSE=reverse)
                 print(f"kata {op} {'reverse' if reverse else 'forward'} walk{', decay' if use_g else ''}: "
                       f"{resources(kata_states_kernel, walk, warps, stages)}", flush=True)
-        print(f"kata {op} read, decay: {resources(kata_read_kernel, dict(shared, BT=BT, USE_G=True), warps, read_stages)}")
+        reads = dict(shared, BF=tiling["BR"], BT=BT)
+        print(f"kata {op} read, decay: {resources(kata_read_kernel, dict(reads, USE_G=True), warps, read_stages)}")
         for read in (False, True):
-            grad = dict(shared, BT=BT, ACCUMULATE=True, READ=read)
+            grad = dict(reads, ACCUMULATE=True, READ=read)
             print(f"kata {op} lift gradient{' + read' if read else ''}: "
                   f"{resources(kata_lift_grad_kernel, grad, warps, read_stages, dict(x='*bf16', y='*bf16'))}", flush=True)
 
