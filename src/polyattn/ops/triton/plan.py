@@ -33,7 +33,10 @@ class KernelConfig:
     programs of the pass fit on one at once; on the H200 at 8K tokens per sequence, 256 programs on 132
     multiprocessors, three segments each took a fwd+bwd of linear attention from 2.09 to 2.58 ms and with decay from
     5.38 to 6.24, while at 32K, 64 programs, nine segments each beat three by 4 to 11%:
-    benchmarks/results/2026-12-04-h200/tune-linear-programs.json). decay_update_dot is how the forward of `linear_attn`
+    benchmarks/results/2026-12-04-h200/tune-linear-programs.json; on an H100, eight programs per multiprocessor
+    beat four, twelve and sixteen at 32K and 128K, a fwd+bwd with decay at 128K 11.55 ms at four, 10.30 at eight:
+    benchmarks/results/2026-12-06-h100/tune-programs*.json). level_programs_per_sm: log-linear attention's level
+    pass narrows its value tiles while its programs number fewer than this many per multiprocessor. decay_update_dot is how the forward of `linear_attn`
     with decay, when no final state is asked for, feeds its state update `keys^T @ (values * decay)` to the tensor
     cores on bf16/fp16 inputs (`precision.UPDATE_DOTS`, chunk_states.update_dot; every other pass splits):
     "rounded", the default, one product of the decayed values rounded to the input dtype (o's error at most 1.3x the
@@ -101,7 +104,8 @@ class KernelConfig:
     block_c: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    programs_per_sm: int = 4
+    programs_per_sm: int = 8
+    level_programs_per_sm: int = 4
     split_fill: float = 1.0
     decay_update_dot: str = "rounded"
     min_segment_chunks: int = 4

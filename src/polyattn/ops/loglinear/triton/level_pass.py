@@ -246,7 +246,7 @@ def level_pass(
     LOG_C = C.bit_length() - 1
     NLC = max(L - LOG_C - 1, 1)
     BA, BC = block(DA), min(block(DC), config.block_c)
-    target = config.programs_per_sm * num_sms(a.device)
+    target = config.level_programs_per_sm * num_sms(a.device)
     while BC > 16 and N * H * triton.cdiv(DC, BC) < target:  # few sequences x heads: narrower value tiles, more programs
         BC //= 2
     n_c = triton.cdiv(DC, BC)
