@@ -5,12 +5,11 @@ product needs every dimension at least 16, for one. A kernel can pass every inte
 to compile on the GPU (the chunked KATA reads did, at a group width of 8). Here each family's Triton form runs
 forward and backward, and one decoding token, under the interpreter at small shapes in bf16 and fp32 while
 every launch is recorded (kernel, argument types, constexprs, warps and stages); a process without the
-interpreter then lowers each distinct launch through Triton's front end and its GPU passes for sm_90
-(`python tests/ops/triton/test_hopper_compile.py LAUNCHES.json`).
+interpreter then lowers each distinct launch through Triton's front end and its GPU passes for sm_90, the
+bf16 launches on the tensor-core branch the interpreter never takes (`polyattn.ops.triton.launches`).
 """
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -20,37 +19,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from polyattn.ops.triton.launches import recording
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
-POINTER_TYPES = {
-    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64",
-    torch.int32: "i32", torch.int64: "i64", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
-}
-
-
-def describe(fn, args: tuple, kwargs: dict) -> dict:
-    """One launch of the Python kernel `fn` as the compiler sees it: `{module, name, signature, constexprs,
-    options}`, tensors as typed pointers, None and the `tl.constexpr` parameters as constexprs."""
-    params = inspect.signature(fn).parameters
-    bound = inspect.signature(fn).bind(*args, **{n: v for n, v in kwargs.items() if n not in LAUNCH_OPTIONS})
-    signature, constexprs = {}, {}
-    for name, param in params.items():
-        value = bound.arguments.get(name, param.default)
-        if "constexpr" in str(param.annotation) or value is None:
-            signature[name] = "constexpr"
-            constexprs[name] = value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + POINTER_TYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        else:
-            raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__}")
-    options = {n: kwargs[n] for n in LAUNCH_OPTIONS if n in kwargs}
-    return dict(module=fn.__module__, name=fn.__name__, signature=signature, constexprs=constexprs, options=options)
 
 
 def run_forms(dtype: torch.dtype) -> None:
@@ -110,75 +81,23 @@ def all_kernels() -> set:
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="on a GPU every test compiles the kernels it launches for the GPU itself")
-def test_every_launched_kernel_compiles_for_hopper(tmp_path, monkeypatch):
-    from triton.runtime.interpreter import InterpretedFunction
-
+def test_every_launched_kernel_compiles_for_hopper(tmp_path):
     from polyattn.ops.triton.plan import KernelConfig, use_config
 
-    launches = {}
-    run = InterpretedFunction.run
-
-    def recording(self, *args, grid, warmup, **kwargs):
-        if self.fn.__module__.startswith("polyattn."):
-            launch = describe(self.fn, args, kwargs)
-            launches[json.dumps(launch, sort_keys=True)] = launch
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", recording)
     small = KernelConfig(kata_block_m=32, kata_block_n=16, kata_chunk_size=64, kata_read_block=32)
     split = replace(small, split_fill=1e9, min_segment_chunks=1, delta_fused_outputs=False, delta_split_fill=1e9,
                     delta_split_backward=True, deltakata_chunk_size=16, deltakata_state_interval=2)  # the other paths
-    for config, dtypes in ((small, (torch.bfloat16, torch.float32)), (split, (torch.bfloat16,))):
-        with use_config(config):
-            for dtype in dtypes:
-                run_forms(dtype)
-    missing = all_kernels() - {(x["module"], x["name"]) for x in launches.values()}
+    with recording() as launches:
+        for config, dtypes in ((small, (torch.bfloat16, torch.float32)), (split, (torch.bfloat16,))):
+            with use_config(config):
+                for dtype in dtypes:
+                    run_forms(dtype)
+    missing = all_kernels() - {(x["module"], x["name"]) for x in launches}
     assert not missing, f"kernels no form launched here: {sorted(missing)}"
     path = tmp_path / "launches.json"
-    path.write_text(json.dumps(list(launches.values())))
+    path.write_text(json.dumps(launches))
     env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, __file__, str(path)], env=env, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run([sys.executable, "-m", "polyattn.ops.triton.launches", str(path)], env=env, capture_output=True,
+                          text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert f"{len(launches)} launches lowered" in done.stdout, done.stdout[-2000:]
-
-
-def lower_for_hopper(launch: dict) -> None:
-    """Triton's front end and GPU passes (`ttir`, `ttgir`) on one recorded launch, for sm_90."""
-    import importlib
-
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
-
-    fn = getattr(importlib.import_module(launch["module"]), launch["name"])
-    constexprs = {(fn.arg_names.index(n),): v for n, v in launch["constexprs"].items()}
-    src = ASTSource(fn=fn, signature=launch["signature"], constexprs=constexprs)
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    options = backend.parse_options(launch["options"])
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
-    stages, metadata = {}, {}
-    backend.add_stages(stages, options, src.language)
-    stages["ttgir"](stages["ttir"](module, metadata), metadata)
-
-
-def main(path: str) -> int:
-    launches = json.loads(open(path).read())
-    failed = 0
-    for launch in launches:
-        try:
-            lower_for_hopper(launch)
-        except Exception as exc:  # noqa: BLE001 -- every failing launch is reported, then the process fails
-            failed += 1
-            print(f"FAILED {launch['module']}.{launch['name']} {launch['constexprs']} {launch['options']}:\n"
-                  f"{type(exc).__name__}: {str(exc)[-1500:]}\n")
-    print(f"{len(launches) - failed} of {len(launches)} launches lowered for sm_90" if failed else f"{len(launches)} launches lowered")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    assert f"{len(launches)} of {len(launches)} launches lowered" in done.stdout, done.stdout[-2000:]
