@@ -83,7 +83,8 @@ def hopper_source(launch: dict):
     if "F32" in constexprs and {"*bf16", "*fp16"} & set(launch["signature"].values()):
         constexprs["F32"] = False
     fn = getattr(importlib.import_module(launch["module"]), launch["name"])
-    src = ASTSource(fn=fn, signature=launch["signature"], constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
+    positions = {(fn.arg_names.index(n),): v for n, v in constexprs.items()}
+    src = ASTSource(fn=fn, signature=launch["signature"], constexprs=positions)
     return src, dict(num_warps=launch["num_warps"], num_stages=launch["num_stages"])
 
 
