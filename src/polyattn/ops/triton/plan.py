@@ -38,7 +38,8 @@ class KernelConfig:
     benchmarks/results/2026-12-06-h100/tune-programs*.json). level_programs_per_sm: log-linear attention's level
     pass narrows its value tiles while its programs number fewer than this many per multiprocessor.
     decay_update_dot is how the forward of `linear_attn` with decay, when no final state is asked for, feeds its
-    state update `keys^T @ (values * decay)` to the tensor cores on bf16/fp16 inputs (`precision.UPDATE_DOTS`, chunk_states.update_dot; every other pass splits):
+    state update `keys^T @ (values * decay)` to the tensor cores on bf16/fp16 inputs (`precision.UPDATE_DOTS`,
+    chunk_states.update_dot; every other pass splits):
     "rounded", the default, one product of the decayed values rounded to the input dtype (o's error at most 1.3x the
     split's, under the interpreter at the tests' CPU shapes, six seeds); "split" two products of their halves (on the H200 at 8K tokens the forward took 0.85 ms
     split, 0.72 rounded: benchmarks/results/2026-12-04-h200/tune-update-dot-call10.json). The delta rule's kernels hold more fp32 tiles

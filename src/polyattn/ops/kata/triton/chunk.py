@@ -178,7 +178,8 @@ def kata_read_kernel(
     """grid: (tiles, H). `prior [N_tok, H, V + 1]` fp32 for one tile of BT tokens of one chunk and head,
     the bilinear form read row block by row block of the state: for every group i reading a slot and every
     e < E, `Σ_f q_if S_(e,f) = Q_i [S | z]_e` (`[BT, BF] @ [BF, V]`, BF = E padded to at least 16 for the
-    tensor cores, the fp32 rows split in two halves, q exact), weighted by the column `q_ie`, then the rows by `scale² exp(G_t - G_{cs-1})`; ψ is never built.
+    tensor cores, the fp32 rows split in two halves, q exact), weighted by the column `q_ie`, then the rows
+    by `scale² exp(G_t - G_{cs-1})`; ψ is never built.
     `tiles` rows: `(t0, t1, chunk, .)`, the chunk indexing `hs`, `zs` and `starts` (its first token)."""
     i_h, t0, i_c, t, m_t, o_f, o_v, m_v = read_tile(tiles, V, BF, BT, BV)
     b_w = tl.full([BT], scale2, dtype=tl.float32)
