@@ -297,8 +297,8 @@ def feature_blocks(K: int, V: int, groups: int, combine: str, state_block: int) 
     """The chunked form's feature tiling: the group width `E` (a power of two, at least 4: its rows of the
     state are whole tiles), `BF = E` (the walks' feature tile), `BR` (the reads' feature tile: E, at least 16
     for the tensor cores, the columns past E masked), the block of `BE` rows of e per program (`BE·E` lifted
-    features: about `state_block`, at most 8,192 fp32 state values with the whole padded V, at least 16 for the tensor
-    cores), `NE` blocks per slot, the slots and `P`. ValueError for another E."""
+    features: about `state_block`, at most 8,192 fp32 state values with the whole padded V, at least 16 for
+    the tensor cores), `NE` blocks per slot, the slots and `P`. ValueError for another E."""
     E = K // groups
     if E < 4 or E & (E - 1):
         raise ValueError(f"impl='triton_chunk': expected K / groups a power of two >= 4, got K = {K}, groups = {groups}")
