@@ -1,6 +1,6 @@
 """Per-kernel CUDA time of one `delta_rule(impl="triton")` forward + backward (torch.profiler).
 
-python benchmarks/profile_delta.py [--T 8192 ...] [--warps 4 8] [--block-v 32 64] [--fp32-dot split tf32 rounded] [--out FILE]
+python benchmarks/profile_delta.py [--T 8192 ...] [--warps 4 8] [--block-v 32 64] [--fp32-dot split rounded] [--out FILE]
 Standard shape: bf16, H = 16, K = V = 128, B = 65536 // T. Prints each kernel's mean time per call.
 """
 import argparse

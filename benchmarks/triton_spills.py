@@ -106,7 +106,8 @@ def delta_rule() -> None:
     delta = dict(C=64, BK=128, USE_G=True, F32=False)
     print(f"wy (delta) C64 warps4: {resources(wy_kernel, delta, 4, 2)}")
     print(f"wy factors BD64 warps4: {resources(wy_factors_kernel, dict(C=64, BD=64, USE_G=True, F32=False), 4, 2)}")
-    print(f"grad factors BD64 warps4: {resources(delta_grad_factors_kernel, dict(delta, BD=64, FP32_DOT=0), 4, 2)}")
+    halves = dict(ys="*bf16", ys_lo="*bf16")  # Y stored as its two bf16 halves (function.y_factor)
+    print(f"grad factors BD64 warps4: {resources(delta_grad_factors_kernel, dict(delta, BD=64, FP32_DOT=0), 4, 2, halves)}")
     for BV in (32, 64):
         for warps in (4, 8):
             rec = dict(delta, BV=BV, FP32_DOT=0)
@@ -115,7 +116,7 @@ def delta_rule() -> None:
                 print(f"delta states     BV{BV} warps{warps} save {save:d} outputs {out:d}: {resources(delta_states_kernel, walk, warps, 2)}")
             print(f"delta outputs    BV{BV} warps{warps}: {resources(delta_outputs_kernel, rec, warps, 2)}")
             print(f"delta state grad BV{BV} warps{warps}: "
-                  f"{resources(delta_state_grad_kernel, dict(rec, USE_DHT=True, STORE_DH0=False, SAVE=True, LEAD=0), warps, 2)}")
+                  f"{resources(delta_state_grad_kernel, dict(rec, USE_DHT=True, STORE_DH0=False, SAVE=True, LEAD=0), warps, 2, halves)}")
             print(f"delta score grads BV{BV} warps{warps}: {resources(delta_score_grads_kernel, dict(rec, BK=64), warps, 2)}")
             print(f"delta grads BK64 BV{BV} warps{warps}: {resources(delta_grads_kernel, dict(rec, BK=64), warps, 2)}")
 

@@ -21,7 +21,7 @@ PRESETS = {  # the launch parameters each family's kernels read
                dict(block_c=32), dict(programs_per_sm=2), dict(programs_per_sm=4), dict(chunk_size=128, num_warps=8),
                dict(chunk_size=32), dict(decay_update_dot="split")],
     "delta": [dict(), dict(delta_block_v=64), dict(delta_num_warps=8), dict(delta_chunk_warps=4), dict(delta_out_block_v=32),
-              dict(delta_fp32_dot="tf32"), dict(delta_fp32_dot="rounded"), dict(gdn_block_v=16), dict(gdn_block_v=64),
+              dict(delta_narrow_per_sm=0), dict(delta_fp32_dot="rounded"), dict(gdn_block_v=16), dict(gdn_block_v=64),
               dict(delta_split_per_sm=0), dict(delta_split_backward=True), dict(delta_grad_block_v=64),
               dict(delta_grad_block_k=128, delta_chunk_warps=8)],
     "kata": [dict(), dict(kata_score_dot="rounded"), dict(kata_num_warps=4, kata_bwd_warps=4), dict(kata_num_stages=3),

@@ -217,6 +217,32 @@ def test_split_policy():
     assert segments(replace(config, delta_split_per_sm=0), long, H) == 1, "0 turns the split off"
 
 
+def test_value_tile_policy():
+    """An unsplit recurrence halves its value tile, down to 16, while its walks number at most
+    `delta_narrow_per_sm` per multiprocessor."""
+    from polyattn.ops.delta.triton.function import value_tile
+    from polyattn.ops.triton.plan import KernelConfig, num_sms
+
+    device = torch.device(DEVICE)
+    sms, config = num_sms(device), KernelConfig(delta_block_v=64, delta_narrow_per_sm=1.0)
+    assert value_tile(config, 1, sms, 128, device) == 64, "two walks per multiprocessor: the configured tile"
+    assert value_tile(config, 1, sms, 64, device) == 32, "one walk per multiprocessor: halved once"
+    assert value_tile(replace(config, delta_narrow_per_sm=sms), 1, 1, 128, device) == 16, "halved down to 16, no further"
+    assert value_tile(config, 1, 1, 12, device) == 16, "V under the tile: its power of two"
+    assert value_tile(replace(config, delta_narrow_per_sm=0), 1, 1, 128, device) == 64, "0 never narrows"
+
+
+@pytest.mark.parametrize("narrow", [1.0, 0.0], ids=["narrowed", "configured"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_triton_value_tiles(dtype, narrow):
+    """The walks at the configured value tile and at the narrowed one (`value_tile`: on the GPU the tests' few walks
+    narrow it to 16; `delta_narrow_per_sm = 0` keeps the configured 32), every gradient through o and the final state."""
+    with use_config(replace(get_config(), delta_narrow_per_sm=narrow)):
+        assert_low_precision_matches(
+            delta_rule_naive, delta_rule_chunk, delta_rule_triton, _inputs(1, 300, True, seed=45), _h0(1, 46), dtype,
+        )
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["one-walk", "segments"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-outputs", "output-kernel"])
 @pytest.mark.parametrize("field", ["k", "v"])

@@ -52,15 +52,25 @@ class KernelConfig:
     on the H200 at 8K tokens a forward + backward took 11.31 ms, 12.65 with value tiles of 64, 15.18 with key tiles of
     128, and value tiles of 128 ran out of shared memory: benchmarks/results/2026-12-04-h200/tune-delta-grad-tiles-call13.txt); delta_fp32_dot how their fp32 x fp32
     products run on bf16/fp16 inputs (`precision.FP32_DOTS`: "split", the default, keeps the
-    tests' error bound; "tf32" and "rounded" trade accuracy for fewer tensor-core products and
-    are there to be measured); delta_fused_outputs whether the recurrence forms the outputs (None: when its
-    programs number at least twice the multiprocessors; on the H200 fused took 2.95 / 2.94 ms against 3.29 / 3.26 at
-    2K / 8K tokens per sequence, 4.10 / 13.9 against 4.07 / 11.8 at 32K / 128K: tune-delta-fused-outputs-call29.json). delta_split_per_sm
+    tests' error bound; "rounded" trades accuracy for fewer tensor-core products and is there to be measured:
+    at the GPU test shape dg's error is 1.9x its bound, 2026-12-06-h100/delta-precision-call8.json. A third mode, one
+    tf32 product, was slower at 8K on an H100 (fwd+bwd 12.05 against 11.85 ms: tune-delta-bv16-tf32-call7.txt) and
+    gave a non-finite dk at that shape (delta-precision-call8.json), so it was taken out); delta_fused_outputs whether the recurrence forms the outputs (None: when its
+    programs outnumber the multiprocessors; on the H200 fused took 2.95 / 2.94 ms against 3.29 / 3.26 at
+    2K / 8K tokens per sequence, 4.10 / 13.9 against 4.07 / 11.8 at 32K / 128K with 128 / 64 walks:
+    tune-delta-fused-outputs-call29.json; on an H100 at 32K with 256 walks of 16 columns, 3.64 ms and 0.50 GiB fused
+    against 3.75 and 2.00: 2026-12-06-h100/tune-delta-narrow-call8.txt). delta_split_per_sm
     cuts sequences into segments of whole chunks, aiming at this many recurrence programs per multiprocessor (0:
     never), when the unsplit walks would fill at most delta_split_fill of the multiprocessors; the reverse recurrence
     too only with delta_split_backward (ops/delta/README.md, "Segments": on the H200 the split took the forward at
     128K from 12.57 to 9.83 ms and its peak from 4.0 to 1.0 GiB, but with the reverse one split too the fwd+bwd from
     34.5 to 37.0 ms, and the forward at 32K, whose 128 walks fill the GPU, from 4.17 to 4.70: tune-delta-split.json).
+    An unsplit recurrence halves its value tile (down to 16) while its walks number at most delta_narrow_per_sm per
+    multiprocessor (0: never; delta.triton.function.value_tile): on an H100 value tiles of 16 everywhere took the
+    32K fwd+bwd from 12.42 to 11.90 ms and the 128K one from 32.54 to 29.01, but the 8K one from 11.85 to 12.34, where
+    the walks fill the GPU (benchmarks/results/2026-12-06-h100/tune-delta-bv16-tf32-call7.txt); narrowed only below
+    one walk per multiprocessor, the 32K forward took 3.75 ms against 4.29 and the fwd+bwd at 32K / 128K 11.72 /
+    30.14 against 12.17 / 32.06, 2K and 8K unchanged (tune-delta-narrow-call8.txt).
     KATA's quadratic kernels (ops/kata/triton) tile queries by kata_block_m and keys by kata_block_n (kata_block_m a multiple of it: kata_block_m / kata_block_n
     key tiles per diagonal; both for G <= 2 groups and bf16/fp16, divided by G / 2 for more groups and
     by 2 for fp32 inputs, at least 16: ops/kata/README.md, "Forward tiling"), run kata_num_warps (forward) and kata_bwd_warps (the two gradient kernels) warps
@@ -121,6 +131,7 @@ class KernelConfig:
     delta_split_per_sm: int = 4
     delta_split_fill: float = 0.5
     delta_split_backward: bool = False
+    delta_narrow_per_sm: float = 1.0
     kata_block_m: int = 128
     kata_block_n: int = 64
     kata_num_warps: int = 8

@@ -107,7 +107,7 @@ def mma_right_acc_ref(x: torch.Tensor, y: torch.Tensor, acc: torch.Tensor, mode:
 
 UPDATE_DOTS = {"split": 0, "rounded": 2}  # how mma_right_acc runs on bf16/fp16 inputs (KernelConfig.decay_update_dot)
 SPLIT = tl.constexpr(UPDATE_DOTS["split"])  # mma_right_acc's MODE where no config chooses
-FP32_DOTS = {"split": 0, "tf32": 1, "rounded": 2}  # how mma_fp32 runs on bf16/fp16 inputs
+FP32_DOTS = {"split": 0, "rounded": 2}  # how mma_fp32 runs on bf16/fp16 inputs (the numbers are mma_right_acc's too)
 
 
 def fp32_dot_mode(config, field: str, modes: dict = FP32_DOTS) -> int:
@@ -123,12 +123,10 @@ def fp32_dot_mode(config, field: str, modes: dict = FP32_DOTS) -> int:
 def mma_fp32(x, y, dtype: tl.constexpr, F32: tl.constexpr, MODE: tl.constexpr):
     """`x @ y` for two fp32 operands. With F32 (fp32 inputs, the interpreter) one IEEE product;
     else by MODE (`FP32_DOTS`): 0 both split in `dtype` halves, the `lo @ lo` term (~2^-16
-    relative) dropped, three products; 1 one tf32 product (10-bit mantissas); 2 both rounded to
-    `dtype`, one product (what a kernel without the split does)."""
+    relative) dropped, three products; 2 both rounded to `dtype`, one product (what a kernel without
+    the split does)."""
     if F32:
         return tl.dot(x, y, input_precision="ieee")
-    if MODE == 1:
-        return tl.dot(x, y, input_precision="tf32")
     x_hi = x.to(dtype)  # downcast: high part
     y_hi = y.to(dtype)  # downcast: high part
     if MODE == 2:
@@ -136,6 +134,28 @@ def mma_fp32(x, y, dtype: tl.constexpr, F32: tl.constexpr, MODE: tl.constexpr):
     x_lo = (x - x_hi.to(tl.float32)).to(dtype)  # downcast: rounding error of the high part
     y_lo = (y - y_hi.to(tl.float32)).to(dtype)  # downcast: rounding error of the high part
     return tl.dot(x_hi, y_hi) + tl.dot(x_lo, y_hi) + tl.dot(x_hi, y_lo)
+
+
+@triton.jit
+def mma_halves(x_hi, x_lo, y, F32: tl.constexpr, MODE: tl.constexpr):
+    """`x @ y` for an fp32 `x` stored as its two input-dtype halves (`x_hi` = x rounded, `x_lo` = the
+    rounding error rounded: `split_halves`), so a loop that reads it need not split it again, and an fp32 `y`:
+    `mma_fp32`'s products (MODE 0: three, 2: `x_hi` with y rounded). An fp32 `x_hi` is x itself (fp32
+    inputs: one IEEE product, `x_lo` unread)."""
+    if x_hi.dtype == tl.float32:
+        return tl.dot(x_hi, y, input_precision="ieee")
+    y_hi = y.to(x_hi.dtype)  # downcast: high part
+    if MODE == 2:
+        return mma(x_hi, y_hi, F32)
+    y_lo = (y - y_hi.to(tl.float32)).to(x_hi.dtype)  # downcast: rounding error of the high part
+    return mma(x_hi, y_hi, F32) + mma(x_lo, y_hi, F32) + mma(x_hi, y_lo, F32)
+
+
+@triton.jit
+def split_halves(x, dtype: tl.constexpr, F32: tl.constexpr):
+    """fp32 `x` as two `dtype` values, `(hi, lo)`: hi = x rounded to nearest, lo = its rounding error rounded."""
+    x_hi = to_output(x, dtype, F32)  # downcast: high part, nearest even
+    return x_hi, to_output(x - x_hi.to(tl.float32), dtype, F32)  # downcast: rounding error of the high part
 
 
 @triton.jit

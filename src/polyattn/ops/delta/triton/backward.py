@@ -35,20 +35,22 @@ import triton.language as tl
 
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.plan import block
-from polyattn.ops.triton.precision import SPLIT, dot_f32, mma, mma_fp32, mma_left_fp32, mma_right_acc, to_output
+from polyattn.ops.triton.precision import SPLIT, dot_f32, mma, mma_fp32, mma_halves, mma_left_fp32, mma_right_acc, to_output
 
-from .forward import chunk_program, chunk_scores, sequence_tile, value_rows
+from .forward import chunk_program, chunk_scores, chunk_tile_program, sequence_tile, value_rows
 from .wy import factor_tiles
 
 
 @triton.jit
 def delta_grad_factors_kernel(
-    q, k, do, g, t_inv, chunks, xs, ys, scale, H, K, V,
+    q, k, do, g, t_inv, chunks, xs, ys, ys_lo, scale, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
-    """grid: (num_chunks, H). `X = (Tinv^T A_qk^T) dO` and `Y = (Tinv^T diag(exp(gc_last - gc))) K`
-    of one chunk, in [C, BD] column tiles (fp32 left factors split in two halves)."""
+    """grid: (num_chunks, H). `X = (Tinv^T A_qk^T) dO` (fp32) and `Y = (Tinv^T diag(exp(gc_last - gc))) K` of one
+    chunk, in [C, BD] column tiles (fp32 left factors split in two halves). Y is stored fp32, or, when `ys` has
+    the input dtype, as its two halves in `ys` and `ys_lo`: split once here rather than by every value tile of
+    the reverse recurrence in every chunk."""
     _, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
     o_k = tl.arange(0, BK)
     row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
@@ -60,13 +62,13 @@ def delta_grad_factors_kernel(
     b_att = chunk_scores(b_q, b_k, b_g, b_gc, b_last, scale, F32)  # [C, C]
     b_gs = chunk_suffix(b_g, b_gc, b_last, F32)  # [C]
     b_m = mma_fp32(tl.trans(b_tinv), tl.trans(b_att), b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, C]: Tinv^T A_qk^T
-    factor_tiles(do, b_m, xs, t, m_t, H, i_h, V, C, C, BD, F32, False, False)
-    factor_tiles(k, tl.trans(b_tinv) * tl.exp2(b_gs)[None, :], ys, t, m_t, H, i_h, K, C, C, BD, F32, False, False)
+    factor_tiles(do, b_m, xs, xs, t, m_t, H, i_h, V, C, C, BD, F32, False, False)
+    factor_tiles(k, tl.trans(b_tinv) * tl.exp2(b_gs)[None, :], ys, ys_lo, t, m_t, H, i_h, K, C, C, BD, F32, False, False)
 
 
 @triton.jit
 def delta_state_grad_kernel(
-    q, k, do, beta, g, xs, ys, seqs, cu_chunks, dht, dh0, dhs, drs,
+    q, k, do, beta, g, xs, ys, ys_lo, seqs, cu_chunks, dht, dh0, dhs, drs,
     scale, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, SAVE: tl.constexpr, F32: tl.constexpr,
@@ -93,10 +95,14 @@ def delta_state_grad_kernel(
         m_tk = m_t[:, None] & m_k[None, :]
         row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_y = tl.load(ys + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
+        b_y = tl.load(ys + row_k, mask=m_tk, other=0.0)  # [C, BK]: Y, or its high half
+        if ys.dtype.element_ty == tl.float32:
+            b_y_lo = b_y  # Y itself: one IEEE product, no low half
+        else:
+            b_y_lo = tl.load(ys_lo + row_k, mask=m_tk, other=0.0)  # [C, BK]: its low half
         b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
         b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
-        b_dr = value_rows(xs, t, H, i_h, V, o_v, m_tv, LEAD) + mma_fp32(b_y, b_dh, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]
+        b_dr = value_rows(xs, t, H, i_h, V, o_v, m_tv, LEAD) + mma_halves(b_y, b_y_lo, b_dh, F32, FP32_DOT)  # [C, BK] @ [BK, BV]
         if SAVE:
             tl.store(drs + row_v, b_dr, mask=m_tv)
         b_do = value_rows(do, t, H, i_h, V, o_v, m_tv, LEAD)  # [C, BV]
@@ -165,7 +171,7 @@ def delta_grads_kernel(
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
-    """grid: (num_chunks, H, cdiv(K, BK)). One program per chunk, head and key tile: over the value
+    """grid: (cdiv(K, BK) * num_chunks, H) (`chunk_tile_program`). One program per chunk, head and key tile: over the value
     tiles it accumulates the state-side products `dO h^T`, `U dh'^T`, `dR h^T` ([C, BK] fp32),
     then adds the score-side ones from `delta_score_grads_kernel`'s tiles:
 
@@ -174,8 +180,7 @@ def delta_grads_kernel(
 
     and writes its dq, dk columns, its share of dbeta, `-exp(gc) rowsum(K ⊙ dR h^T)` (the
     `-rowsum(dR ⊙ exp(gc) K h)` term), and of `q . dq` (per key tile, summed on the host)."""
-    i_ch, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
-    i_k = tl.program_id(2)
+    i_k, i_ch, i_h, _, _, o_t, t, m_t = chunk_tile_program(chunks, tl.cdiv(K, BK), C)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]

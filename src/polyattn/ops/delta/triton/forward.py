@@ -51,15 +51,32 @@ def chunk_scores(b_q, b_k, b_g, b_gc, b_last, scale, F32: tl.constexpr):
 
 
 @triton.jit
-def chunk_program(chunks, C: tl.constexpr):
-    """This program's chunk and head in a (chunk, head, ...) grid and the chunk's rows:
-    `(i_ch, i_h, bos, eos, o_t, t, m_t)`, `t = bos + o_t` masked by `m_t = t < eos`."""
-    i_ch, i_h = tl.program_id(0), tl.program_id(1)
+def chunk_rows(chunks, i_ch, C: tl.constexpr):
+    """Chunk `i_ch`'s rows: `(bos, eos, o_t, t, m_t)`, `t = bos + o_t` masked by `m_t = t < eos`."""
     bos = tl.load(chunks + i_ch * 4).to(tl.int64)
     eos = tl.load(chunks + i_ch * 4 + 1).to(tl.int64)
     o_t = tl.arange(0, C)
     t = bos + o_t
-    return i_ch, i_h, bos, eos, o_t, t, t < eos
+    return bos, eos, o_t, t, t < eos
+
+
+@triton.jit
+def chunk_program(chunks, C: tl.constexpr):
+    """This program's chunk and head in a (chunk, head, ...) grid and the chunk's rows:
+    `(i_ch, i_h, bos, eos, o_t, t, m_t)` (`chunk_rows`)."""
+    i_ch, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos, o_t, t, m_t = chunk_rows(chunks, i_ch, C)
+    return i_ch, i_h, bos, eos, o_t, t, m_t
+
+
+@triton.jit
+def chunk_tile_program(chunks, tiles, C: tl.constexpr):
+    """This program's tile, chunk and head in a (tiles * chunks, head) grid, the tile axis fastest so that
+    the `tiles` programs of one chunk run side by side and share its loads through L2:
+    `(i_tile, i_ch, i_h, bos, eos, o_t, t, m_t)`."""
+    i_tile, i_ch, i_h = tl.program_id(0) % tiles, tl.program_id(0) // tiles, tl.program_id(1)
+    bos, eos, o_t, t, m_t = chunk_rows(chunks, i_ch, C)
+    return i_tile, i_ch, i_h, bos, eos, o_t, t, m_t
 
 
 @triton.jit
@@ -139,11 +156,10 @@ def delta_outputs_kernel(
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
-    """grid: (num_chunks, H, cdiv(V, BV)). `O = A_qk U + diag(exp(gc)) (scale Q) h` for one chunk,
-    head and value tile, from the stored U and entering state h: every chunk in parallel; the rows
+    """grid: (cdiv(V, BV) * num_chunks, H) (`chunk_tile_program`). `O = A_qk U + diag(exp(gc)) (scale Q) h` for
+    one chunk, head and value tile, from the stored U and entering state h: every chunk in parallel; the rows
     from the chunk's first non-finite token (`firsts`, or a value of this tile) on are NaN."""
-    i_ch, i_h, _, _, _, t, m_t = chunk_program(chunks, C)
-    i_v = tl.program_id(2)
+    i_v, i_ch, i_h, _, _, _, t, m_t = chunk_tile_program(chunks, tl.cdiv(V, BV), C)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K

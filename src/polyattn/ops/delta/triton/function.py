@@ -39,11 +39,11 @@ def _num_chunks(seq_lens, C: int) -> int:
 
 def fused_outputs(config, walks: int, device) -> bool:
     """Whether the recurrence forms the outputs (`KernelConfig.delta_fused_outputs`; None: when its `walks`
-    programs number at least twice the multiprocessors, so that the outputs' work is spread as widely
-    as the per-chunk kernel would spread it)."""
+    programs outnumber the multiprocessors, so that the outputs' work is spread about as widely as the
+    per-chunk kernel would spread it)."""
     if config.delta_fused_outputs is not None:
         return config.delta_fused_outputs
-    return walks >= 2 * num_sms(device)
+    return walks > num_sms(device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -101,6 +101,24 @@ def split(config, seq_lens: tuple, H: int, V: int, BV: int, C: int, device, *, b
     return split_plan(seq_lens, segments, C, str(device)) if segments > 1 else None
 
 
+def value_tile(config, n_seqs: int, H: int, V: int, device) -> int:
+    """The value tile of an unsplit recurrence: `delta_block_v`, halved down to 16 while its `n_seqs * H *
+    cdiv(V, BV)` walks number at most `delta_narrow_per_sm` per multiprocessor. A walk is a chain of dependent
+    products per chunk, so with one walk or none on most multiprocessors twice the narrower walks finish sooner
+    (ops/delta/README.md, "Segments")."""
+    BV = min(block(V), config.delta_block_v)
+    while BV > 16 and n_seqs * H * triton.cdiv(V, BV) <= config.delta_narrow_per_sm * num_sms(device):
+        BV //= 2
+    return BV
+
+
+def y_factor(qf: torch.Tensor) -> torch.Tensor:
+    """The buffer of the reverse recurrence's factor Y (backward.py): `[1, N_tok, H, K]` fp32 for fp32 inputs,
+    else `[2, N_tok, H, K]` in their dtype, Y's two halves (the same bytes as fp32, split once)."""
+    halves = 1 if qf.dtype == torch.float32 else 2
+    return torch.empty(halves, *qf.shape, dtype=qf.dtype, device=qf.device)
+
+
 def identity_start(P: int, H: int, K: int, W: int, device) -> torch.Tensor:
     """`[I | 0]` for P segments: `[P, H, K, W]` fp32."""
     start = torch.zeros(P, H, K, W, dtype=torch.float32, device=device)
@@ -135,7 +153,7 @@ def leaving_gradients(qf, kf, dof, bf, gf, xs, ys, dht, plan: dict, *, scale: fl
     Nc = torch.empty_like(start)  # [P, H, K, K + V]
     none = no_output(kf)
     delta_state_grad_kernel[(triton.cdiv(W, BV), post.shape[0], H)](
-        qf, kf, dof, bf, gf, xs, ys, post, plan["post_chunks"], start, Nc, none, none, scale, H, K, W,
+        qf, kf, dof, bf, gf, xs, ys[0], ys[-1], post, plan["post_chunks"], start, Nc, none, none, scale, H, K, W,
         C=C, BK=block(K), BV=BV, USE_G=gf is not None, USE_DHT=True, STORE_DH0=True, SAVE=False,
         F32=dot_f32(qf.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"), LEAD=K,
         num_warps=config.delta_num_warps, num_stages=config.num_stages,
@@ -190,7 +208,9 @@ def delta_rule_forward(
     BK, BV = block(K), min(block(V), config.delta_block_v)
     plan = split(config, seq_lens, H, V, BV, C, q.device)
     walks, walk_chunks, walk_h0, walk_ht = seqs, chunks[1], h0, ht
-    if plan is not None:
+    if plan is None:
+        BV = value_tile(config, N, H, V, q.device)
+    else:
         walks, walk_chunks = plan["walks"], plan["walk_chunks"]
         walk_h0 = entering_states(kf, vf, bf, gf, t_inv, firsts, h0, plan, C=C, BV=BV, config=config)
         walk_ht = torch.empty_like(walk_h0) if store_ht else ht
@@ -210,7 +230,7 @@ def delta_rule_forward(
         ht = walk_ht[plan["ends"]]  # [S, H, K, V] -> [N, H, K, V]: the last segment's leaving state
     if not fused:
         BVO = min(block(V), config.delta_out_block_v)
-        delta_outputs_kernel[(chunks[2], H, triton.cdiv(V, BVO))](
+        delta_outputs_kernel[(triton.cdiv(V, BVO) * chunks[2], H)](
             qf, kf, vf, gf, us, hs, firsts, o, chunks[0], scale, H, K, V,
             C=C, BK=BK, BV=BVO, USE_G=USE_G, F32=F32, FP32_DOT=FP32_DOT,
             num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
@@ -246,21 +266,22 @@ def delta_rule_backward(
     dhs = torch.empty_like(hs)
     drs = torch.empty_like(us)
     BK, BV = block(K), min(block(V), config.delta_block_v)
-    n_v = triton.cdiv(V, BV)
     F32, FP32_DOT = dot_f32(qf.dtype), fp32_dot_mode(config, "delta_fp32_dot")
-    xs, ys = torch.empty_like(us), torch.empty(B * T, H, K, dtype=torch.float32, device=qf.device)
+    xs, ys = torch.empty_like(us), y_factor(qf)
     delta_grad_factors_kernel[(chunks[2], H)](
-        qf, kf, dof, gf, t_inv, chunks[0], xs, ys, scale, H, K, V,
+        qf, kf, dof, gf, t_inv, chunks[0], xs, ys[0], ys[-1], scale, H, K, V,
         C=C, BK=BK, BD=64, USE_G=gf is not None, F32=F32, FP32_DOT=FP32_DOT, num_warps=config.num_warps,
     )
     plan = split(config, seq_lens, H, V, BV, C, qf.device, backward=True)
     walks, walk_chunks, walk_dht, walk_dh0 = seqs, chunks[1], dht, dh0
-    if plan is not None:
+    if plan is None:
+        BV = value_tile(config, N, H, V, qf.device)
+    else:
         walks, walk_chunks = plan["walks"], plan["walk_chunks"]
         walk_dht = leaving_gradients(qf, kf, dof, bf, gf, xs, ys, dht, plan, scale=scale, C=C, BV=BV, config=config)
         walk_dh0 = torch.empty_like(walk_dht) if dh0 is not None else None
-    delta_state_grad_kernel[(n_v, walks.shape[0], H)](
-        qf, kf, dof, bf, gf, xs, ys, walks, walk_chunks, walk_dht, walk_dh0, dhs, drs,
+    delta_state_grad_kernel[(triton.cdiv(V, BV), walks.shape[0], H)](
+        qf, kf, dof, bf, gf, xs, ys[0], ys[-1], walks, walk_chunks, walk_dht, walk_dh0, dhs, drs,
         scale, H, K, V,
         C=C, BK=BK, BV=BV, USE_G=gf is not None, USE_DHT=walk_dht is not None, STORE_DH0=dh0 is not None, SAVE=True,
         F32=F32, FP32_DOT=FP32_DOT, LEAD=0, num_warps=config.delta_num_warps, num_stages=config.num_stages,
@@ -277,7 +298,7 @@ def delta_rule_backward(
     n_k = triton.cdiv(K, BKT)
     dq, dk = torch.empty_like(qf), torch.empty_like(kf)
     dbh, qdq = (torch.empty(n_k, B * T, H, dtype=torch.float32, device=qf.device) for _ in range(2))
-    delta_grads_kernel[(chunks[2], H, n_k)](
+    delta_grads_kernel[(n_k * chunks[2], H)](
         qf, kf, gf, bf, dof, chunks[0], hs, dhs, us, drs, dss, mms, dq, dk, dbh, qdq,
         scale, B * T, H, K, V,
         C=C, BK=BKT, BV=BVG, USE_G=gf is not None, F32=F32, FP32_DOT=FP32_DOT,

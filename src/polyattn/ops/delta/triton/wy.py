@@ -20,7 +20,7 @@ import triton.language as tl
 
 from polyattn.ops.triton.decay import chunk_decay, exact_segsum
 from polyattn.ops.triton.plan import block
-from polyattn.ops.triton.precision import dot_f32, first_nonfinite_row, mma, mma_left_fp32, zero_rows_from
+from polyattn.ops.triton.precision import dot_f32, first_nonfinite_row, mma, mma_left_fp32, split_halves, zero_rows_from
 
 from .forward import chunk_program
 
@@ -137,13 +137,14 @@ def wy_solve(k, beta, g, *, chunk_size: int, chunks, num_warps: int = 4):
 
 @triton.jit
 def factor_tiles(
-    x, b_left, out, t, m_t, H, i_h, D, first, C: tl.constexpr, BD: tl.constexpr, F32: tl.constexpr,
+    x, b_left, out, out_lo, t, m_t, H, i_h, D, first, C: tl.constexpr, BD: tl.constexpr, F32: tl.constexpr,
     CUT: tl.constexpr, CHECK: tl.constexpr,
 ):
     """`out = b_left @ x` over the rows `t` of one chunk, in [C, BD] column tiles of the D columns
-    (`b_left` fp32 [C, C], `x` in the input dtype, `out` fp32). CUT: x's rows from chunk row `first`
-    on enter as zeros, and with CHECK from a tile's first non-finite row on too. Returns the first
-    row so cut (`first` without CHECK)."""
+    (`b_left` fp32 [C, C], `x` in the input dtype; `out` fp32, or of the input dtype and then the result's two
+    halves in `out` and `out_lo`: `precision.split_halves`). CUT: x's rows from chunk row `first` on enter as zeros,
+    and with CHECK from a tile's first non-finite row on too. Returns the first row so cut (`first` without
+    CHECK)."""
     for i_d in range(0, tl.cdiv(D, BD)):
         o_d = i_d * BD + tl.arange(0, BD)
         rows = (t * H + i_h)[:, None] * D + o_d[None, :]  # [C, BD]
@@ -153,7 +154,13 @@ def factor_tiles(
             if CHECK:
                 first = tl.minimum(first, first_nonfinite_row(b_x))
             b_x = zero_rows_from(b_x, first)  # [C, BD]
-        tl.store(out + rows, mma_left_fp32(b_left, b_x, F32), mask=m)  # [C, C] @ [C, BD] -> [C, BD]
+        b_out = mma_left_fp32(b_left, b_x, F32)  # [C, C] @ [C, BD] -> [C, BD]
+        if out.dtype.element_ty != tl.float32:
+            b_hi, b_lo = split_halves(b_out, out.dtype.element_ty, F32)
+            tl.store(out + rows, b_hi, mask=m)
+            tl.store(out_lo + rows, b_lo, mask=m)
+        else:
+            tl.store(out + rows, b_out, mask=m)
     return first
 
 
@@ -173,8 +180,8 @@ def wy_factors_kernel(
     b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
     _, b_gc, _ = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C]
     b_tb = b_tinv * tl.where(keep, b_beta, 0.0)[None, :]  # Tinv diag(beta): [C, C]
-    factor_tiles(k, b_tb * tl.where(keep, tl.exp2(b_gc), 0.0)[None, :], w, t, m_t, H, i_h, K, first, C, BD, F32, True, False)
-    first = factor_tiles(v, b_tb, u_bar, t, m_t, H, i_h, V, first, C, BD, F32, True, True)
+    factor_tiles(k, b_tb * tl.where(keep, tl.exp2(b_gc), 0.0)[None, :], w, w, t, m_t, H, i_h, K, first, C, BD, F32, True, False)
+    first = factor_tiles(v, b_tb, u_bar, u_bar, t, m_t, H, i_h, V, first, C, BD, F32, True, True)
     tl.store(firsts + i_ch * H + i_h, first)
 
 
