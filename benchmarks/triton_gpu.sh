@@ -5,7 +5,8 @@
 # fla wheels in .whl/ (if any) are installed to /tmp/site first. Kernel compilation (CPU-bound)
 # runs in parallel with the tests before anything is timed (COMPILE_ARGS: its bench arguments, default
 # the benchmark's own, so only what will be timed is compiled: every op's kernels did not compile in 540 s
-# beside the tests on an H100). TESTS (pytest paths), TEST_TIMEOUT,
+# beside the tests on an H100). TESTS (pytest paths), TEST_WORKERS (default: one per 20 GiB of GPU memory, at most
+# six: six workers ran an H100's 80 GiB out of memory), TEST_TIMEOUT,
 # BENCH_TIMEOUT, DECODE_TIMEOUT, TUNE_TIMEOUT (default 0: off; TUNE_OPS, TUNE_ARGS for tune_kernels.py), PROFILE_TIMEOUT and
 # PRECISION_TIMEOUT (s; 0 skips the step) bound the steps. PROFILE_OPS (bench op names) adds the
 # per-kernel profile of those rows at PROFILE_T (default 8192) tokens per sequence, with PROFILE_ARGS
@@ -20,11 +21,13 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > /tmp/compile.log 2>&1
+gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)  # MiB
+workers=$(( ${gib:-122880} / 20480 )); workers=$(( workers > 6 ? 6 : workers < 1 ? 1 : workers ))
 if [ -n "${COMPILE_ARGS:-}" ]; then read -ra compile <<< "$COMPILE_ARGS"; else compile=("$@"); fi
 python3 -m polyattn.bench kernels --out /tmp/compile "${compile[@]}" --compile-only >> /tmp/compile.log 2>&1 &
 c1=$!
 tests=${TESTS:-tests/ops/delta/test_delta_triton.py tests/ops/triton tests/ops/linear/test_triton.py tests/ops/hla/test_hla_triton.py tests/ops/kata/test_kata_triton.py tests/ops/loglinear/test_loglinear_triton.py}
-timeout -s INT "${TEST_TIMEOUT:-300}" python3 -m pytest -n "${TEST_WORKERS:-6}" -q -p no:cacheprovider $tests -rA --durations=15 > "$out/test_triton_gpu.log" 2>&1
+timeout -s INT "${TEST_TIMEOUT:-300}" python3 -m pytest -n "${TEST_WORKERS:-$workers}" -q -p no:cacheprovider $tests -rA --durations=15 > "$out/test_triton_gpu.log" 2>&1
 grep -E "passed|failed" "$out/test_triton_gpu.log" | tail -n 2
 grep -E "^(FAILED|ERROR)" "$out/test_triton_gpu.log" | head -30
 wait $c1
