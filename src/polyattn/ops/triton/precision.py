@@ -107,7 +107,7 @@ def mma_right_acc_ref(x: torch.Tensor, y: torch.Tensor, acc: torch.Tensor, mode:
 
 UPDATE_DOTS = {"split": 0, "rounded": 2}  # how mma_right_acc runs on bf16/fp16 inputs (KernelConfig.decay_update_dot)
 SPLIT = tl.constexpr(UPDATE_DOTS["split"])  # mma_right_acc's MODE where no config chooses
-FP32_DOTS = {"split": 0, "rounded": 2}  # how mma_fp32 runs on bf16/fp16 inputs (the numbers are mma_right_acc's too)
+FP32_DOTS = {"split": 0, "rounded": 2}  # how mma_fp32 and mma_halves run on bf16/fp16 inputs (numbered as UPDATE_DOTS)
 
 
 def fp32_dot_mode(config, field: str, modes: dict = FP32_DOTS) -> int:
