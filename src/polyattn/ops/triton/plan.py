@@ -322,6 +322,15 @@ def plan_segments(seq_lens: tuple, H: int, DC: int, config: KernelConfig, device
     return min(triton.cdiv(target, base), max_segments)
 
 
+def narrow_block(BD: int, D: int, programs: int, at_most: float) -> int:
+    """Tile `BD` of a `D`-wide axis halved, down to 16, while `programs * cdiv(D, BD)` programs (`programs` per
+    tile) number at most `at_most`: sequential walks, one per tile, that leave the GPU idle become twice as many
+    narrower ones."""
+    while BD > 16 and programs * triton.cdiv(D, BD) <= at_most:
+        BD //= 2
+    return BD
+
+
 def token_cumsum(x64: torch.Tensor, width: int = 64) -> torch.Tensor:
     """Inclusive cumsum along the last dim of `x64 [H, N_tok]` (fp64) in two levels: within blocks of
     `width` tokens, then over the blocks' totals. torch scans one row per thread block, so the direct

@@ -21,8 +21,8 @@ import torch
 import triton
 
 from polyattn.ops.triton.plan import (
-    block, chunk_table, device_lengths, get_config, kernel_call, no_output, num_sms, plan_segments, reverse_cumsum,
-    segment_starts, segment_table,
+    block, chunk_table, device_lengths, get_config, kernel_call, narrow_block, no_output, num_sms, plan_segments,
+    reverse_cumsum, segment_starts, segment_table,
 )
 from polyattn.ops.triton.precision import dot_f32, fp32_dot_mode
 
@@ -106,10 +106,7 @@ def value_tile(config, n_seqs: int, H: int, V: int, device) -> int:
     cdiv(V, BV)` walks number at most `delta_narrow_per_sm` per multiprocessor. A walk is a chain of dependent
     products per chunk, so with one walk or none on most multiprocessors twice the narrower walks finish sooner
     (ops/delta/README.md, "Segments")."""
-    BV = min(block(V), config.delta_block_v)
-    while BV > 16 and n_seqs * H * triton.cdiv(V, BV) <= config.delta_narrow_per_sm * num_sms(device):
-        BV //= 2
-    return BV
+    return narrow_block(min(block(V), config.delta_block_v), V, n_seqs * H, config.delta_narrow_per_sm * num_sms(device))
 
 
 def y_factor(qf: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ import triton.language as tl
 from polyattn.ops.common.fenwick import level_table
 from polyattn.ops.linear.triton.chunk_states import add_keys_times_values
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays, select_scores
-from polyattn.ops.triton.plan import KernelConfig, block, get_config, num_sms, segment_table, state_tile
+from polyattn.ops.triton.plan import KernelConfig, block, get_config, narrow_block, num_sms, segment_table, state_tile
 from polyattn.ops.triton.precision import (
     SPLIT, dot_f32, first_nonfinite_row, mma, mma_left_fp32, mma_right_acc, mma_right_fp32, nan_rows_from, to_output,
     zero_rows_from,
@@ -245,10 +245,9 @@ def level_pass(
     C = chunk_size or config.chunk_size
     LOG_C = C.bit_length() - 1
     NLC = max(L - LOG_C - 1, 1)
-    BA, BC = block(DA), min(block(DC), config.block_c)
-    target = config.level_programs_per_sm * num_sms(a.device)
-    while BC > 16 and N * H * triton.cdiv(DC, BC) < target:  # few sequences x heads: narrower value tiles, more programs
-        BC //= 2
+    BA = block(DA)
+    target = config.level_programs_per_sm * num_sms(a.device)  # few sequences x heads: narrower value tiles while
+    BC = narrow_block(min(block(DC), config.block_c), DC, N * H, target - 1)  # the programs number fewer than this
     n_c = triton.cdiv(DC, BC)
     F32 = dot_f32(a.dtype)
     seg = segment_table(seq_lens, 1, C, a.device)[0]
