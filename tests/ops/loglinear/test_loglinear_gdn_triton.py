@@ -321,3 +321,18 @@ def test_gdn_gradients_through_the_final_state_are_rounded_once(T):
     for name in ("q", "k", "v", "beta"):
         got, ref = rel_err(fast[name], exact[name]), rel_err(base[name], exact[name])
         assert got <= 1.25 * ref, f"d{name}: {got:.2e} against the chunk form's {ref:.2e}"
+
+
+def test_gdn_value_tile_below_32_is_refused_on_the_gpu(monkeypatch):
+    """`gdn.value_tile`: the configured tile, at most the head's, and a ValueError (not an illegal memory access)
+    for tiles narrower than 32 when the kernels are compiled; the interpreter runs any width."""
+    from polyattn.ops.loglinear.triton import gdn
+    from polyattn.ops.triton.plan import KernelConfig
+
+    monkeypatch.setattr(gdn, "interpreting", lambda: False)
+    assert gdn.value_tile(KernelConfig(gdn_block_v=32), 128) == 32
+    assert gdn.value_tile(KernelConfig(gdn_block_v=64), 48) == 64  # block(48): the next power of two
+    with pytest.raises(ValueError, match="gdn_block_v"):
+        gdn.value_tile(KernelConfig(gdn_block_v=16), 128)
+    monkeypatch.setattr(gdn, "interpreting", lambda: True)
+    assert gdn.value_tile(KernelConfig(gdn_block_v=8), 12) == 8

@@ -137,6 +137,20 @@ def mma_fp32(x, y, dtype: tl.constexpr, F32: tl.constexpr, MODE: tl.constexpr):
 
 
 @triton.jit
+def mma_mixed(x, y, dtype: tl.constexpr, F32: tl.constexpr, MODE: tl.constexpr):
+    """`x @ y` where each operand holds either fp32 values or `dtype` ones (an output's gradient may come in
+    either): a `dtype` operand enters as it is, an fp32 one split, so the product is `mma`, `mma_right_fp32`,
+    `mma_left_fp32` or `mma_fp32` (MODE) as the operands are. fp32 inputs (`dtype` fp32): one IEEE product."""
+    if x.dtype == dtype:
+        if y.dtype == dtype:
+            return mma(x, y, F32)
+        return mma_right_fp32(x, y, F32)
+    if y.dtype == dtype:
+        return mma_left_fp32(x, y, F32)
+    return mma_fp32(x, y, dtype, F32, MODE)
+
+
+@triton.jit
 def mma_halves(x_hi, x_lo, y, F32: tl.constexpr, MODE: tl.constexpr):
     """`x @ y` for an fp32 `x` stored as its two input-dtype halves (`x_hi` = x rounded, `x_lo` = the
     rounding error rounded: `split_halves`), so a loop that reads it need not split it again, and an fp32 `y`:

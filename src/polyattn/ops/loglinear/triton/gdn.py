@@ -57,8 +57,8 @@ from polyattn.ops.delta.triton.wy import wy_factors, wy_solve
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.plan import block, get_config, grid_chunk_table, segment_table, sequence_starts
 from polyattn.ops.triton.precision import (
-    SPLIT, dot_f32, fp32_dot_mode, mma, mma_fp32, mma_left_fp32, mma_right_acc, mma_right_fp32, nan_rows_from, to_output,
-    zero_rows_from,
+    SPLIT, dot_f32, fp32_dot_mode, mma, mma_fp32, mma_left_fp32, mma_halves, mma_mixed, mma_right_acc, mma_right_fp32,
+    interpreting, nan_rows_from, split_halves, to_output, zero_rows_from,
 )
 
 from .level_pass import bit_length, intra_levels
@@ -106,8 +106,9 @@ def gdn_chunk_kernel(
 def level_chunk(chunks, row, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V,
                 C: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr):
     """What both level walks load for the chunk at row `row` of the grid table: `(t, m_t, row_v, m_tv)` and
-    the tiles W, q̃ [C, BK] fp32, K [C, BK], Ū [C, BV] fp32, with K̃'s row weights `exp(gc_last - gc)` [C]
-    and the chunk's total log2-decay."""
+    the tiles W (as its two input-dtype halves, `split_halves`: split once for every level's products), q̃ [C, BK]
+    fp32, K [C, BK], Ū [C, BV] fp32, with K̃'s row weights `exp(gc_last - gc)` [C] and the chunk's total
+    log2-decay."""
     t = tl.load(chunks + row * 4) + tl.arange(0, C)
     m_t = t < tl.load(chunks + row * 4 + 1)
     th = (t * H + i_h).to(tl.int64)  # [C]: token-head rows (int64: offsets past 2^31 elements)
@@ -121,18 +122,23 @@ def level_chunk(chunks, row, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, 
     b_u = tl.load(u_bar + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
     b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
     b_wk = tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: exp(gc_last - gc)
-    return t, m_t, row_v, m_tv, b_w, b_qt, b_k, b_u, b_wk, b_last
+    b_w_hi, b_w_lo = split_halves(b_w, b_k.dtype, F32)  # [C, BK] each
+    return t, m_t, row_v, m_tv, b_w_hi, b_w_lo, b_qt, b_k, b_u, b_wk, b_last
 
 
 @triton.jit
-def level_carry(b_h, b_w, b_k, b_u, b_wk, b_last, read, bad, F32: tl.constexpr, FP32_DOT: tl.constexpr):
+def level_carry(b_h, b_w_hi, b_w_lo, b_k, b_u, b_wk, b_last, read, first, bad, F32: tl.constexpr, FP32_DOT: tl.constexpr):
     """One level's state leaving the chunk, `h' = exp(gc_last) h + K̃^T x` with `x = -W h` in the
-    block's second half (`read`) and `Ū - W h` in its first; NaN after a chunk with a non-finite token."""
-    b_x = mma_fp32(b_w, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV] -> [C, BV]
-    if read:
-        b_x = -b_x
+    block's second half (`read`) and `Ū - W h` in its first, `x = Ū` at the block's first chunk (`first`:
+    h entered as zero, so `W h` is not formed); NaN after a chunk with a non-finite token."""
+    if first:
+        b_x = b_u
     else:
-        b_x = b_u - b_x
+        b_x = mma_halves(b_w_hi, b_w_lo, b_h, F32, FP32_DOT)  # [C, BK] @ [BK, BV] -> [C, BV]
+        if read:
+            b_x = -b_x
+        else:
+            b_x = b_u - b_x
     b_h = mma_right_acc(tl.trans(b_k), b_x * b_wk[:, None], b_h * tl.exp2(b_last), F32, SPLIT)  # [BK, C] @ [C, BV]
     return b_h + tl.where(bad, float("nan"), 0.0)
 
@@ -148,7 +154,8 @@ def gdn_levels_kernel(
     absolute position `pos[n]`, its chunks the rows `cu_chunks[n]..` of the grid table `chunks`: per
     chunk `a` (absolute index), for each chunk-level that a chunk of the sequence can read
     (`ell < bit_length(last chunk index)`), the products `W h` [C, BK] @ [BK, BV], the read `q̃ h`
-    where bit ell of `a` is set and the carry `K̃^T (.)` [BK, C] @ [C, BV]; the level's state tile
+    where bit ell of `a` is set and the carry `K̃^T (.)` [BK, C] @ [C, BV] (no `W h` at the level's block's
+    first chunk, where h is zero; no carry at its last unless the sequence ends there); the level's state tile
     [BK, BV] is loaded from and stored to `state` (which enters holding the initial states; zero at
     a block's first chunk after the sequence's first), the output tile (intra block + reads) stored once.
     STORE_CK: the level states entering every S-th chunk of the sequence (its chunks i = 0, S, 2S, ..., as
@@ -159,21 +166,23 @@ def gdn_levels_kernel(
     n0 = P // C
     n1 = (P + (eos - bos) - 1) // C  # the last chunk's absolute index
     NL = tl.minimum(bit_length(n1), NLC)  # chunk-levels some chunk reads
+    n_ch = n1 - n0 + 1
     p_level = state + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
     if STORE_CK:
         cb0 = tl.load(cu_blocks + i_n)
-    for i in range(0, n1 - n0 + 1):
+    for i in range(0, n_ch):
         a = n0 + i
-        t, m_t, row_v, m_tv, b_w, b_qt, b_k, b_u, b_wk, b_last = level_chunk(
+        t, m_t, row_v, m_tv, b_w_hi, b_w_lo, b_qt, b_k, b_u, b_wk, b_last = level_chunk(
             chunks, c0 + i, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
         )
         b_o = tl.load(o_intra + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
         bad = tl.load(firsts + (c0 + i) * H + i_h) < C  # a non-finite token in the chunk
         for ell in range(0, NL):
             p_s = p_level + ell * K * V
+            phase = a % (2 << ell)  # the chunk's place in the level's block
             # [BK, BV]; a block's first chunk reads nothing, but the sequence's first chunk reads what entered
             # (an initial state's keys in that chunk join its writes: function.py, fenwick_to_blocks)
-            m_h = m_s & (((o_k[:, None] * 0 + a) % (2 << ell) != 0) | (i == 0))
+            m_h = m_s & (((o_k[:, None] * 0 + phase) != 0) | (i == 0))
             b_h = tl.load(p_s, mask=m_h, other=0.0)  # [BK, BV]
             if STORE_CK:
                 if i % S == 0:
@@ -182,7 +191,11 @@ def gdn_levels_kernel(
             if read:
                 b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
                 b_o += mma_fp32(b_qt, b_h, b_k.dtype, F32, FP32_DOT) * b_lam[:, None]  # [C, BK] @ [BK, BV]
-            tl.store(p_s, level_carry(b_h, b_w, b_k, b_u, b_wk, b_last, read, bad, F32, FP32_DOT), mask=m_s)
+            # after a block's last chunk the state is not read again (the next chunk starts the next block), unless
+            # the sequence ends there: it leaves in `state`
+            if (phase != (2 << ell) - 1) | (i == n_ch - 1):
+                first = (phase == 0) & (i > 0)
+                tl.store(p_s, level_carry(b_h, b_w_hi, b_w_lo, b_k, b_u, b_wk, b_last, read, first, bad, F32, FP32_DOT), mask=m_s)
         tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
 
 
@@ -202,8 +215,12 @@ def gdn_levels_backward_kernel(
     r0), the entering state h from `hs`, then (dx = K̃ dh', x = [write] Ū - W h)
 
         dŪ += [write] dx        dW -= dx h^T        dK̃ += x dh'^T        dlast += exp(gc_last) <h, dh'>
-        read: dq̃ += diag(lam) dO h^T,   dlam[t, c + 1 + ell] = <dO_t, (q̃ h)_t>
-        dh = exp(gc_last) dh' - W^T dx [+ q̃^T diag(lam) dO],   zero into the chunk before a block's first
+        read: P = dO h^T,   dq̃ += diag(lam) P,   dlam[t, c + 1 + ell] = <q̃_t, P_t>  (= <dO_t, (q̃ h)_t>)
+        dh = exp(gc_last) dh' - W^T dx [+ (diag(lam) q̃)^T dO],   zero into the chunk before a block's first
+
+    At a block's first chunk h is zero (only dx, dŪ and dK̃ += Ū dh'^T are formed), and after its last dh' is
+    zero unless the sequence ends there (only the read's terms). q̃ is loaded at each read, not held across
+    the levels (its registers go to the three [C, K] accumulators).
 
     dlast and dlam are this value tile's shares (`[n_v, ...]`, summed by the launcher), and so are the
     [C, K] gradients dq̃, dW, dK̃ unless ATOMIC, where every tile adds its share into one `[N_tok, H, K]`
@@ -225,29 +242,32 @@ def gdn_levels_backward_kernel(
         i_hi = tl.minimum(i_lo + S, n_ch)
         for i in range(i_lo, i_hi):  # the block's entering level states, as gdn_levels_kernel formed them
             a = n0 + i
-            _, _, _, _, b_w, _, b_k, b_u, b_wk, b_last = level_chunk(
+            _, _, _, _, b_w_hi, b_w_lo, _, b_k, b_u, b_wk, b_last = level_chunk(
                 chunks, c0 + i, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
             )
             bad = tl.load(firsts + (c0 + i) * H + i_h) < C
             for ell in range(0, NL):
+                phase = a % (2 << ell)
                 if i == i_lo:
                     b_h = tl.load(p_ck + ((i_lo // S) * H * NLC + ell).to(tl.int64) * K * V, mask=m_s, other=0.0)  # [BK, BV]
                 else:
-                    m_h = m_s & ((o_k[:, None] * 0 + a) % (2 << ell) != 0)
+                    m_h = m_s & (o_k[:, None] * 0 + phase != 0)
                     b_h = tl.load(p_fwd + ell * K * V, mask=m_h, other=0.0)  # [BK, BV]
                 tl.store(p_hs + ((i - i_lo) * NLC + ell).to(tl.int64) * K * V, b_h, mask=m_s)
-                if i + 1 < i_hi:
+                if (i + 1 < i_hi) & (phase != (2 << ell) - 1):  # else the next chunk's state is zero or not needed here
                     read = ((a >> ell) & 1) == 1
-                    tl.store(p_fwd + ell * K * V, level_carry(b_h, b_w, b_k, b_u, b_wk, b_last, read, bad, F32, FP32_DOT), mask=m_s)
+                    first = (phase == 0) & (i > 0)
+                    tl.store(p_fwd + ell * K * V, level_carry(b_h, b_w_hi, b_w_lo, b_k, b_u, b_wk, b_last, read, first, bad, F32, FP32_DOT), mask=m_s)
         tl.debug_barrier()  # hs written above is read below
         for j in range(0, i_hi - i_lo):
             i = i_hi - 1 - j
             a = n0 + i
             row = c0 + i
-            t, m_t, row_v, m_tv, b_w, b_qt, b_k, b_u, b_wk, b_last = level_chunk(
+            t, m_t, row_v, m_tv, b_w_hi, b_w_lo, _, b_k, b_u, b_wk, b_last = level_chunk(
                 chunks, row, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
             )
-            b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)  # [C, BV]
+            row_k = ((t * H + i_h).to(tl.int64))[:, None] * K + o_k[None, :]  # [C, BK] (int64)
+            b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV] in do's dtype (mma_mixed: as it is or split)
             m_tk = m_t[:, None] & m_k[None, :]
             b_e = tl.exp2(b_last)
             b_dqt = tl.zeros([C, BK], dtype=tl.float32)
@@ -257,31 +277,43 @@ def gdn_levels_backward_kernel(
             b_dl = tl.sum(tl.zeros([BV], dtype=tl.float32), axis=0)
             for ell in range(0, NL):
                 p_s = p_level + ell * K * V
-                b_dh = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV]: dh' of the leaving state
-                b_h = tl.load(p_hs + ((i - i_lo) * NLC + ell).to(tl.int64) * K * V, mask=m_s, other=0.0)  # [BK, BV]: the entering state
-                b_dx = mma_right_fp32(b_k, b_dh, F32) * b_wk[:, None]  # [C, BK] @ [BK, BV]: K̃ dh'
-                b_x = -mma_fp32(b_w, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]: -W h
-                b_dw -= mma_fp32(b_dx, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
-                b_dl += tl.sum(tl.sum(b_h * b_dh, axis=1), axis=0)
-                b_dn = b_dh * b_e - mma_fp32(tl.trans(b_w), b_dx, b_k.dtype, F32, FP32_DOT)  # [BK, C] @ [C, BV]
-                if ((a >> ell) & 1) == 1:  # second half: read
+                phase = a % (2 << ell)
+                first = (phase == 0) & (i > 0)  # h entered as zero, and nothing flows further back
+                read = ((a >> ell) & 1) == 1  # second half of the level's block
+                write = ((a >> ell) & 1) == 0
+                m_h = m_s & ((o_k[:, None] * 0 + phase != 0) | (o_k[:, None] * 0 + i == 0))
+                b_h = tl.load(p_hs + ((i - i_lo) * NLC + ell).to(tl.int64) * K * V, mask=m_h, other=0.0)  # [BK, BV]: the entering state
+                b_dn = tl.zeros([BK, BV], dtype=tl.float32)
+                # dh' is zero after a block's last chunk (the next chunk starts the next block), unless the sequence ends there
+                if (phase != (2 << ell) - 1) | (i == n_ch - 1):
+                    b_dh = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV]: dh' of the leaving state
+                    b_dx = mma_right_fp32(b_k, b_dh, F32) * b_wk[:, None]  # [C, BK] @ [BK, BV]: K̃ dh'
+                    if first:
+                        b_x = b_u
+                    else:
+                        b_x = -mma_halves(b_w_hi, b_w_lo, b_h, F32, FP32_DOT)  # [C, BK] @ [BK, BV]: -W h
+                        b_dw -= mma_fp32(b_dx, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
+                        b_dl += tl.sum(tl.sum(b_h * b_dh, axis=1), axis=0)
+                        b_dn = b_dh * b_e - mma_halves(tl.trans(b_w_hi), tl.trans(b_w_lo), b_dx, F32, FP32_DOT)  # [BK, C] @ [C, BV]
+                        if write:
+                            b_x += b_u
+                    if write:
+                        b_du += b_dx
+                    b_dkt += mma_fp32(b_x, tl.trans(b_dh), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
+                if read:
                     b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
-                    b_dol = b_do * b_lam[:, None]  # [C, BV]
-                    b_dqt += mma_fp32(b_dol, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
-                    b_r = mma_fp32(b_qt, b_h, b_k.dtype, F32, FP32_DOT)  # [C, BK] @ [BK, BV]: q̃ h
-                    tl.store(dlam + ((i_v * N_tok + t).to(tl.int64) * H + i_h) * L + (LOG_C + 1 + ell), tl.sum(b_do * b_r, axis=1), mask=m_t)
-                    b_dn += mma_fp32(tl.trans(b_qt), b_dol, b_k.dtype, F32, FP32_DOT)  # [BK, C] @ [C, BV]
-                else:  # first half: write
-                    b_x += b_u
-                    b_du += b_dx
-                b_dkt += mma_fp32(b_x, tl.trans(b_dh), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
-                keep = ((a % (2 << ell)) != 0) | (i == 0)  # else the state entered as zero: nothing flows further back
-                tl.store(p_s, tl.where(keep, b_dn, 0.0), mask=m_s)
+                    # q̃ [C, BK] fp32, loaded at each read (from L2) rather than held across the levels, whose registers
+                    # go to the gradients: the walk took 10% less time
+                    b_qt = tl.load(qt + row_k, mask=m_tk, other=0.0)
+                    b_p = mma_mixed(b_do, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]: dO h^T
+                    b_dqt += b_p * b_lam[:, None]
+                    tl.store(dlam + ((i_v * N_tok + t).to(tl.int64) * H + i_h) * L + (LOG_C + 1 + ell), tl.sum(b_qt * b_p, axis=1), mask=m_t)  # <dO, q̃ h>
+                    b_dn += mma_mixed(tl.trans(b_qt * b_lam[:, None]), b_do, b_k.dtype, F32, FP32_DOT)  # [BK, C] @ [C, BV]: q̃^T diag(lam) dO
+                tl.store(p_s, b_dn, mask=m_s)  # zero into the chunk before a block's first
             if ATOMIC:  # every value tile adds into one buffer
-                part_k = ((t * H + i_h).to(tl.int64))[:, None] * K + o_k[None, :]  # [C, BK] (int64)
-                tl.atomic_add(dqt + part_k, b_dqt, mask=m_tk, sem="relaxed")
-                tl.atomic_add(dw + part_k, b_dw, mask=m_tk, sem="relaxed")
-                tl.atomic_add(dkt + part_k, b_dkt, mask=m_tk, sem="relaxed")
+                tl.atomic_add(dqt + row_k, b_dqt, mask=m_tk, sem="relaxed")
+                tl.atomic_add(dw + row_k, b_dw, mask=m_tk, sem="relaxed")
+                tl.atomic_add(dkt + row_k, b_dkt, mask=m_tk, sem="relaxed")
             else:
                 part_k = ((i_v * N_tok + t).to(tl.int64) * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK] of this tile's share (int64)
                 tl.store(dqt + part_k, b_dqt, mask=m_tk)
@@ -666,6 +698,16 @@ def kernel_heads(K: int, V: int) -> tuple[int, int]:
     return max(64, triton.next_power_of_2(K)), max(64, triton.cdiv(V, 32) * 32)
 
 
+def value_tile(config, V: int) -> int:
+    """The value tile of the level walks and the chunk gradients: `block(V)` columns, at most
+    `config.gdn_block_v`. ValueError for a `gdn_block_v` below 32 on the GPU: with 16-wide tiles the compiled
+    backward walk made an illegal memory access on the H100 (Triton 3.6, K = V = 128;
+    `benchmarks/results/2026-12-06-h100/tune-gdn-block-v-call14.txt`); the interpreter runs any width."""
+    if config.gdn_block_v < 32 and not interpreting():
+        raise ValueError(f"KernelConfig.gdn_block_v: expected at least 32 on the GPU, got {config.gdn_block_v}")
+    return min(block(V), config.gdn_block_v)
+
+
 def checkpoint_plan(seq_lens: tuple, C: int, device) -> tuple[int, torch.Tensor, int]:
     """How the backward splits each sequence's walk: `(S, cu_blocks [N + 1] int32, NB)`, blocks of S chunks
     (S = isqrt of the most grid rows a sequence owns, which balances the checkpoints, `NB` of them, against
@@ -708,7 +750,7 @@ def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=N
     S, cu_blocks, NB = checkpoint_plan(seq_lens, C, q.device)
     ck = torch.empty(NB, H, NLC, K, V, dtype=torch.float32, device=q.device) if store_ck else None
     out = torch.empty(N_tok, H, V, dtype=out_dtype or q.dtype, device=q.device)
-    BV = min(block(V), config.gdn_block_v)
+    BV = value_tile(config, V)
     gdn_levels_kernel[(triton.cdiv(V, BV), N, H)](
         k, g, w, u_bar, qt, lam, firsts, o_intra, out, R, ck, cu_blocks, seqs, chunks[0], chunks[1], position,
         H, K, V, L, NLC, S,
@@ -727,7 +769,7 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     N_tok, H, K = k.shape
     V, L = do.shape[-1], lam.shape[-1]
     config, C, LOG_C, N, NLC, chunks, seqs = _walk_plan(seq_lens, position, L, fwd.chunks)
-    BK, BV = block(K), min(block(V), config.gdn_block_v)
+    BK, BV = block(K), value_tile(config, V)
     n_v, NC = triton.cdiv(V, BV), chunks[2]
     dstate = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=k.device) if dR is None else dR.float().contiguous().clone()
     S, cu_blocks, _ = checkpoint_plan(seq_lens, C, k.device)
@@ -766,7 +808,7 @@ def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chun
     gdn_chunk_grads_kernel[(chunks[2], H)](
         q, k, v, g, beta, lam, t_inv, w, grads.o_intra.contiguous(), grads.qt, grads.w, grads.kt, grads.u_bar,
         grads.t_inv, grads.gc_last, dq, dk, dv, dbeta, dg, dlam, chunks[0], scale, H, K, V, L,
-        C=C, LOG_C=LOG_C, BK=block(K), BV=min(block(V), config.gdn_block_v), USE_G=g is not None,
+        C=C, LOG_C=LOG_C, BK=block(K), BV=value_tile(config, V), USE_G=g is not None,
         USE_DT=grads.t_inv is not None, F32=dot_f32(q.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
         num_warps=config.gdn_chunk_warps, num_stages=config.num_stages,
     )
