@@ -26,7 +26,8 @@ from polyattn.ops.triton.decay import (
 )
 from polyattn.ops.triton.plan import KernelConfig, get_config, prefix_cumsum, reverse_cumsum, use_config
 from polyattn.ops.triton.precision import (
-    UPDATE_DOTS, dot_f32, first_nonfinite_row, first_nonfinite_row_ref, mma_left_acc, mma_right_acc, mma_right_acc_ref,
+    FP32_DOTS, UPDATE_DOTS, dot_f32, first_nonfinite_row, first_nonfinite_row_ref, mma_left_acc, mma_mixed, mma_right_acc,
+    mma_right_acc_ref,
 )
 from polyattn.testing import (
     LOW_PRECISION_CEILING, LOW_PRECISION_FLOOR, assert_close_rel, assert_decay_weights_close, dtype_id, rel_err, seeded_inputs,
@@ -231,6 +232,30 @@ def test_mma_left_acc_matches_twin():
     exact = acc.double() + x.double() @ y.double()
     assert 2.0**-20 < rel_err(out, exact) <= 2.0**-14, "the split keeps ~16 bits of x, not all 24"
 
+
+
+@triton.jit
+def mma_mixed_kernel(x, y, out, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, F32: tl.constexpr):
+    o_m, o_k, o_n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    b_x = tl.load(x + o_m[:, None] * K + o_k[None, :])  # [M, K] bf16 or fp32
+    b_y = tl.load(y + o_k[:, None] * N + o_n[None, :])  # [K, N] bf16 or fp32
+    tl.store(out + o_m[:, None] * N + o_n[None, :], mma_mixed(b_x, b_y, tl.bfloat16, F32, FP32_DOTS["split"]))
+
+
+@pytest.mark.parametrize("x_dtype, y_dtype", [(a, b) for a in (torch.bfloat16, torch.float32) for b in (torch.bfloat16, torch.float32)],
+                         ids=lambda d: dtype_id(d))
+def test_mma_mixed_keeps_each_operand_as_it_comes(x_dtype, y_dtype):
+    """`mma_mixed` for bf16 inputs: a bf16 operand enters as it is and an fp32 one split in two halves, so the
+    product keeps ~16 bits of every fp32 operand (rounded to bf16 instead it would keep 8) and is exact in
+    fp32 accumulation when both are bf16. Under the interpreter every product runs in fp32 (`dot_f32`), so
+    there this checks the products; the bits kept are checked where the tensor cores run (the GPU)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 32, generator=gen).to(DEVICE, x_dtype)
+    y = torch.randn(32, 16, generator=gen).to(DEVICE, y_dtype)
+    out = torch.empty(16, 16, device=DEVICE)
+    mma_mixed_kernel[(1,)](x, y, out, M=16, K=32, N=16, F32=dot_f32(torch.bfloat16))
+    exact = x.double() @ y.double()
+    assert rel_err(out, exact) <= (1e-6 if x_dtype == y_dtype == torch.bfloat16 else 2.0**-14)
 
 
 @pytest.mark.parametrize("lengths", [(1,), (64,), (1, 64, 130, 37), (200, 3)])
