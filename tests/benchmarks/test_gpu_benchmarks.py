@@ -169,3 +169,18 @@ def test_kernel_tables_give_time_and_peak_memory_ratios():
         assert kernels.peak_bytes(lambda: torch.empty(2**20, dtype=torch.uint8, device="cuda")) >= 2**20
     else:
         assert kernels.peak_bytes(lambda: None) is None
+
+
+def test_kernel_plot_of_one_mode_warns_of_nothing(tmp_path):
+    """A run of one mode (`--modes fwdbwd`) plots without matplotlib's empty-legend warning: the other panel
+    says it has no rows."""
+    import warnings
+
+    from polyattn.bench import kernels
+
+    rows = [dict(op="delta_rule", impl="polyattn-triton", T=t, B=65536 // t, H=16, K=128, V=128, mode="fwdbwd", ms=1.0 + t / 8192)
+            for t in (2048, 8192)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernels.plot(rows, tmp_path / "kernels.png")
+    assert (tmp_path / "kernels.png").stat().st_size > 0
