@@ -3,7 +3,7 @@
 python benchmarks/triton_spills.py [linear delta gdn kata]
 Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel`) and the delta rule's
 (`wy_kernel`, `wy_factors_kernel`, the two recurrences (the forward's with and without its outputs and stores), the per-chunk output and two gradient kernels) and log-linear
-Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_backward_kernel`, `gdn_chunk_grads_kernel`) and
+Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_chain_kernel`, `gdn_levels_grads_kernel`, `gdn_chunk_grads_kernel`) and
 KATA's chunked form's (`kata_states_kernel` both ways, `kata_read_kernel`, `kata_lift_grad_kernel` with and without
 its read, at K = V = 64 with the default tiles) and DeltaKATA's walks and state recompute (`deltakata_walk_kernel`, `deltakata_walk_grad_kernel`, `deltakata_states_kernel`) for sm_90a with the installed Triton (or the families named) and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
 The installed Triton may differ from the GPU machine's, so read the numbers as indications.
@@ -27,7 +27,9 @@ from polyattn.ops.kata.triton.delta import deltakata_states_kernel, deltakata_wa
 from polyattn.ops.kata.triton.function import feature_blocks
 from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
-from polyattn.ops.loglinear.triton.gdn import gdn_chunk_grads_kernel, gdn_chunk_kernel, gdn_levels_backward_kernel, gdn_levels_kernel
+from polyattn.ops.loglinear.triton.gdn import (
+    gdn_chunk_grads_kernel, gdn_chunk_kernel, gdn_levels_chain_kernel, gdn_levels_grads_kernel, gdn_levels_kernel,
+)
 from polyattn.ops.triton.plan import KernelConfig, kata_state_chunk
 from polyattn.ops.triton.precision import UPDATE_DOTS
 
@@ -55,7 +57,7 @@ def ptxas() -> Path:
 
 def resources(fn, constexprs: dict, warps: int, stages: int, pointers: dict | None = None) -> str:
     names = fn.arg_names
-    scalars = {"scale": "fp32", "H": "i32", "K": "i32", "V": "i32", "N_tok": "i32", "DA": "i32", "DC": "i32", "L": "i32", "NLC": "i32", "NC": "i32", "S": "i32", "E": "i32", "P": "i32", "NE": "i32", "scale2": "fp32"}
+    scalars = {"scale": "fp32", "H": "i32", "K": "i32", "V": "i32", "N_tok": "i32", "DA": "i32", "DC": "i32", "L": "i32", "NLC": "i32", "NC": "i32", "S": "i32", "E": "i32", "P": "i32", "NE": "i32", "scale2": "fp32", "jb": "i32"}
     pointers = POINTERS | (pointers or {})
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, scalars.get(n, "*fp32")) for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
@@ -126,7 +128,8 @@ def loglinear_gdn() -> None:
     for BV in (16, 32, 64):
         for warps in (4, 8):
             print(f"log-linear GDN levels BV{BV} warps{warps}: {resources(gdn_levels_kernel, dict(gdn, BV=BV, STORE_CK=False), warps, 2)}")
-            print(f"log-linear GDN levels backward BV{BV} warps{warps}: {resources(gdn_levels_backward_kernel, dict(gdn, BV=BV, ATOMIC=True), warps, 2)}")
+            print(f"log-linear GDN levels chain BV{BV} warps{warps}: {resources(gdn_levels_chain_kernel, dict(gdn, BV=BV), warps, 2)}")
+            print(f"log-linear GDN levels grads BV{BV} warps{warps}: {resources(gdn_levels_grads_kernel, dict(gdn, BV=BV, ATOMIC=True), warps, 2)}")
             print(f"log-linear GDN chunk  BV{BV} warps{warps}: {resources(gdn_chunk_kernel, dict(gdn, BV=BV), warps, 2)}")
             print(f"log-linear GDN chunk grads BV{BV} warps{warps}: {resources(gdn_chunk_grads_kernel, dict(gdn, BV=BV, USE_DT=False), warps, 2)}")
 

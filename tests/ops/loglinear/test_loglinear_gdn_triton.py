@@ -217,7 +217,7 @@ def test_gdn_levels_backward_twin_matches_autograd():
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("decay", [True, False])
 def test_gdn_levels_backward_kernel_matches_its_twin(decay, deterministic):
-    """`gdn_levels_backward_kernel` (after `gdn_levels_kernel` stored its checkpoints: blocks of S = 2 chunks
+    """`gdn_levels_backward`'s two kernels (after `gdn_levels_kernel` stored its checkpoints: blocks of S = 2 chunks
     here, the last one short) against `gdn_levels_backward_ref` on the same fp32 q̃, W, Ū: every gradient,
     packed sequences from entering states, with two or more value tiles whose dq̃, dW, dK̃ shares meet by
     atomic adds or, under `torch.use_deterministic_algorithms`, in separate buffers. The decay is weak

@@ -31,7 +31,12 @@ def sequence_tile(seqs, cu_chunks, K, V, BK: tl.constexpr, BV: tl.constexpr):
     """This program's sequence, head and state tile in a (value tile, sequence, head) grid:
     `(i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile)` with `c0` the sequence's first
     chunk and `state_tile` the [BK, BV] offsets inside one [K, V] state."""
-    i_v, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    return sequence_tile_of(tl.program_id(0), tl.program_id(1), tl.program_id(2), seqs, cu_chunks, K, V, BK, BV)
+
+
+@triton.jit
+def sequence_tile_of(i_v, i_n, i_h, seqs, cu_chunks, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    """`sequence_tile` for value tile i_v of sequence i_n and head i_h (a grid with more on its first axis)."""
     bos = tl.load(seqs + i_n * 4).to(tl.int64)
     eos = tl.load(seqs + i_n * 4 + 1).to(tl.int64)
     c0 = tl.load(cu_chunks + i_n).to(tl.int64)

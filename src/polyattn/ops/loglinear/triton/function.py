@@ -516,7 +516,7 @@ def loglinear_gdn_backward(
     """The Gated DeltaNet base's backward as a custom op: `(dq, dk, dv, dlam, dg, dbeta, dr0)` in the dtypes
     of the inputs as given (fp32 copies get unrounded fp32 gradients; dg without g and dr0 without r0 are
     empty [0] tensors); the kernels run in `dtype`. The forward's levels rerun, storing the level states
-    entering every S-th chunk (`gdn.checkpoint_plan`), `gdn_levels_backward_kernel` recomputes the states
+    entering every S-th chunk (`gdn.checkpoint_plan`), `gdn.gdn_levels_backward` recomputes the states
     entering each block's chunks from them and walks the block in reverse (dq̃, dW, dŪ, dK̃, the
     chunk state factors' and the levels' lam gradients, dr0), and `gdn_chunk_grads_kernel` takes
     those, with the gradients of the edge rows' q̃, Tinv and W, through the chunk-local stage."""

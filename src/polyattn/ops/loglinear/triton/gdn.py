@@ -32,12 +32,13 @@ only its own row. The PyTorch twins: `gdn_chunk_locals` (the WY stage and `gdn_c
 once) and `gdn_levels_ref` (the walk).
 
 The backward (function.py) reruns the walk storing the level states entering every S-th chunk
-(`checkpoint_plan`), then walks blocks of S chunks last to first, recomputing a block's entering states
-from its checkpoint before walking its chunks in reverse (`gdn_levels_backward_kernel`, twin
-`gdn_levels_backward_ref`; the value tiles' shares of the [C, K] gradients meet by fp32 atomic adds unless
-`torch.use_deterministic_algorithms` is on): per level the delta
-rule's adjoint `dh = exp(gc_last) dh' - W^T K̃ dh' [+ q̃^T diag(lam) dO]`, zero into the chunk before a
-block's first, and the gradients of q̃, W, Ū, K̃ and the chunk's state factor `exp(gc_last)`; then
+(`checkpoint_plan`), then takes blocks of S chunks last to first, one round per block: `gdn_levels_chain_kernel`
+recomputes a block's entering states from its checkpoint and walks its chunks in reverse, per level the
+delta rule's adjoint `dh = exp(gc_last) dh' - W^T K̃ dh' [+ q̃^T diag(lam) dO]` (zero into the chunk before a
+block's first), storing the states and their gradients; `gdn_levels_grads_kernel` forms from them the
+gradients of q̃, W, Ū, K̃ and the chunk's state factor `exp(gc_last)`, a program per chunk and value tile (twin of
+both: `gdn_levels_backward_ref`; the value tiles' shares of the [C, K] gradients meet by fp32 atomic adds unless
+`torch.use_deterministic_algorithms` is on); then
 `gdn_chunk_grads_kernel` (twin `gdn_chunk_locals_backward`, the vector-Jacobian product of
 `gdn_chunk_locals`) takes those through the chunk-local stage, every chunk in parallel.
 """
@@ -52,7 +53,7 @@ import triton.language as tl
 from polyattn.ops.chunked import delta_rule_system
 from polyattn.ops.common.fenwick import level_table
 from polyattn.ops.common.segsum import causal_scores, suffix_sum
-from polyattn.ops.delta.triton.forward import chunk_program, chunk_scores, sequence_tile
+from polyattn.ops.delta.triton.forward import chunk_program, chunk_scores, sequence_tile, sequence_tile_of
 from polyattn.ops.delta.triton.wy import wy_factors, wy_solve
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.plan import block, get_config, grid_chunk_table, segment_table, sequence_starts
@@ -200,46 +201,46 @@ def gdn_levels_kernel(
 
 
 @triton.jit
-def gdn_levels_backward_kernel(
-    k, g, w, u_bar, qt, lam, firsts, do, ck, cu_blocks, fstate, hs, dstate, dqt, dw, dkt, du, dlast, dlam,
-    seqs, chunks, cu_chunks, pos, N_tok, NC, H, K, V, L, NLC, S,
-    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr, ATOMIC: tl.constexpr,
-):
-    """grid: (cdiv(V, BV), N, H). `gdn_levels_kernel`'s walk in reverse, in blocks of S chunks, last
-    block first. For a block it first recomputes the level states entering each of its chunks from the
-    block's checkpoint (`ck`, stored by `gdn_levels_kernel`), carrying them in `fstate [N, H, NLC, K, V]`
-    and storing them to `hs [N, H, S, NLC, K, V]` (this program's tiles), then walks the block's chunks
-    last to first, every level in turn: the gradient `dh'` of the level's state leaving the chunk
-    (`dstate`, entering as the gradient of the leaving states R and leaving as that of the entering ones
-    r0), the entering state h from `hs`, then (dx = K̃ dh', x = [write] Ū - W h)
-
-        dŪ += [write] dx        dW -= dx h^T        dK̃ += x dh'^T        dlast += exp(gc_last) <h, dh'>
-        read: P = dO h^T,   dq̃ += diag(lam) P,   dlam[t, c + 1 + ell] = <q̃_t, P_t>  (= <dO_t, (q̃ h)_t>)
-        dh = exp(gc_last) dh' - W^T dx [+ (diag(lam) q̃)^T dO],   zero into the chunk before a block's first
-
-    At a block's first chunk h is zero (only dx, dŪ and dK̃ += Ū dh'^T are formed), and after its last dh' is
-    zero unless the sequence ends there (only the read's terms). q̃ is loaded at each read, not held across
-    the levels (its registers go to the three [C, K] accumulators).
-
-    dlast and dlam are this value tile's shares (`[n_v, ...]`, summed by the launcher), and so are the
-    [C, K] gradients dq̃, dW, dK̃ unless ATOMIC, where every tile adds its share into one `[N_tok, H, K]`
-    buffer (fp32 atomics: the order of the n_v additions varies from run to run); dŪ is complete per tile."""
-    i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
-    i_v = tl.program_id(0)
+def block_span(pos, i_n, eos, bos, jb, S, C: tl.constexpr, NLC):
+    """The chunks of sequence i_n's round-jb block (its jb-th block of S chunks counted from its end): `(n0, n_ch,
+    NL, i_lo, i_hi, live)` with n0 the first chunk's absolute index, n_ch the sequence's chunks, NL the chunk-levels
+    some chunk reads, the block's chunks i_lo <= i < i_hi, and `live` False where the sequence has no such block."""
     P = tl.load(pos + i_n).to(tl.int32)  # positions below 2^31
     n0 = P // C
-    n1 = (P + (eos - bos) - 1) // C  # the last chunk's absolute index
-    NL = tl.minimum(bit_length(n1), NLC)
-    p_level = dstate + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
-    p_fwd = fstate + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
-    p_hs = hs + ((i_n * H + i_h) * S * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of chunk 0, level 0
-    p_ck = ck + ((tl.load(cu_blocks + i_n) * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # of block 0
+    n1 = (P + (eos - bos).to(tl.int32) - 1) // C  # the last chunk's absolute index
     n_ch = n1 - n0 + 1
     n_blocks = tl.cdiv(n_ch, S)
-    for jb in range(0, n_blocks):
-        i_lo = (n_blocks - 1 - jb) * S
-        i_hi = tl.minimum(i_lo + S, n_ch)
+    i_lo = (n_blocks - 1 - jb) * S
+    return n0, n_ch, tl.minimum(bit_length(n1), NLC), i_lo, tl.minimum(i_lo + S, n_ch), jb < n_blocks
+
+
+@triton.jit
+def gdn_levels_chain_kernel(
+    k, g, w, u_bar, qt, lam, firsts, do, ck, cu_blocks, fstate, hs, dhs, dstate,
+    seqs, chunks, cu_chunks, pos, jb, H, K, V, L, NLC, S,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """grid: (cdiv(V, BV), N, H). Round jb of `gdn_levels_kernel`'s walk in reverse: each sequence's jb-th
+    block of S chunks from its end (a sequence with fewer blocks does nothing). First the level states
+    entering each of the block's chunks, recomputed from the block's checkpoint (`ck`, stored by
+    `gdn_levels_kernel`), carried in `fstate [N, H, NLC, K, V]` and stored to `hs [N, H, S, NLC, K, V]`; then the
+    block's chunks last to first, every level in turn, the chain of the adjoint alone (dx = K̃ dh'):
+
+        dh = exp(gc_last) dh' - W^T dx [+ (diag(lam) q̃)^T dO],   zero into the chunk before a block's first
+
+    with `dh'` (the gradient of the level's state leaving the chunk, `dstate`, entering as that of the leaving
+    states R and leaving as that of the entering ones r0) stored to `dhs [N, H, S, NLC, K, V]` for
+    `gdn_levels_grads_kernel`, which forms the round's gradients from hs and dhs, every chunk in parallel. At a
+    block's first chunk h is zero and nothing flows back; after its last dh' is zero unless the sequence ends there."""
+    i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
+    n0, n_ch, NL, i_lo, i_hi, live = block_span(pos, i_n, eos, bos, jb, S, C, NLC)
+    if live:
+        p_level = dstate + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
+        p_fwd = fstate + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
+        p_hs = hs + ((i_n * H + i_h) * S * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of chunk 0, level 0
+        p_dhs = dhs + ((i_n * H + i_h) * S * NLC).to(tl.int64) * K * V + state_tile
+        p_ck = ck + ((tl.load(cu_blocks + i_n) * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # of block 0
         for i in range(i_lo, i_hi):  # the block's entering level states, as gdn_levels_kernel formed them
             a = n0 + i
             _, _, _, _, b_w_hi, b_w_lo, _, b_k, b_u, b_wk, b_last = level_chunk(
@@ -258,70 +259,111 @@ def gdn_levels_backward_kernel(
                     read = ((a >> ell) & 1) == 1
                     first = (phase == 0) & (i > 0)
                     tl.store(p_fwd + ell * K * V, level_carry(b_h, b_w_hi, b_w_lo, b_k, b_u, b_wk, b_last, read, first, bad, F32, FP32_DOT), mask=m_s)
-        tl.debug_barrier()  # hs written above is read below
         for j in range(0, i_hi - i_lo):
             i = i_hi - 1 - j
             a = n0 + i
-            row = c0 + i
-            t, m_t, row_v, m_tv, b_w_hi, b_w_lo, _, b_k, b_u, b_wk, b_last = level_chunk(
-                chunks, row, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
+            t, m_t, row_v, m_tv, b_w_hi, b_w_lo, _, b_k, _, b_wk, b_last = level_chunk(
+                chunks, c0 + i, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
             )
             row_k = ((t * H + i_h).to(tl.int64))[:, None] * K + o_k[None, :]  # [C, BK] (int64)
-            b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV] in do's dtype (mma_mixed: as it is or split)
             m_tk = m_t[:, None] & m_k[None, :]
+            b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV] in do's dtype (mma_mixed: as it is or split)
             b_e = tl.exp2(b_last)
-            b_dqt = tl.zeros([C, BK], dtype=tl.float32)
-            b_dw = tl.zeros([C, BK], dtype=tl.float32)
-            b_dkt = tl.zeros([C, BK], dtype=tl.float32)
-            b_du = tl.zeros([C, BV], dtype=tl.float32)
-            b_dl = tl.sum(tl.zeros([BV], dtype=tl.float32), axis=0)
             for ell in range(0, NL):
                 p_s = p_level + ell * K * V
                 phase = a % (2 << ell)
-                first = (phase == 0) & (i > 0)  # h entered as zero, and nothing flows further back
-                read = ((a >> ell) & 1) == 1  # second half of the level's block
-                write = ((a >> ell) & 1) == 0
-                m_h = m_s & ((o_k[:, None] * 0 + phase != 0) | (o_k[:, None] * 0 + i == 0))
-                b_h = tl.load(p_hs + ((i - i_lo) * NLC + ell).to(tl.int64) * K * V, mask=m_h, other=0.0)  # [BK, BV]: the entering state
                 b_dn = tl.zeros([BK, BV], dtype=tl.float32)
                 # dh' is zero after a block's last chunk (the next chunk starts the next block), unless the sequence ends there
                 if (phase != (2 << ell) - 1) | (i == n_ch - 1):
                     b_dh = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV]: dh' of the leaving state
-                    b_dx = mma_right_fp32(b_k, b_dh, F32) * b_wk[:, None]  # [C, BK] @ [BK, BV]: K̃ dh'
-                    if first:
-                        b_x = b_u
-                    else:
-                        b_x = -mma_halves(b_w_hi, b_w_lo, b_h, F32, FP32_DOT)  # [C, BK] @ [BK, BV]: -W h
-                        b_dw -= mma_fp32(b_dx, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
-                        b_dl += tl.sum(tl.sum(b_h * b_dh, axis=1), axis=0)
+                    tl.store(p_dhs + ((i - i_lo) * NLC + ell).to(tl.int64) * K * V, b_dh, mask=m_s)
+                    if (phase != 0) | (i == 0):  # else h entered as zero, and nothing flows further back
+                        b_dx = mma_right_fp32(b_k, b_dh, F32) * b_wk[:, None]  # [C, BK] @ [BK, BV]: K̃ dh'
                         b_dn = b_dh * b_e - mma_halves(tl.trans(b_w_hi), tl.trans(b_w_lo), b_dx, F32, FP32_DOT)  # [BK, C] @ [C, BV]
-                        if write:
-                            b_x += b_u
-                    if write:
-                        b_du += b_dx
-                    b_dkt += mma_fp32(b_x, tl.trans(b_dh), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
-                if read:
+                if ((a >> ell) & 1) == 1:  # second half: read
                     b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
-                    # q̃ [C, BK] fp32, loaded at each read (from L2) rather than held across the levels, whose registers
-                    # go to the gradients: the walk took 10% less time
-                    b_qt = tl.load(qt + row_k, mask=m_tk, other=0.0)
-                    b_p = mma_mixed(b_do, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]: dO h^T
-                    b_dqt += b_p * b_lam[:, None]
-                    tl.store(dlam + ((i_v * N_tok + t).to(tl.int64) * H + i_h) * L + (LOG_C + 1 + ell), tl.sum(b_qt * b_p, axis=1), mask=m_t)  # <dO, q̃ h>
+                    b_qt = tl.load(qt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
                     b_dn += mma_mixed(tl.trans(b_qt * b_lam[:, None]), b_do, b_k.dtype, F32, FP32_DOT)  # [BK, C] @ [C, BV]: q̃^T diag(lam) dO
                 tl.store(p_s, b_dn, mask=m_s)  # zero into the chunk before a block's first
-            if ATOMIC:  # every value tile adds into one buffer
-                tl.atomic_add(dqt + row_k, b_dqt, mask=m_tk, sem="relaxed")
-                tl.atomic_add(dw + row_k, b_dw, mask=m_tk, sem="relaxed")
-                tl.atomic_add(dkt + row_k, b_dkt, mask=m_tk, sem="relaxed")
-            else:
-                part_k = ((i_v * N_tok + t).to(tl.int64) * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK] of this tile's share (int64)
-                tl.store(dqt + part_k, b_dqt, mask=m_tk)
-                tl.store(dw + part_k, b_dw, mask=m_tk)
-                tl.store(dkt + part_k, b_dkt, mask=m_tk)
-            tl.store(du + row_v, b_du, mask=m_tv)
-            tl.store(dlast + (i_v * NC + row) * H + i_h, b_dl * b_e)
-        tl.debug_barrier()  # the next block rewrites hs
+
+
+@triton.jit
+def gdn_levels_grads_kernel(
+    k, g, w, u_bar, qt, lam, do, hs, dhs, dqt, dw, dkt, du, dlast, dlam,
+    seqs, chunks, cu_chunks, pos, jb, N_tok, NC, H, K, V, L, NLC, S,
+    C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr, ATOMIC: tl.constexpr,
+):
+    """grid: (S * cdiv(V, BV), N, H), the block's chunk fastest. Round jb's gradients of one chunk of the block
+    `gdn_levels_chain_kernel` walked, from its entering level states h (`hs`) and their leaving gradients dh'
+    (`dhs`), every level in turn (dx = K̃ dh', x = [write] Ū - W h):
+
+        dŪ += [write] dx        dW -= dx h^T        dK̃ += x dh'^T        dlast += exp(gc_last) <h, dh'>
+        read: P = dO h^T,   dq̃ += diag(lam) P,   dlam[t, c + 1 + ell] = <q̃_t, P_t>  (= <dO_t, (q̃ h)_t>)
+
+    (h zero at a level's block's first chunk, dh' zero after its last unless the sequence ends there). dlast and
+    dlam are this value tile's shares (`[n_v, ...]`, summed by the launcher), and so are the [C, K] gradients dq̃,
+    dW, dK̃ unless ATOMIC, where every tile adds its share into one `[N_tok, H, K]` buffer (fp32 atomics: the
+    order of the n_v additions varies from run to run); dŪ is complete per tile."""
+    i_v, i_b = tl.program_id(0) // S, tl.program_id(0) % S
+    i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile_of(
+        i_v, tl.program_id(1), tl.program_id(2), seqs, cu_chunks, K, V, BK, BV,
+    )
+    n0, n_ch, NL, i_lo, i_hi, live = block_span(pos, i_n, eos, bos, jb, S, C, NLC)
+    i = i_lo + i_b
+    if live & (i < i_hi):
+        a = n0 + i
+        row = c0 + i
+        t, m_t, row_v, m_tv, b_w_hi, b_w_lo, _, b_k, b_u, b_wk, b_last = level_chunk(
+            chunks, row, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
+        )
+        row_k = ((t * H + i_h).to(tl.int64))[:, None] * K + o_k[None, :]  # [C, BK] (int64)
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV] in do's dtype (mma_mixed: as it is or split)
+        p_hs = hs + (((i_n * H + i_h) * S + i_b) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
+        p_dhs = dhs + (((i_n * H + i_h) * S + i_b) * NLC).to(tl.int64) * K * V + state_tile
+        b_dqt = tl.zeros([C, BK], dtype=tl.float32)
+        b_dw = tl.zeros([C, BK], dtype=tl.float32)
+        b_dkt = tl.zeros([C, BK], dtype=tl.float32)
+        b_du = tl.zeros([C, BV], dtype=tl.float32)
+        b_dl = tl.sum(tl.zeros([BV], dtype=tl.float32), axis=0)
+        for ell in range(0, NL):
+            phase = a % (2 << ell)
+            first = (phase == 0) & (i > 0)  # h entered as zero
+            write = ((a >> ell) & 1) == 0
+            m_h = m_s & ((o_k[:, None] * 0 + phase != 0) | (o_k[:, None] * 0 + i == 0))
+            b_h = tl.load(p_hs + ell * K * V, mask=m_h, other=0.0)  # [BK, BV]: the entering state
+            if (phase != (2 << ell) - 1) | (i == n_ch - 1):  # else dh' is zero
+                b_dh = tl.load(p_dhs + ell * K * V, mask=m_s, other=0.0)  # [BK, BV]: dh' of the leaving state
+                b_dx = mma_right_fp32(b_k, b_dh, F32) * b_wk[:, None]  # [C, BK] @ [BK, BV]: K̃ dh'
+                if first:
+                    b_x = b_u
+                else:
+                    b_x = -mma_halves(b_w_hi, b_w_lo, b_h, F32, FP32_DOT)  # [C, BK] @ [BK, BV]: -W h
+                    b_dw -= mma_fp32(b_dx, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
+                    b_dl += tl.sum(tl.sum(b_h * b_dh, axis=1), axis=0)
+                    if write:
+                        b_x += b_u
+                if write:
+                    b_du += b_dx
+                b_dkt += mma_fp32(b_x, tl.trans(b_dh), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
+            if ((a >> ell) & 1) == 1:  # second half: read
+                b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
+                b_qt = tl.load(qt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
+                b_p = mma_mixed(b_do, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]: dO h^T
+                b_dqt += b_p * b_lam[:, None]
+                tl.store(dlam + ((i_v * N_tok + t).to(tl.int64) * H + i_h) * L + (LOG_C + 1 + ell), tl.sum(b_qt * b_p, axis=1), mask=m_t)  # <dO, q̃ h>
+        if ATOMIC:  # every value tile adds into one buffer
+            tl.atomic_add(dqt + row_k, b_dqt, mask=m_tk, sem="relaxed")
+            tl.atomic_add(dw + row_k, b_dw, mask=m_tk, sem="relaxed")
+            tl.atomic_add(dkt + row_k, b_dkt, mask=m_tk, sem="relaxed")
+        else:
+            part_k = ((i_v * N_tok + t).to(tl.int64) * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK] of this tile's share (int64)
+            tl.store(dqt + part_k, b_dqt, mask=m_tk)
+            tl.store(dw + part_k, b_dw, mask=m_tk)
+            tl.store(dkt + part_k, b_dkt, mask=m_tk)
+        tl.store(du + row_v, b_du, mask=m_tv)
+        tl.store(dlast + (i_v * NC + row) * H + i_h, b_dl * tl.exp2(b_last))
 
 
 @triton.jit
@@ -601,7 +643,7 @@ def gdn_levels_ref(qt, w, u_bar, k, g, lam, seq_lens: tuple, positions: list, *,
 
 
 def gdn_levels_backward_ref(qt, w, u_bar, k, g, lam, do, dR, seq_lens: tuple, positions: list, *, chunk_size, r0=None):
-    """PyTorch twin of `gdn_levels_backward_kernel` (float64): the gradients of `gdn_levels_ref`'s
+    """PyTorch twin of `gdn_levels_backward` (`gdn_levels_chain_kernel` and `gdn_levels_grads_kernel`; float64): the gradients of `gdn_levels_ref`'s
     `(o, R)` given `do [N_tok, H, V]` and `dR [N, H, NLC, K, V]` (or None), as `(dq̃, dW, dK̃ [N_tok, H,
     K], dŪ [N_tok, H, V], dlast [NC, H] (per row of the grid chunk table: the gradient of the chunk's
     total log-decay through its state factor exp(gc_last)), dlam [N_tok, H, L], dr0 [N, H, NLC, K, V])`,
@@ -761,11 +803,12 @@ def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=N
 
 
 def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, position):
-    """The chunk-levels' backward (`gdn_levels_backward_kernel`) from flattened tokens as `gdn_forward` took
-    them, its result `fwd` (with `ck`), the output gradient `do [N_tok, H, V]` and that of the leaving
-    states `dR [N, H, NLC, K, V]` (or None): `(dq̃, dW, dK̃ [N_tok, H, K], dŪ [N_tok, H, V], dlast [NC, H],
-    dlam [N_tok, H, L] (the chunk-level columns), dr0 [N, H, NLC, K, V])`, all fp32, as
-    `gdn_levels_backward_ref` defines them."""
+    """The chunk-levels' backward from flattened tokens as `gdn_forward` took them, its result `fwd` (with `ck`),
+    the output gradient `do [N_tok, H, V]` and that of the leaving states `dR [N, H, NLC, K, V]` (or None):
+    `(dq̃, dW, dK̃ [N_tok, H, K], dŪ [N_tok, H, V], dlast [NC, H], dlam [N_tok, H, L] (the chunk-level columns),
+    dr0 [N, H, NLC, K, V])`, all fp32, as `gdn_levels_backward_ref` defines them. One round per block of S chunks
+    from the sequences' ends (the most blocks any sequence has): `gdn_levels_chain_kernel` walks each
+    sequence's block, `gdn_levels_grads_kernel` forms its gradients, a program per chunk and value tile."""
     N_tok, H, K = k.shape
     V, L = do.shape[-1], lam.shape[-1]
     config, C, LOG_C, N, NLC, chunks, seqs = _walk_plan(seq_lens, position, L, fwd.chunks)
@@ -773,21 +816,31 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     n_v, NC = triton.cdiv(V, BV), chunks[2]
     dstate = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=k.device) if dR is None else dR.float().contiguous().clone()
     S, cu_blocks, _ = checkpoint_plan(seq_lens, C, k.device)
+    rounds = max(triton.cdiv(triton.cdiv(n, C) + 1, S) for n in seq_lens)  # checkpoint_plan's blocks: at least each sequence's
     fstate = torch.empty(N, H, NLC, K, V, dtype=torch.float32, device=k.device)
-    hs = torch.empty(N, H, S, NLC, K, V, dtype=torch.float32, device=k.device)
+    hs, dhs = (torch.empty(N, H, S, NLC, K, V, dtype=torch.float32, device=k.device) for _ in range(2))
     atomic = n_v > 1 and not torch.are_deterministic_algorithms_enabled()
     parts = 1 if atomic else n_v
     dqt, dw, dkt = ((torch.zeros if atomic else torch.empty)(parts, N_tok, H, K, dtype=torch.float32, device=k.device) for _ in range(3))
     du = torch.empty(N_tok, H, V, dtype=torch.float32, device=k.device)
     dlast = torch.zeros(n_v, NC, H, dtype=torch.float32, device=k.device)
     dlam = torch.zeros(n_v, N_tok, H, L, dtype=torch.float32, device=k.device)
-    gdn_levels_backward_kernel[(n_v, N, H)](
-        k, g, fwd.w, fwd.u_bar, fwd.qt, lam, fwd.firsts, do.contiguous(), fwd.ck, cu_blocks, fstate, hs, dstate,
-        dqt, dw, dkt, du, dlast, dlam, seqs, chunks[0], chunks[1], position, N_tok, NC, H, K, V, L, NLC, S,
-        C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=dot_f32(k.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
-        ATOMIC=atomic, num_warps=config.gdn_num_warps, num_stages=config.num_stages,
-    )
-    del fstate, hs
+    do = do.contiguous()
+    F32, FP32_DOT = dot_f32(k.dtype), fp32_dot_mode(config, "delta_fp32_dot")
+    for jb in range(rounds):
+        gdn_levels_chain_kernel[(n_v, N, H)](
+            k, g, fwd.w, fwd.u_bar, fwd.qt, lam, fwd.firsts, do, fwd.ck, cu_blocks, fstate, hs, dhs, dstate,
+            seqs, chunks[0], chunks[1], position, jb, H, K, V, L, NLC, S,
+            C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT,
+            num_warps=config.gdn_num_warps, num_stages=config.num_stages,
+        )
+        gdn_levels_grads_kernel[(S * n_v, N, H)](
+            k, g, fwd.w, fwd.u_bar, fwd.qt, lam, do, hs, dhs, dqt, dw, dkt, du, dlast, dlam,
+            seqs, chunks[0], chunks[1], position, jb, N_tok, NC, H, K, V, L, NLC, S,
+            C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT, ATOMIC=atomic,
+            num_warps=config.gdn_num_warps, num_stages=config.num_stages,
+        )
+    del fstate, hs, dhs
     return (*(x[0] if atomic else x.sum(0) for x in (dqt, dw, dkt)), du, dlast.sum(0), dlam.sum(0), dstate)
 
 
