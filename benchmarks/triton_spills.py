@@ -130,7 +130,7 @@ def loglinear_gdn() -> None:
             print(f"log-linear GDN levels BV{BV} warps{warps}: {resources(gdn_levels_kernel, dict(gdn, BV=BV, STORE_CK=False), warps, 2)}")
             print(f"log-linear GDN levels chain BV{BV} warps{warps}: {resources(gdn_levels_chain_kernel, dict(gdn, BV=BV), warps, 2)}")
             print(f"log-linear GDN levels grads BV{BV} warps{warps}: {resources(gdn_levels_grads_kernel, dict(gdn, BV=BV, ATOMIC=True), warps, 2)}")
-            print(f"log-linear GDN chunk  BV{BV} warps{warps}: {resources(gdn_chunk_kernel, dict(gdn, BV=BV), warps, 2)}")
+            print(f"log-linear GDN chunk  BV{BV} warps{warps}: {resources(gdn_chunk_kernel, dict(gdn, BV=BV, STORE_O=True), warps, 2)}")
             print(f"log-linear GDN chunk grads BV{BV} warps{warps}: {resources(gdn_chunk_grads_kernel, dict(gdn, BV=BV, USE_DT=False), warps, 2)}")
 
 

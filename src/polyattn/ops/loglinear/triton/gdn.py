@@ -69,10 +69,10 @@ from .level_pass import bit_length, intra_levels
 def gdn_chunk_kernel(
     q, k, v, g, beta, lam, w, t_inv, firsts, qt, o_intra, chunks, scale, H, K, V, L,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
+    USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr, STORE_O: tl.constexpr,
 ):
-    """grid: (num_chunks, H). One chunk of one head: q̃ [C, K] (stored fp32) and the intra block
-    [C, V] (stored fp32, value tiles of BV in turn) from the score tile A [C, C], the chunk's rows of
+    """grid: (num_chunks, H). One chunk of one head: q̃ [C, K] (stored fp32) and, with STORE_O, the intra
+    block [C, V] (stored fp32, value tiles of BV in turn) from the score tile A [C, C], the chunk's rows of
     Tinv [C, C] and W [C, K]. The rows from the chunk's first non-finite token (`firsts`) on are NaN."""
     i_ch, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
     o_k = tl.arange(0, BK)
@@ -86,21 +86,22 @@ def gdn_chunk_kernel(
     b_w = tl.load(w + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
     b_qt = b_q.to(tl.float32) * (tl.exp2(b_gc) * scale)[:, None] - mma_fp32(b_att, b_w, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BK]
     tl.store(qt + row_k, b_qt, mask=m_tk)
-    b_ti = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C] fp32, lower
-    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
-    b_wa = mma_fp32(b_att, b_ti, b_q.dtype, F32, FP32_DOT) * b_beta[None, :]  # [C, C] @ [C, C]: A Tinv diag(β)
-    lut = intra_levels(C, LOG_C, tl.load(chunks + i_ch * 4 + 2))  # [C, C] at the chunk's offsets on the grid
-    m_w = m_t[:, None] & (o_t[:, None] >= o_t[None, :]) & (lut < L)
-    b_lam = tl.load(lam + (t * H + i_h)[:, None] * L + lut, mask=m_w, other=0.0).to(tl.float32)  # [C, C]: lam[t, level(i, j)]
-    b_wa = tl.where(m_w, b_wa * b_lam, 0.0)  # [C, C]
-    first = tl.load(firsts + i_ch * H + i_h)
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        b_v = zero_rows_from(tl.load(v + row_v, mask=m_tv, other=0.0), first)  # [C, BV]
-        b_o = nan_rows_from(mma_left_fp32(b_wa, b_v, F32), first)  # [C, C] @ [C, BV] -> [C, BV]
-        tl.store(o_intra + row_v, b_o, mask=m_tv)
+    if STORE_O:  # the backward's rerun needs q̃ alone
+        b_ti = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C] fp32, lower
+        b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+        b_wa = mma_fp32(b_att, b_ti, b_q.dtype, F32, FP32_DOT) * b_beta[None, :]  # [C, C] @ [C, C]: A Tinv diag(β)
+        lut = intra_levels(C, LOG_C, tl.load(chunks + i_ch * 4 + 2))  # [C, C] at the chunk's offsets on the grid
+        m_w = m_t[:, None] & (o_t[:, None] >= o_t[None, :]) & (lut < L)
+        b_lam = tl.load(lam + (t * H + i_h)[:, None] * L + lut, mask=m_w, other=0.0).to(tl.float32)  # [C, C]: lam[t, level(i, j)]
+        b_wa = tl.where(m_w, b_wa * b_lam, 0.0)  # [C, C]
+        first = tl.load(firsts + i_ch * H + i_h)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            row_v = (t * H + i_h)[:, None] * V + o_v[None, :]  # [C, BV]
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            b_v = zero_rows_from(tl.load(v + row_v, mask=m_tv, other=0.0), first)  # [C, BV]
+            b_o = nan_rows_from(mma_left_fp32(b_wa, b_v, F32), first)  # [C, C] @ [C, BV] -> [C, BV]
+            tl.store(o_intra + row_v, b_o, mask=m_tv)
 
 
 @triton.jit
@@ -159,9 +160,9 @@ def gdn_levels_kernel(
     first chunk, where h is zero; no carry at its last unless the sequence ends there); the level's state tile
     [BK, BV] is loaded from and stored to `state` (which enters holding the initial states; zero at
     a block's first chunk after the sequence's first), the output tile (intra block + reads) stored once.
-    STORE_CK: the level states entering every S-th chunk of the sequence (its chunks i = 0, S, 2S, ..., as
-    the chunk used them) to the checkpoints `ck [NB, H, NLC, K, V]`, sequence n's from row `cu_blocks[n]`
-    (for the backward, which recomputes the chunks in between)."""
+    STORE_CK (the backward's rerun): the level states entering every S-th chunk of the sequence (its chunks
+    i = 0, S, 2S, ..., as the chunk used them) to the checkpoints `ck [NB, H, NLC, K, V]`, sequence n's from row
+    `cu_blocks[n]` (for the backward, which recomputes the chunks in between), and no reads or outputs."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
     P = tl.load(pos + i_n).to(tl.int32)  # positions below 2^31
     n0 = P // C
@@ -176,7 +177,8 @@ def gdn_levels_kernel(
         t, m_t, row_v, m_tv, b_w_hi, b_w_lo, b_qt, b_k, b_u, b_wk, b_last = level_chunk(
             chunks, c0 + i, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
         )
-        b_o = tl.load(o_intra + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
+        if not STORE_CK:
+            b_o = tl.load(o_intra + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
         bad = tl.load(firsts + (c0 + i) * H + i_h) < C  # a non-finite token in the chunk
         for ell in range(0, NL):
             p_s = p_level + ell * K * V
@@ -189,15 +191,17 @@ def gdn_levels_kernel(
                 if i % S == 0:
                     tl.store(ck + (((cb0 + i // S) * H + i_h) * NLC + ell).to(tl.int64) * K * V + state_tile, b_h, mask=m_s)
             read = ((a >> ell) & 1) == 1  # second half of the level's block
-            if read:
-                b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
-                b_o += mma_fp32(b_qt, b_h, b_k.dtype, F32, FP32_DOT) * b_lam[:, None]  # [C, BK] @ [BK, BV]
+            if not STORE_CK:
+                if read:
+                    b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
+                    b_o += mma_fp32(b_qt, b_h, b_k.dtype, F32, FP32_DOT) * b_lam[:, None]  # [C, BK] @ [BK, BV]
             # after a block's last chunk the state is not read again (the next chunk starts the next block), unless
             # the sequence ends there: it leaves in `state`
             if (phase != (2 << ell) - 1) | (i == n_ch - 1):
                 first = (phase == 0) & (i > 0)
                 tl.store(p_s, level_carry(b_h, b_w_hi, b_w_lo, b_k, b_u, b_wk, b_last, read, first, bad, F32, FP32_DOT), mask=m_s)
-        tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
+        if not STORE_CK:
+            tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
 
 
 @triton.jit
@@ -709,7 +713,8 @@ def gdn_levels_backward_ref(qt, w, u_bar, k, g, lam, do, dR, seq_lens: tuple, po
 
 
 class GdnForward(NamedTuple):
-    """What `gdn_forward` returns: `o [N_tok, H, V]` in the output dtype and, fp32, `R [N, H, NLC, K, V]`
+    """What `gdn_forward` returns: `o [N_tok, H, V]` in the output dtype (None for the backward's rerun) and,
+    fp32, `R [N, H, NLC, K, V]`
     (each chunk-level's state after the last chunk), the WY stage's `t_inv [N_tok, H, C]`, `w [N_tok, H,
     K]`, `u_bar [N_tok, H, V]`, `qt [N_tok, H, K]` (q̃), `firsts [NC, H]` (each chunk's first non-finite row,
     C when none), the grid chunk table it ran on
@@ -717,7 +722,7 @@ class GdnForward(NamedTuple):
     unless asked for), the checkpoints `ck [NB, H, NLC, K, V]` of `checkpoint_plan(...)` (the level states
     entering every S-th chunk of each sequence)."""
 
-    o: torch.Tensor
+    o: torch.Tensor | None
     R: torch.Tensor
     t_inv: torch.Tensor
     w: torch.Tensor
@@ -774,7 +779,8 @@ def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=N
     """The forward from flattened tokens (q, k: [N_tok, H, K]; v: [N_tok, H, V]; g, beta: [N_tok, H], g
     may be None; lam: [N_tok, H, L]; all contiguous), sequence n starting at the absolute position
     `position[n]` (device int64) with the entering chunk-level states `r0 [N, H, NLC, K, V]` fp32 (or
-    none); `out_dtype` default q's."""
+    none); `out_dtype` default q's. `store_ck` (the backward's rerun): the checkpoints, and no outputs (`o` is
+    None; the walk skips the reads)."""
     N_tok, H, K = q.shape
     V, L = v.shape[-1], lam.shape[-1]
     config, C, LOG_C, N, NLC, chunks, seqs = _walk_plan(seq_lens, position, L)
@@ -782,16 +788,16 @@ def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=N
     w, u_bar = wy_factors(k, v, beta, g, t_inv, firsts, chunks=chunks, num_warps=config.num_warps)
     BK, F32, FP32_DOT = block(K), dot_f32(q.dtype), fp32_dot_mode(config, "delta_fp32_dot")
     qt = torch.empty(N_tok, H, K, dtype=torch.float32, device=q.device)
-    o_intra = torch.empty(N_tok, H, V, dtype=torch.float32, device=q.device)
+    o_intra = None if store_ck else torch.empty(N_tok, H, V, dtype=torch.float32, device=q.device)
     gdn_chunk_kernel[(chunks[2], H)](
         q, k, v, g, beta, lam, w, t_inv, firsts, qt, o_intra, chunks[0], scale, H, K, V, L,
         C=C, LOG_C=LOG_C, BK=BK, BV=min(block(V), config.delta_out_block_v), USE_G=g is not None, F32=F32,
-        FP32_DOT=FP32_DOT, num_warps=config.gdn_chunk_warps, num_stages=config.num_stages,
+        FP32_DOT=FP32_DOT, STORE_O=not store_ck, num_warps=config.gdn_chunk_warps, num_stages=config.num_stages,
     )
     R = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=q.device) if r0 is None else r0.float().contiguous().clone()
     S, cu_blocks, NB = checkpoint_plan(seq_lens, C, q.device)
     ck = torch.empty(NB, H, NLC, K, V, dtype=torch.float32, device=q.device) if store_ck else None
-    out = torch.empty(N_tok, H, V, dtype=out_dtype or q.dtype, device=q.device)
+    out = None if store_ck else torch.empty(N_tok, H, V, dtype=out_dtype or q.dtype, device=q.device)
     BV = value_tile(config, V)
     gdn_levels_kernel[(triton.cdiv(V, BV), N, H)](
         k, g, w, u_bar, qt, lam, firsts, o_intra, out, R, ck, cu_blocks, seqs, chunks[0], chunks[1], position,
