@@ -214,11 +214,13 @@ def test_gdn_levels_backward_twin_matches_autograd():
         assert rel_err(got, grads[name]) <= 1e-12, f"{name}: {rel_err(got, grads[name]):.2e}"
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-@pytest.mark.parametrize("decay", [True, False])
-def test_gdn_levels_backward_kernel_matches_its_twin(decay, deterministic):
+@pytest.mark.parametrize(("decay", "deterministic", "interval"), [
+    (True, False, None), (True, True, None), (False, False, None), (False, True, None), (True, False, 1), (True, False, 3),
+], ids=["decay-atomic", "decay-deterministic", "atomic", "deterministic", "decay-atomic-S1", "decay-atomic-S3"])
+def test_gdn_levels_backward_kernel_matches_its_twin(decay, deterministic, interval):
     """`gdn_levels_backward`'s two kernels (after `gdn_levels_kernel` stored its checkpoints: blocks of S = 2 chunks
-    here, the last one short) against `gdn_levels_backward_ref` on the same fp32 q̃, W, Ū: every gradient,
+    by default here, the last one short; S = 1, every state kept, and S = 3 from `KernelConfig.gdn_state_interval`)
+    against `gdn_levels_backward_ref` on the same fp32 q̃, W, Ū: every gradient,
     packed sequences from entering states, with two or more value tiles whose dq̃, dW, dK̃ shares meet by
     atomic adds or, under `torch.use_deterministic_algorithms`, in separate buffers. The decay is weak
     (a chunk keeps about 0.6 of a state) so that gradients cross chunks."""
@@ -236,12 +238,13 @@ def test_gdn_levels_backward_kernel_matches_its_twin(decay, deterministic):
     do = torch.randn(sum(lengths), H, V, generator=gen).to(DEVICE)
     dR = torch.randn(len(lengths), H, NLC, K, V, generator=gen).to(DEVICE)
     position = torch.tensor(positions, device=DEVICE)
-    assert checkpoint_plan(lengths, 64, DEVICE)[0] == 2
-    fwd = gdn_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["lam"], lengths, position, scale=0.5, r0=r0, store_ck=True)
+    config = KernelConfig(gdn_block_v=min(32, triton.next_power_of_2(V) // 2), gdn_state_interval=interval)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
-        with use_config(KernelConfig(gdn_block_v=min(32, triton.next_power_of_2(V) // 2))):
+        with use_config(config):
+            assert checkpoint_plan(lengths, 64, DEVICE)[0] == (interval or 2)
+            fwd = gdn_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["lam"], lengths, position, scale=0.5, r0=r0, store_ck=True)
             got = gdn_levels_backward(x["k"], x["g"], x["lam"], fwd, do, dR, lengths, position)
     finally:
         torch.use_deterministic_algorithms(was)
@@ -336,3 +339,16 @@ def test_gdn_value_tile_below_32_is_refused_on_the_gpu(monkeypatch):
         gdn.value_tile(KernelConfig(gdn_block_v=16), 128)
     monkeypatch.setattr(gdn, "interpreting", lambda: True)
     assert gdn.value_tile(KernelConfig(gdn_block_v=8), 12) == 8
+
+
+def test_gdn_state_interval_below_one_is_refused():
+    """`gdn.checkpoint_plan`: a fixed interval of S chunks gives each sequence ⌈rows / S⌉ checkpoints (rows: its grid
+    chunks plus one), and an interval below 1 is a ValueError."""
+    from polyattn.ops.loglinear.triton.gdn import checkpoint_plan
+    from polyattn.ops.triton.plan import KernelConfig, use_config
+
+    with use_config(KernelConfig(gdn_state_interval=4)):
+        S, cu_blocks, NB = checkpoint_plan((640, 64), 64, "cpu")
+    assert (S, cu_blocks.tolist(), NB) == (4, [0, 3, 4], 4)
+    with use_config(KernelConfig(gdn_state_interval=0)), pytest.raises(ValueError, match="gdn_state_interval"):
+        checkpoint_plan((640,), 64, "cpu")

@@ -757,10 +757,15 @@ def value_tile(config, V: int) -> int:
 
 def checkpoint_plan(seq_lens: tuple, C: int, device) -> tuple[int, torch.Tensor, int]:
     """How the backward splits each sequence's walk: `(S, cu_blocks [N + 1] int32, NB)`, blocks of S chunks
-    (S = isqrt of the most grid rows a sequence owns, which balances the checkpoints, `NB` of them, against
-    the S recomputed states a program holds), sequence n's first block at row `cu_blocks[n]`."""
+    (`KernelConfig.gdn_state_interval`, by default the integer square root of the most grid rows a sequence owns,
+    which balances the checkpoints, `NB` of them, against the 2S states and gradients a round holds per
+    sequence), sequence n's first block at row `cu_blocks[n]`. ValueError for an interval below 1."""
     rows = [triton.cdiv(n, C) + 1 for n in seq_lens]  # grid rows per sequence (plan.grid_chunk_table): at least its chunks
-    S = max(1, math.isqrt(max(rows)))
+    S = get_config().gdn_state_interval
+    if S is None:
+        S = max(1, math.isqrt(max(rows)))
+    elif S < 1:
+        raise ValueError(f"KernelConfig.gdn_state_interval: expected at least 1 or None, got {S}")
     blocks = tuple(triton.cdiv(r, S) for r in rows)
     return S, sequence_starts(blocks, device), sum(blocks)
 
@@ -844,7 +849,7 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
             k, g, fwd.w, fwd.u_bar, fwd.qt, lam, do, hs, dhs, dqt, dw, dkt, du, dlast, dlam,
             seqs, chunks[0], chunks[1], position, jb, N_tok, NC, H, K, V, L, NLC, S,
             C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT, ATOMIC=atomic,
-            num_warps=config.gdn_num_warps, num_stages=config.num_stages,
+            num_warps=config.gdn_grads_warps, num_stages=config.num_stages,
         )
     del fstate, hs, dhs
     return (*(x[0] if atomic else x.sum(0) for x in (dqt, dw, dkt)), du, dlast.sum(0), dlam.sum(0), dstate)
