@@ -214,15 +214,18 @@ def test_gdn_levels_backward_twin_matches_autograd():
         assert rel_err(got, grads[name]) <= 1e-12, f"{name}: {rel_err(got, grads[name]):.2e}"
 
 
-@pytest.mark.parametrize(("decay", "deterministic", "interval"), [
-    (True, False, None), (True, True, None), (False, False, None), (False, True, None), (True, False, 1), (True, False, 3),
-], ids=["decay-atomic", "decay-deterministic", "atomic", "deterministic", "decay-atomic-S1", "decay-atomic-S3"])
-def test_gdn_levels_backward_kernel_matches_its_twin(decay, deterministic, interval):
+@pytest.mark.parametrize(("decay", "deterministic", "interval", "wide"), [
+    (True, False, None, False), (True, True, None, False), (False, False, None, False), (False, True, None, False),
+    (True, False, 1, False), (True, False, 3, False), (True, False, None, True),
+], ids=["decay-atomic", "decay-deterministic", "atomic", "deterministic", "decay-atomic-S1", "decay-atomic-S3", "decay-wide-grads"])
+def test_gdn_levels_backward_kernel_matches_its_twin(decay, deterministic, interval, wide):
     """`gdn_levels_backward`'s two kernels (after `gdn_levels_kernel` stored its checkpoints: blocks of S = 2 chunks
     by default here, the last one short; S = 1, every state kept, and S = 3 from `KernelConfig.gdn_state_interval`)
     against `gdn_levels_backward_ref` on the same fp32 q̃, W, Ū: every gradient,
     packed sequences from entering states, with two or more value tiles whose dq̃, dW, dK̃ shares meet by
-    atomic adds or, under `torch.use_deterministic_algorithms`, in separate buffers. The decay is weak
+    atomic adds or, under `torch.use_deterministic_algorithms`, in separate buffers, or (`wide`) the gradients
+    formed in value tiles twice the chain's (`gdn_grads_block_v`; here on the CPU one tile of every column, no
+    atomics). The decay is weak
     (a chunk keeps about 0.6 of a state) so that gradients cross chunks."""
     from polyattn.ops.loglinear.triton.gdn import checkpoint_plan, gdn_forward, gdn_levels_backward, gdn_levels_backward_ref
     from polyattn.ops.triton.plan import KernelConfig, use_config
@@ -238,7 +241,8 @@ def test_gdn_levels_backward_kernel_matches_its_twin(decay, deterministic, inter
     do = torch.randn(sum(lengths), H, V, generator=gen).to(DEVICE)
     dR = torch.randn(len(lengths), H, NLC, K, V, generator=gen).to(DEVICE)
     position = torch.tensor(positions, device=DEVICE)
-    config = KernelConfig(gdn_block_v=min(32, triton.next_power_of_2(V) // 2), gdn_state_interval=interval)
+    tile = min(32, triton.next_power_of_2(V) // 2)
+    config = KernelConfig(gdn_block_v=tile, gdn_grads_block_v=2 * tile if wide else tile, gdn_state_interval=interval)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
@@ -337,6 +341,9 @@ def test_gdn_value_tile_below_32_is_refused_on_the_gpu(monkeypatch):
     assert gdn.value_tile(KernelConfig(gdn_block_v=64), 48) == 64  # block(48): the next power of two
     with pytest.raises(ValueError, match="gdn_block_v"):
         gdn.value_tile(KernelConfig(gdn_block_v=16), 128)
+    assert gdn.value_tile(KernelConfig(gdn_block_v=16, gdn_grads_block_v=128), 128, "gdn_grads_block_v") == 128
+    with pytest.raises(ValueError, match="gdn_grads_block_v"):
+        gdn.value_tile(KernelConfig(gdn_grads_block_v=16), 128, "gdn_grads_block_v")
     monkeypatch.setattr(gdn, "interpreting", lambda: True)
     assert gdn.value_tile(KernelConfig(gdn_block_v=8), 12) == 8
 

@@ -109,7 +109,11 @@ class KernelConfig:
     141.8, benchmarks/results/2026-12-06-h100/tune-gdn-rounds-call21.txt, though ptxas for sm_90a at K = 128 and
     a 32-column tile counts more spills at 4, 52 / 496 bytes a thread for the forward walk / the chain against
     8 / 200 at 8, benchmarks/results/triton-spills-sm90a.txt; 64-column tiles: 108.0 / 167.0), gdn_grads_warps the warps of its backward's per-chunk level gradients
-    (`gdn_levels_grads_kernel`; 8: a forward + backward took 117.5 / 146.2 ms at 4, same file) and
+    (`gdn_levels_grads_kernel`; 8: a forward + backward took 117.5 / 146.2 ms at 4, same file),
+    gdn_grads_block_v its value tile (the states it reads are whole `[K, V]`, so it need not match the walks'; 32:
+    at 8K / 32K a forward + backward took 105.0 / 138.2 ms at 32, 106.7 / 140.6 at 64, 117.5 / 155.4 at 128 (and
+    168.4 / 223.4 at 128 with 16 warps), and at 128 with 8 warps fp32 inputs need more shared memory than an H100
+    has: benchmarks/results/2026-12-06-h100/tune-gdn-grads-tile-call23.txt, test_gdn_grads_tile_gpu-call23.log), and
     gdn_state_interval the chunks between the level states its forward keeps for the backward (None: the integer
     square root of the longest sequence's grid rows, 11 / 22 at 8K / 32K; gdn.checkpoint_plan; 6 and 32 took the same
     time, 32 with more memory, same file); gdn_chunk_warps the warps
@@ -159,6 +163,7 @@ class KernelConfig:
     gdn_block_v: int = 32
     gdn_num_warps: int = 4
     gdn_grads_warps: int = 8
+    gdn_grads_block_v: int = 32
     gdn_state_interval: int | None = None
     gdn_chunk_warps: int = 8
 

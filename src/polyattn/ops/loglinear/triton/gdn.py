@@ -745,14 +745,16 @@ def kernel_heads(K: int, V: int) -> tuple[int, int]:
     return max(64, triton.next_power_of_2(K)), max(64, triton.cdiv(V, 32) * 32)
 
 
-def value_tile(config, V: int) -> int:
-    """The value tile of the level walks and the chunk gradients: `block(V)` columns, at most
-    `config.gdn_block_v`. ValueError for a `gdn_block_v` below 32 on the GPU: with 16-wide tiles the compiled
-    backward walk made an illegal memory access on the H100 (Triton 3.6, K = V = 128;
+def value_tile(config, V: int, field: str = "gdn_block_v") -> int:
+    """A value tile of these kernels: `block(V)` columns, at most the KernelConfig field `field`'s
+    (`gdn_block_v`: the level walks and the chunk gradients; `gdn_grads_block_v`: the backward's per-chunk level
+    gradients). ValueError for a tile below 32 on the GPU: with 16-wide tiles the compiled backward walk made an
+    illegal memory access on the H100 (Triton 3.6, K = V = 128;
     `benchmarks/results/2026-12-06-h100/tune-gdn-block-v-call14.txt`); the interpreter runs any width."""
-    if config.gdn_block_v < 32 and not interpreting():
-        raise ValueError(f"KernelConfig.gdn_block_v: expected at least 32 on the GPU, got {config.gdn_block_v}")
-    return min(block(V), config.gdn_block_v)
+    tile = getattr(config, field)
+    if tile < 32 and not interpreting():
+        raise ValueError(f"KernelConfig.{field}: expected at least 32 on the GPU, got {tile}")
+    return min(block(V), tile)
 
 
 def checkpoint_plan(seq_lens: tuple, C: int, device) -> tuple[int, torch.Tensor, int]:
@@ -823,19 +825,19 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     N_tok, H, K = k.shape
     V, L = do.shape[-1], lam.shape[-1]
     config, C, LOG_C, N, NLC, chunks, seqs = _walk_plan(seq_lens, position, L, fwd.chunks)
-    BK, BV = block(K), value_tile(config, V)
-    n_v, NC = triton.cdiv(V, BV), chunks[2]
+    BK, BV, BVG = block(K), value_tile(config, V), value_tile(config, V, "gdn_grads_block_v")
+    n_v, n_vg, NC = triton.cdiv(V, BV), triton.cdiv(V, BVG), chunks[2]
     dstate = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=k.device) if dR is None else dR.float().contiguous().clone()
     S, cu_blocks, _ = checkpoint_plan(seq_lens, C, k.device)
     rounds = max(triton.cdiv(triton.cdiv(n, C) + 1, S) for n in seq_lens)  # checkpoint_plan's blocks: at least each sequence's
     fstate = torch.empty(N, H, NLC, K, V, dtype=torch.float32, device=k.device)
     hs, dhs = (torch.empty(N, H, S, NLC, K, V, dtype=torch.float32, device=k.device) for _ in range(2))
-    atomic = n_v > 1 and not torch.are_deterministic_algorithms_enabled()
-    parts = 1 if atomic else n_v
+    atomic = n_vg > 1 and not torch.are_deterministic_algorithms_enabled()
+    parts = 1 if atomic else n_vg
     dqt, dw, dkt = ((torch.zeros if atomic else torch.empty)(parts, N_tok, H, K, dtype=torch.float32, device=k.device) for _ in range(3))
     du = torch.empty(N_tok, H, V, dtype=torch.float32, device=k.device)
-    dlast = torch.zeros(n_v, NC, H, dtype=torch.float32, device=k.device)
-    dlam = torch.zeros(n_v, N_tok, H, L, dtype=torch.float32, device=k.device)
+    dlast = torch.zeros(n_vg, NC, H, dtype=torch.float32, device=k.device)
+    dlam = torch.zeros(n_vg, N_tok, H, L, dtype=torch.float32, device=k.device)
     do = do.contiguous()
     F32, FP32_DOT = dot_f32(k.dtype), fp32_dot_mode(config, "delta_fp32_dot")
     for jb in range(rounds):
@@ -845,10 +847,10 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
             C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT,
             num_warps=config.gdn_num_warps, num_stages=config.num_stages,
         )
-        gdn_levels_grads_kernel[(S * n_v, N, H)](
+        gdn_levels_grads_kernel[(S * n_vg, N, H)](
             k, g, fwd.w, fwd.u_bar, fwd.qt, lam, do, hs, dhs, dqt, dw, dkt, du, dlast, dlam,
             seqs, chunks[0], chunks[1], position, jb, N_tok, NC, H, K, V, L, NLC, S,
-            C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT, ATOMIC=atomic,
+            C=C, LOG_C=LOG_C, BK=BK, BV=BVG, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT, ATOMIC=atomic,
             num_warps=config.gdn_grads_warps, num_stages=config.num_stages,
         )
     del fstate, hs, dhs
