@@ -104,19 +104,20 @@ class KernelConfig:
     recomputes the others round by round (None: ⌈√(c / 2)⌉ for c chunks, the least memory; 1: every state kept and
     none recomputed, the fastest backward; delta.state_interval).
     gdn_block_v and gdn_num_warps are the value tile and warps of log-linear Gated DeltaNet's level
-    walks, forward and backward (ops/loglinear/triton/gdn.py; 4 warps: on an H100 at 8K / 32K tokens a
-    forward took 12.6 / 17.8 ms at 4 against 17.0 / 20.5 at 8, a forward + backward 104.7 / 138.6 against 114.5 /
-    141.8, benchmarks/results/2026-12-06-h100/tune-gdn-rounds-call21.txt, though ptxas for sm_90a at K = 128 and
-    a 32-column tile counts more spills at 4, 52 / 496 bytes a thread for the forward walk / the chain against
-    8 / 200 at 8, benchmarks/results/triton-spills-sm90a.txt; 64-column tiles: 108.0 / 167.0), gdn_grads_warps the warps of its backward's per-chunk level gradients
-    (`gdn_levels_grads_kernel`; 8: a forward + backward took 117.5 / 146.2 ms at 4, same file),
-    gdn_grads_block_v its value tile (the states it reads are whole `[K, V]`, so it need not match the walks'; 32:
-    at 8K / 32K a forward + backward took 105.0 / 138.2 ms at 32, 106.7 / 140.6 at 64, 117.5 / 155.4 at 128 (and
-    168.4 / 223.4 at 128 with 16 warps), and at 128 with 8 warps fp32 inputs need more shared memory than an H100
-    has: benchmarks/results/2026-12-06-h100/tune-gdn-grads-tile-call23.txt, test_gdn_grads_tile_gpu-call23.log), and
-    gdn_state_interval the chunks between the level states its forward keeps for the backward (None: the integer
-    square root of the longest sequence's grid rows, 11 / 22 at 8K / 32K; gdn.checkpoint_plan; 6 and 32 took the same
-    time, 32 with more memory, same file); gdn_chunk_warps the warps
+    walks, forward and backward (ops/loglinear/triton/gdn.py). 4 warps: on an H100 at 8K / 32K tokens a forward
+    took 12.6 / 17.8 ms at 4 against 17.0 / 20.5 at 8, a forward + backward 104.7 / 138.6 against 114.5 / 141.8
+    (benchmarks/results/2026-12-06-h100/tune-gdn-rounds-call21.txt; 64-column tiles at 8 warps: 108.0 / 167.0),
+    though ptxas for sm_90a at K = 128 and 32-column tiles counts more spills at 4, 52 / 496 bytes a thread for
+    the forward walk / the chain against 8 / 200 at 8 (benchmarks/results/triton-spills-sm90a.txt).
+    gdn_grads_warps are the warps of the backward's per-chunk level gradients (`gdn_levels_grads_kernel`; 8: a
+    forward + backward took 117.5 / 146.2 ms at 4, call 21) and gdn_grads_block_v their value tile (the states
+    they read are whole `[K, V]`, so it need not match the walks'; 32: a forward + backward took 105.0 / 138.2 ms at
+    32, 106.7 / 140.6 at 64, 117.5 / 155.4 at 128 and 168.4 / 223.4 at 128 with 16 warps, and at 128 with 8 warps
+    fp32 inputs need more shared memory than an H100 has: tune-gdn-grads-tile-call23.txt,
+    test_gdn_grads_tile_gpu-call23.log in the same folder). gdn_state_interval is the chunks between the level
+    states the forward keeps for the backward (None: the integer square root of the longest sequence's grid rows,
+    11 / 22 at 8K / 32K; gdn.checkpoint_plan; 6 and 32 took the same time, 32 with more memory, call 21).
+    gdn_chunk_warps are the warps
     of its per-chunk kernels (8; at K = 128 a forward + backward took the same time at 4 and 8. The illegal
     memory accesses of small heads came from narrow or partly masked tiles at either count, not from the
     warps: gdn.kernel_heads).
