@@ -355,7 +355,7 @@ def test_gdn_state_interval_below_one_is_refused():
     from polyattn.ops.triton.plan import KernelConfig, use_config
 
     with use_config(KernelConfig(gdn_state_interval=4)):
-        S, cu_blocks, NB = checkpoint_plan((640, 64), 64, "cpu")
-    assert (S, cu_blocks.tolist(), NB) == (4, [0, 3, 4], 4)
+        S, cu_blocks, NB, most = checkpoint_plan((640, 64), 64, "cpu")
+    assert (S, cu_blocks.tolist(), NB, most) == (4, [0, 3, 4], 4, 3)
     with use_config(KernelConfig(gdn_state_interval=0)), pytest.raises(ValueError, match="gdn_state_interval"):
         checkpoint_plan((640,), 64, "cpu")

@@ -146,6 +146,16 @@ def level_carry(b_h, b_w_hi, b_w_lo, b_k, b_u, b_wk, b_last, read, first, bad, F
 
 
 @triton.jit
+def sequence_chunks(pos, i_n, eos, bos, C: tl.constexpr, NLC):
+    """Sequence i_n's chunks on the absolute grid: `(n0, n_ch, NL)`, its first chunk's absolute index, its number of
+    chunks and the chunk-levels some chunk reads (`ell < bit_length(last chunk index)`, at most NLC)."""
+    P = tl.load(pos + i_n).to(tl.int32)  # positions below 2^31
+    n0 = P // C
+    n1 = (P + (eos - bos).to(tl.int32) - 1) // C  # the last chunk's absolute index
+    return n0, n1 - n0 + 1, tl.minimum(bit_length(n1), NLC)
+
+
+@triton.jit
 def gdn_levels_kernel(
     k, g, w, u_bar, qt, lam, firsts, o_intra, out, state, ck, cu_blocks, seqs, chunks, cu_chunks, pos,
     H, K, V, L, NLC, S,
@@ -164,11 +174,7 @@ def gdn_levels_kernel(
     i = 0, S, 2S, ..., as the chunk used them) to the checkpoints `ck [NB, H, NLC, K, V]`, sequence n's from row
     `cu_blocks[n]` (for the backward, which recomputes the chunks in between), and no reads or outputs."""
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
-    P = tl.load(pos + i_n).to(tl.int32)  # positions below 2^31
-    n0 = P // C
-    n1 = (P + (eos - bos) - 1) // C  # the last chunk's absolute index
-    NL = tl.minimum(bit_length(n1), NLC)  # chunk-levels some chunk reads
-    n_ch = n1 - n0 + 1
+    n0, n_ch, NL = sequence_chunks(pos, i_n, eos, bos, C, NLC)
     p_level = state + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
     if STORE_CK:
         cb0 = tl.load(cu_blocks + i_n)
@@ -207,15 +213,12 @@ def gdn_levels_kernel(
 @triton.jit
 def block_span(pos, i_n, eos, bos, jb, S, C: tl.constexpr, NLC):
     """The chunks of sequence i_n's round-jb block (its jb-th block of S chunks counted from its end): `(n0, n_ch,
-    NL, i_lo, i_hi, live)` with n0 the first chunk's absolute index, n_ch the sequence's chunks, NL the chunk-levels
-    some chunk reads, the block's chunks i_lo <= i < i_hi, and `live` False where the sequence has no such block."""
-    P = tl.load(pos + i_n).to(tl.int32)  # positions below 2^31
-    n0 = P // C
-    n1 = (P + (eos - bos).to(tl.int32) - 1) // C  # the last chunk's absolute index
-    n_ch = n1 - n0 + 1
+    NL, i_lo, i_hi, live)` as `sequence_chunks`, the block's chunks i_lo <= i < i_hi, and `live` False where the
+    sequence has no such block."""
+    n0, n_ch, NL = sequence_chunks(pos, i_n, eos, bos, C, NLC)
     n_blocks = tl.cdiv(n_ch, S)
     i_lo = (n_blocks - 1 - jb) * S
-    return n0, n_ch, tl.minimum(bit_length(n1), NLC), i_lo, tl.minimum(i_lo + S, n_ch), jb < n_blocks
+    return n0, n_ch, NL, i_lo, tl.minimum(i_lo + S, n_ch), jb < n_blocks
 
 
 @triton.jit
@@ -757,11 +760,12 @@ def value_tile(config, V: int, field: str = "gdn_block_v") -> int:
     return min(block(V), tile)
 
 
-def checkpoint_plan(seq_lens: tuple, C: int, device) -> tuple[int, torch.Tensor, int]:
-    """How the backward splits each sequence's walk: `(S, cu_blocks [N + 1] int32, NB)`, blocks of S chunks
+def checkpoint_plan(seq_lens: tuple, C: int, device) -> tuple[int, torch.Tensor, int, int]:
+    """How the backward splits each sequence's walk: `(S, cu_blocks [N + 1] int32, NB, most)`, blocks of S chunks
     (`KernelConfig.gdn_state_interval`, by default the integer square root of the most grid rows a sequence owns,
     which balances the checkpoints, `NB` of them, against the 2S states and gradients a round holds per
-    sequence), sequence n's first block at row `cu_blocks[n]`. ValueError for an interval below 1."""
+    sequence), sequence n's first block at row `cu_blocks[n]`, `most` the most blocks a sequence has. ValueError for
+    an interval below 1."""
     rows = [triton.cdiv(n, C) + 1 for n in seq_lens]  # grid rows per sequence (plan.grid_chunk_table): at least its chunks
     S = get_config().gdn_state_interval
     if S is None:
@@ -769,7 +773,7 @@ def checkpoint_plan(seq_lens: tuple, C: int, device) -> tuple[int, torch.Tensor,
     elif S < 1:
         raise ValueError(f"KernelConfig.gdn_state_interval: expected at least 1 or None, got {S}")
     blocks = tuple(triton.cdiv(r, S) for r in rows)
-    return S, sequence_starts(blocks, device), sum(blocks)
+    return S, sequence_starts(blocks, device), sum(blocks), max(blocks)
 
 
 def _walk_plan(seq_lens: tuple, position, L: int, chunks=None):
@@ -802,8 +806,10 @@ def gdn_forward(q, k, v, g, beta, lam, seq_lens: tuple, position, *, scale, r0=N
         FP32_DOT=FP32_DOT, STORE_O=not store_ck, num_warps=config.gdn_chunk_warps, num_stages=config.num_stages,
     )
     R = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=q.device) if r0 is None else r0.float().contiguous().clone()
-    S, cu_blocks, NB = checkpoint_plan(seq_lens, C, q.device)
-    ck = torch.empty(NB, H, NLC, K, V, dtype=torch.float32, device=q.device) if store_ck else None
+    S, cu_blocks, ck = 1, None, None
+    if store_ck:
+        S, cu_blocks, NB, _ = checkpoint_plan(seq_lens, C, q.device)
+        ck = torch.empty(NB, H, NLC, K, V, dtype=torch.float32, device=q.device)
     out = None if store_ck else torch.empty(N_tok, H, V, dtype=out_dtype or q.dtype, device=q.device)
     BV = value_tile(config, V)
     gdn_levels_kernel[(triton.cdiv(V, BV), N, H)](
@@ -828,8 +834,7 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     BK, BV, BVG = block(K), value_tile(config, V), value_tile(config, V, "gdn_grads_block_v")
     n_v, n_vg, NC = triton.cdiv(V, BV), triton.cdiv(V, BVG), chunks[2]
     dstate = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=k.device) if dR is None else dR.float().contiguous().clone()
-    S, cu_blocks, _ = checkpoint_plan(seq_lens, C, k.device)
-    rounds = max(triton.cdiv(triton.cdiv(n, C) + 1, S) for n in seq_lens)  # checkpoint_plan's blocks: at least each sequence's
+    S, cu_blocks, _, rounds = checkpoint_plan(seq_lens, C, k.device)
     fstate = torch.empty(N, H, NLC, K, V, dtype=torch.float32, device=k.device)
     hs, dhs = (torch.empty(N, H, S, NLC, K, V, dtype=torch.float32, device=k.device) for _ in range(2))
     atomic = n_vg > 1 and not torch.are_deterministic_algorithms_enabled()
