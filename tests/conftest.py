@@ -6,6 +6,12 @@ if not torch.cuda.is_available():
     # Triton kernels run under the interpreter on CPU-only machines (CI); it must be set before triton loads.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # every interpreted launch touches only its tensors' storage (polyattn.ops.triton.bounds)
+    from polyattn.ops.triton.bounds import check_interpreter_bounds
+
+    check_interpreter_bounds()
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # one intra-op thread per xdist worker: the workers already fill the cores
     torch.set_num_threads(1)
