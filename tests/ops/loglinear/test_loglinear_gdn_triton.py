@@ -359,3 +359,32 @@ def test_gdn_state_interval_below_one_is_refused():
     assert (S, cu_blocks.tolist(), NB, most) == (4, [0, 3, 4], 4, 3)
     with use_config(KernelConfig(gdn_state_interval=0)), pytest.raises(ValueError, match="gdn_state_interval"):
         checkpoint_plan((640,), 64, "cpu")
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_gdn_triton_in_head_groups(size):
+    """`KernelConfig.gdn_heads`: the forward and backward run a group of heads at a time (three heads in groups of
+    one, or of two and one) and give what one call over every head gives (each head's arithmetic is its own),
+    packed sequences from states at odd positions, with the final state and gradients through every input."""
+    from polyattn.ops.triton.plan import KernelConfig, use_config
+    from polyattn.testing import forward_backward, loglinear_prefix_state
+
+    heads = (3, *((32, 32) if CUDA else (8, 12)))
+    lengths, positions = [70, 3, 130], [63, 0, 129]
+    x = {n: t.float() for n, t in _inputs(1, sum(lengths), seed=15, heads=heads).items()}
+    L = x["lam"].shape[-1]
+    state = loglinear_prefix_state(lambda P, s, L: _inputs(1, P, seed=s, L=L, heads=heads), positions, L, heads, device=DEVICE, seed=16)
+    state = state._replace(levels=state.levels.float())
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    gen = torch.Generator().manual_seed(17)
+    do = torch.randn(1, sum(lengths), heads[0], heads[2], generator=gen).to(DEVICE)
+    dht = state._replace(levels=torch.randn(state.levels.shape, generator=gen).to(DEVICE))
+    run = lambda: forward_backward(TRITON, x, state, (do, dht), scale=0.5, cu_seqlens=cu)  # noqa: E731
+    want = run()
+    with use_config(KernelConfig(gdn_heads=size)):
+        got = run()
+    assert want.keys() == got.keys() and len(want) > 8
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6, msg=name)
+    with use_config(KernelConfig(gdn_heads=0)), pytest.raises(ValueError, match="gdn_heads"):
+        run()

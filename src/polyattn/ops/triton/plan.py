@@ -120,7 +120,10 @@ class KernelConfig:
     gdn_chunk_warps are the warps
     of its per-chunk kernels (8; at K = 128 a forward + backward took the same time at 4 and 8. The illegal
     memory accesses of small heads came from narrow or partly masked tiles at either count, not from the
-    warps: gdn.kernel_heads).
+    warps: gdn.kernel_heads). gdn_heads is how many heads its forward and backward run at once (None: all): each
+    group of heads runs the whole pass alone, so the fp32 work tensors (W, Ū, q̃, Tinv, the checkpoints, the
+    backward's round states and level gradients, most of the peak) exist for one group at a time, at the cost
+    of fewer programs per launch.
     """
 
     chunk_size: int = 64
@@ -167,6 +170,7 @@ class KernelConfig:
     gdn_grads_block_v: int = 32
     gdn_state_interval: int | None = None
     gdn_chunk_warps: int = 8
+    gdn_heads: int | None = None
 
 
 _CONFIG = [KernelConfig()]

@@ -466,6 +466,32 @@ def _kernel_inputs(tensors, dtype: torch.dtype, B: int, T: int):
     return (*_flatten([None if x is None else x.to(dtype) for x in tensors], B, T), *_flatten((g,), B, T))
 
 
+_INPUT_HEADS = {"q": 2, "k": 2, "v": 2, "lam": 2, "g": 2, "beta": 2, "r0": 1}  # the head dim of each op input
+
+
+def _by_heads(body, heads: dict, out_heads: tuple, H: int, **args):
+    """`body(**args)` over groups of `KernelConfig.gdn_heads` heads (None: all, one call): each tensor argument
+    named in `heads` narrowed to the group along its head dim, the outputs (their head dims `out_heads`; empty
+    [0] stand-ins pass through) written into tensors of all H heads. Each group's fp32 work tensors are freed
+    before the next group's are made. ValueError for a group size below 1."""
+    size = get_config().gdn_heads
+    if size is not None and size < 1:
+        raise ValueError(f"KernelConfig.gdn_heads: expected at least 1 or None, got {size}")
+    if size is None or size >= H:
+        return body(**args)
+    outs = None
+    for h0 in range(0, H, size):
+        n = min(size, H - h0)
+        group = {name: x.narrow(heads[name], h0, n) if name in heads and x is not None else x for name, x in args.items()}
+        got = body(**group)
+        if outs is None:
+            outs = [x if x.shape == (0,) else x.new_empty(*x.shape[:d], H, *x.shape[d + 1:]) for x, d in zip(got, out_heads)]
+        for out, x, d in zip(outs, got, out_heads):
+            if x.shape != (0,):
+                out.narrow(d, h0, n).copy_(x)
+    return tuple(outs)
+
+
 @torch.library.custom_op("polyattn::loglinear_gdn_forward", mutates_args=())
 def loglinear_gdn_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor,
@@ -476,7 +502,17 @@ def loglinear_gdn_forward(
     else dtype), R [N, H, NLC, K, V] fp32 (the chunk-level states leaving the walk), q̃ at the rows
     of `first_chunk_rows` [N, C, H, K] (with first_reads), Tinv [N, C, H, C] and W [N, C, H, K] at the
     rows of `last_chunk_rows` (with store_final))`, fp32, the rows' pieces empty [0] tensors otherwise.
-    dtype: the kernels' input dtype (q, k, v, lam, beta may come as fp32 copies of such values)."""
+    dtype: the kernels' input dtype (q, k, v, lam, beta may come as fp32 copies of such values). The heads run
+    in groups of `KernelConfig.gdn_heads` (`_by_heads`)."""
+    return _by_heads(
+        _gdn_forward_heads, _INPUT_HEADS, (2, 1, 2, 2, 2), q.shape[2],
+        q=q, k=k, v=v, lam=lam, g=g, beta=beta, r0=r0, position=position, scale=scale, seq_lens=seq_lens,
+        first_reads=first_reads, store_final=store_final, dtype=dtype,
+    )
+
+
+def _gdn_forward_heads(q, k, v, lam, g, beta, r0, position, scale, seq_lens, first_reads, store_final, dtype):
+    """`loglinear_gdn_forward` for one group of heads."""
     B, T, H, K = q.shape
     C = get_config().chunk_size
     qf, kf, vf, lamf, bf, gf = _kernel_inputs((q, k, v, lam, beta, g), dtype, B, T)
@@ -519,7 +555,18 @@ def loglinear_gdn_backward(
     entering every S-th chunk (`gdn.checkpoint_plan`), `gdn.gdn_levels_backward` recomputes the states
     entering each block's chunks from them and walks the block in reverse (dq̃, dW, dŪ, dK̃, the
     chunk state factors' and the levels' lam gradients, dr0), and `gdn_chunk_grads_kernel` takes
-    those, with the gradients of the edge rows' q̃, Tinv and W, through the chunk-local stage."""
+    those, with the gradients of the edge rows' q̃, Tinv and W, through the chunk-local stage. The heads run in
+    groups of `KernelConfig.gdn_heads` (`_by_heads`)."""
+    return _by_heads(
+        _gdn_backward_heads, {"do": 2, "dR": 1, "dqt_first": 2, "dt_inv_last": 2, "dw_last": 2, **_INPUT_HEADS},
+        (2, 2, 2, 2, 2, 2, 1), q.shape[2],
+        do=do, dR=dR, dqt_first=dqt_first, dt_inv_last=dt_inv_last, dw_last=dw_last, q=q, k=k, v=v, lam=lam, g=g,
+        beta=beta, r0=r0, position=position, scale=scale, seq_lens=seq_lens, dtype=dtype,
+    )
+
+
+def _gdn_backward_heads(do, dR, dqt_first, dt_inv_last, dw_last, q, k, v, lam, g, beta, r0, position, scale, seq_lens, dtype):
+    """`loglinear_gdn_backward` for one group of heads."""
     B, T, H, K = q.shape
     C = get_config().chunk_size
     seq_lens = tuple(seq_lens)
