@@ -22,6 +22,13 @@ def _copy_kernel(x, y, n_load, n_store, ADD: tl.constexpr):
         tl.store(y + o, v, mask=o < n_store)
 
 
+def test_the_suite_checks_every_interpreted_launch():
+    """tests/conftest.py installed the checks before any test ran."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    assert getattr(InterpreterBuilder, "_polyattn_bounds", False)
+
+
 @pytest.mark.parametrize("add", [False, True], ids=["store", "atomic"])
 def test_in_bounds_and_masked_off_addresses_pass(add):
     check_interpreter_bounds()
