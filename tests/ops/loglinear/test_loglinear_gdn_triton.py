@@ -361,11 +361,12 @@ def test_gdn_state_interval_below_one_is_refused():
         checkpoint_plan((640,), 64, "cpu")
 
 
-@pytest.mark.parametrize("size", [1, 2])
-def test_gdn_triton_in_head_groups(size):
+@pytest.mark.parametrize("size, with_states", [(1, True), (2, True), (2, False)], ids=["1", "2", "2-plain"])
+def test_gdn_triton_in_head_groups(size, with_states):
     """`KernelConfig.gdn_heads`: the forward and backward run a group of heads at a time (three heads in groups of
     one, or of two and one) and give what one call over every head gives (each head's arithmetic is its own),
-    packed sequences from states at odd positions, with the final state and gradients through every input."""
+    packed sequences from states at odd positions, with the final state and gradients through every input; or,
+    plain, from no state and without the final state (the ops' edge-row outputs then empty stand-ins)."""
     from polyattn.ops.triton.plan import KernelConfig, use_config
     from polyattn.testing import forward_backward, loglinear_prefix_state
 
@@ -379,11 +380,13 @@ def test_gdn_triton_in_head_groups(size):
     gen = torch.Generator().manual_seed(17)
     do = torch.randn(1, sum(lengths), heads[0], heads[2], generator=gen).to(DEVICE)
     dht = state._replace(levels=torch.randn(state.levels.shape, generator=gen).to(DEVICE))
-    run = lambda: forward_backward(TRITON, x, state, (do, dht), scale=0.5, cu_seqlens=cu)  # noqa: E731
+    if not with_states:
+        state, dht = None, None
+    run = lambda: forward_backward(TRITON, x, state, (do, dht), scale=0.5, cu_seqlens=cu, final_state=with_states)  # noqa: E731
     want = run()
     with use_config(KernelConfig(gdn_heads=size)):
         got = run()
-    assert want.keys() == got.keys() and len(want) > 8
+    assert want.keys() == got.keys() and len(want) > 6
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6, msg=name)
     with use_config(KernelConfig(gdn_heads=0)), pytest.raises(ValueError, match="gdn_heads"):

@@ -40,8 +40,8 @@ def test_in_bounds_and_masked_off_addresses_pass(add):
 @pytest.mark.parametrize("n_load, n_store, add, what", [(9, 8, False, "a load"), (8, 9, False, "a store"),
                                                          (8, 9, True, "an atomic")])
 def test_an_access_past_a_tensor_fails_naming_the_kernel(n_load, n_store, add, what):
-    """Both tensors hold 8 elements; one lane too many reads or writes the element past one's end (separate
-    allocations: the CPU allocator leaves no tensor right behind another's end)."""
+    """Both tensors hold 8 elements; one lane too many reads or writes the element past one's end (two separate
+    allocations: the CPU allocator's alignment and block headers leave no tensor starting right at another's end)."""
     check_interpreter_bounds()
     x, y = torch.arange(8, dtype=torch.float32), torch.zeros(8)
     with pytest.raises(Exception, match=f"_copy_kernel: {what} of 1 element"):
