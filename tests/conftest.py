@@ -12,6 +12,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     check_interpreter_bounds()
 
+if os.environ.get("POLYATTN_POISON_EMPTY") == "1":
+    # every torch.empty NaN-filled for the whole run (polyattn.testing.poisoned_empty): a read of unwritten memory shows
+    from polyattn.testing import poisoned_empty
+
+    poisoned_empty().__enter__()
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # one intra-op thread per xdist worker: the workers already fill the cores
     torch.set_num_threads(1)

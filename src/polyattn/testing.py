@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 
@@ -346,3 +347,23 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout: float, start_me
         for process in context.processes:
             if process.is_alive():
                 process.terminate()
+
+
+@contextmanager
+def poisoned_empty():
+    """Inside, `torch.empty`, `torch.empty_like` and `Tensor.new_empty` return floating tensors filled with NaN, so
+    that a kernel or a launcher that reads an element before anything wrote it (a scratch row a mask should have
+    skipped, a gradient buffer a program never covers) gives NaN instead of whatever memory held. The test suite
+    runs this way with `POLYATTN_POISON_EMPTY=1` (tests/conftest.py); restored on exit."""
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def poison(x):
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    torch.empty = lambda *args, **kwargs: poison(empty(*args, **kwargs))
+    torch.empty_like = lambda *args, **kwargs: poison(empty_like(*args, **kwargs))
+    torch.Tensor.new_empty = lambda self, *args, **kwargs: poison(new_empty(self, *args, **kwargs))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like, torch.Tensor.new_empty = empty, empty_like, new_empty
