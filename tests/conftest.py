@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -11,12 +12,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     from polyattn.ops.triton.bounds import check_interpreter_bounds
 
     check_interpreter_bounds()
-
-if os.environ.get("POLYATTN_POISON_EMPTY") == "1":
-    # every torch.empty NaN-filled for the whole run (polyattn.testing.poisoned_empty): a read of unwritten memory shows
-    from polyattn.testing import poisoned_empty
-
-    poisoned_empty().__enter__()
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # one intra-op thread per xdist worker: the workers already fill the cores
@@ -39,3 +34,16 @@ def pytest_runtest_makereport(item, call):
 def pytest_runtest_logfinish(nodeid, location):
     if _poisoned and os.environ.get("PYTEST_XDIST_WORKER"):
         os._exit(3)  # after the report went out: xdist restarts the worker
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _poisoned_empty():
+    """With POLYATTN_POISON_EMPTY=1, every torch.empty is NaN-filled for the whole run (polyattn.testing.poisoned_empty):
+    a read of memory nobody wrote shows."""
+    if os.environ.get("POLYATTN_POISON_EMPTY") != "1":
+        yield
+        return
+    from polyattn.testing import poisoned_empty
+
+    with poisoned_empty():
+        yield
