@@ -3,7 +3,7 @@
 python benchmarks/triton_spills.py [linear delta gdn kata]
 Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel`) and the delta rule's
 (`wy_kernel`, `wy_factors_kernel`, the two recurrences (the forward's with and without its outputs and stores), the per-chunk output and two gradient kernels) and log-linear
-Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_chain_kernel`, `gdn_levels_grads_kernel`, `gdn_chunk_grads_kernel`) and
+Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_chain_kernel`, `gdn_levels_grads_kernel`, the chunk gradients' three stages) and
 KATA's chunked form's (`kata_states_kernel` both ways, `kata_read_kernel`, `kata_lift_grad_kernel` with and without
 its read, at K = V = 64 with the default tiles) and DeltaKATA's walks and state recompute (`deltakata_walk_kernel`, `deltakata_walk_grad_kernel`, `deltakata_states_kernel`) for sm_90a with the installed Triton (or the families named) and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
 The installed Triton may differ from the GPU machine's, so read the numbers as indications.
@@ -28,7 +28,8 @@ from polyattn.ops.kata.triton.function import feature_blocks
 from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
 from polyattn.ops.loglinear.triton.gdn import (
-    gdn_chunk_grads_kernel, gdn_chunk_kernel, gdn_levels_chain_kernel, gdn_levels_grads_kernel, gdn_levels_kernel,
+    gdn_chunk_key_grads_kernel, gdn_chunk_kernel, gdn_chunk_score_grads_kernel, gdn_chunk_value_grads_kernel,
+    gdn_levels_chain_kernel, gdn_levels_grads_kernel, gdn_levels_kernel,
 )
 from polyattn.ops.triton.plan import KernelConfig, kata_state_chunk
 from polyattn.ops.triton.precision import UPDATE_DOTS
@@ -131,7 +132,10 @@ def loglinear_gdn() -> None:
             print(f"log-linear GDN levels chain BV{BV} warps{warps}: {resources(gdn_levels_chain_kernel, dict(gdn, BV=BV), warps, 2)}")
             print(f"log-linear GDN levels grads BV{BV} warps{warps}: {resources(gdn_levels_grads_kernel, dict(gdn, BV=BV, ATOMIC=True), warps, 2)}")
             print(f"log-linear GDN chunk  BV{BV} warps{warps}: {resources(gdn_chunk_kernel, dict(gdn, BV=BV, STORE_O=True), warps, 2)}")
-            print(f"log-linear GDN chunk grads BV{BV} warps{warps}: {resources(gdn_chunk_grads_kernel, dict(gdn, BV=BV, USE_DT=False), warps, 2)}")
+            print(f"log-linear GDN chunk value grads BV{BV} warps{warps}: {resources(gdn_chunk_value_grads_kernel, dict(gdn, BK=64, BV=BV), warps, 2)}")
+    for warps in (4, 8):  # the chunk gradients' key-side stages have no value tile
+        print(f"log-linear GDN chunk score grads BK64 warps{warps}: {resources(gdn_chunk_score_grads_kernel, dict(gdn, BK=64, USE_DT=False), warps, 2)}")
+        print(f"log-linear GDN chunk key grads BK64 warps{warps}: {resources(gdn_chunk_key_grads_kernel, dict(gdn, BK=64), warps, 2)}")
 
 
 def kata_chunked() -> None:

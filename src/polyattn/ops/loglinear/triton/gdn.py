@@ -53,7 +53,7 @@ import triton.language as tl
 from polyattn.ops.chunked import delta_rule_system
 from polyattn.ops.common.fenwick import level_table
 from polyattn.ops.common.segsum import causal_scores, suffix_sum
-from polyattn.ops.delta.triton.forward import chunk_program, chunk_scores, sequence_tile, sequence_tile_of
+from polyattn.ops.delta.triton.forward import chunk_program, chunk_scores, chunk_tile_program, sequence_tile, sequence_tile_of
 from polyattn.ops.delta.triton.wy import wy_factors, wy_solve
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_suffix
 from polyattn.ops.triton.plan import block, get_config, grid_chunk_table, segment_table, sequence_starts
@@ -374,42 +374,52 @@ def gdn_levels_grads_kernel(
 
 
 @triton.jit
-def gdn_chunk_grads_kernel(
-    q, k, v, g, beta, lam, t_inv, w, do, dqt, dw, dkt, du, dt_inv, dlast, dq, dk, dv, dbeta, dg, dlam,
-    chunks, scale, H, K, V, L,
+def chunk_gram(q, k, t, m_t, H, i_h, K, GRAM: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """`(Q K^T, K K^T)` of one chunk's rows `t` ([C, C] fp32 each, the second zero unless GRAM), over [C, BK]
+    key tiles."""
+    b_s = tl.zeros([C, C], dtype=tl.float32)
+    b_kk = tl.zeros([C, C], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
+        b_s += mma(tl.load(q + row_k, mask=m_tk, other=0.0), tl.trans(b_k), F32)  # [C, BK] @ [BK, C]
+        if GRAM:
+            b_kk += mma(b_k, tl.trans(b_k), F32)  # [C, BK] @ [BK, C]
+    return b_s, b_kk
+
+
+@triton.jit
+def gdn_chunk_value_grads_kernel(
+    q, k, v, g, beta, lam, t_inv, do, du, chunks, dv, dbeta, dlam, dps, dts, scale, H, K, V, L,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
-    USE_DT: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
+    F32: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """grid: (num_chunks, H). The chunk-local backward of one chunk and head (`gdn_chunk_locals_backward`,
-    its twin, has the formulas) from the forward's Tinv and W and the cotangents of the block's output
-    (`do`), q̃, W, Ū, K̃, Tinv (USE_DT: the final state's edge rows) and the chunk's total log-decay
-    (`dlast`): dq, dk, dv (input dtype), dbeta, dg (fp32) and the in-chunk level columns of dlam (fp32).
-    The [C, C] pieces stay in registers, the value side runs in [C, BV] tiles."""
+    """grid: (num_chunks, H). Stage 1 of the chunk-local backward (twin `chunk_value_grads`), the value side of
+    one chunk in [C, BV] tiles, from `A = scale Q K^T ⊙ D`, the forward's Tinv and the cotangents of the block's
+    output (`do`) and of Ū (`du`), with `P = A Tinv diag(β)`, `B = P ⊙ lam_in`, `Z = diag(β) V`:
+
+        dB = lower(dO V^T),   dV = B^T dO + diag(β) Tinv^T dŪ,   dP = dB ⊙ lam_in,   dlam_in = dB ⊙ P
+
+    It writes dv (input dtype), the in-chunk level columns of dlam, dbeta's value part
+    `colsum(dP ⊙ A Tinv) + rowsum(Tinv^T dŪ ⊙ V)` and, for stage 2, `dP diag(β)` (`dps`) and `dŪ Z^T` (`dts`),
+    [C, C] fp32 tiles (`[NC, H, C, C]`)."""
     i_ch, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
-    o_k = tl.arange(0, BK)
-    row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
     lower = o_t[:, None] >= o_t[None, :]
-    strict = o_t[:, None] > o_t[None, :]
-    b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
-    b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_s, _ = chunk_gram(q, k, t, m_t, H, i_h, K, False, C, BK, F32)  # [C, C]: Q K^T
     b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-    b_d = tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32))  # [C, C]: D, 0 above the diagonal
-    b_e = tl.exp2(b_gc)  # [C]: exp(gc)
-    b_sfx = tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: exp(gc_last - gc)
+    b_a = tl.where(lower, b_s * scale * tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32)), 0.0)  # [C, C]: A
     b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
-    b_s = mma(b_q, tl.trans(b_k), F32) * scale  # [C, BK] @ [BK, C]: S = scale Q K^T
-    b_a = tl.where(lower, b_s * b_d, 0.0)  # [C, C]: A
-    b_kk = mma(b_k, tl.trans(b_k), F32)  # [C, BK] @ [BK, C]: K K^T
     b_ti = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C] fp32
-    b_at = mma_fp32(b_a, b_ti, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, C]: A Tinv
+    b_at = mma_fp32(b_a, b_ti, k.dtype.element_ty, F32, FP32_DOT)  # [C, C] @ [C, C]: A Tinv
     b_p = b_at * b_beta[None, :]  # [C, C]: P
     lut = intra_levels(C, LOG_C, tl.load(chunks + i_ch * 4 + 2))  # [C, C]
     m_lam = m_t[:, None] & lower & (lut < L)
     b_lam = tl.load(lam + (t * H + i_h)[:, None] * L + lut, mask=m_lam, other=0.0).to(tl.float32)  # [C, C]: lam_in
     b_blk = tl.where(m_lam, b_p * b_lam, 0.0)  # [C, C]: B
     b_db = tl.zeros([C, C], dtype=tl.float32)  # dO V^T
-    b_dt = tl.zeros([C, C], dtype=tl.float32)  # dTinv
+    b_dt = tl.zeros([C, C], dtype=tl.float32)  # dŪ Z^T
     b_dbeta = tl.zeros([C], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -419,51 +429,124 @@ def gdn_chunk_grads_kernel(
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(b_v.dtype)  # [C, BV]
         b_du = tl.load(du + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
         b_db += mma(b_do, tl.trans(b_v), F32)  # [C, BV] @ [BV, C]
-        b_dz = mma_fp32(tl.trans(b_ti), b_du, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV]: Tinv^T dŪ
+        b_dz = mma_fp32(tl.trans(b_ti), b_du, b_v.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV]: Tinv^T dŪ
         b_dv = mma_left_fp32(tl.trans(b_blk), b_do, F32) + b_beta[:, None] * b_dz  # [C, C] @ [C, BV]
         tl.store(dv + row_v, to_output(b_dv, dv.dtype.element_ty, F32), mask=m_tv)  # downcast: input dtype
-        b_z = b_v.to(tl.float32) * b_beta[:, None]  # [C, BV]: diag(β) V
-        b_dt += mma_fp32(b_du, tl.trans(b_z), b_q.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, C]: dŪ Z^T
+        b_z = b_v.to(tl.float32) * b_beta[:, None]  # [C, BV]: Z
+        b_dt += mma_fp32(b_du, tl.trans(b_z), b_v.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, C]: dŪ Z^T
         b_dbeta += tl.sum(b_dz * b_v.to(tl.float32), axis=1)
     b_db = tl.where(lower, b_db, 0.0)
-    b_dp = tl.where(m_lam, b_db * b_lam, 0.0)  # [C, C]
+    b_dp = tl.where(m_lam, b_db * b_lam, 0.0)  # [C, C]: dP
     b_dlam = tl.where(m_lam, b_db * b_p, 0.0)  # [C, C]: dlam_in
     for lev in tl.static_range(LOG_C + 1):  # the in-chunk level columns 0..c of each row
         tl.store(dlam + (t * H + i_h) * L + lev, tl.sum(tl.where(lut == lev, b_dlam, 0.0), axis=1), mask=m_t & (o_t * 0 + lev < L))
-    b_dat = b_dp * b_beta[None, :]  # [C, C]: d(A Tinv)
     b_dbeta += tl.sum(b_dp * b_at, axis=0)
-    b_w = tl.load(w + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
-    b_dqt = tl.load(dqt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
-    b_da = mma_fp32(b_dat, tl.trans(b_ti), b_q.dtype, F32, FP32_DOT) - mma_fp32(b_dqt, tl.trans(b_w), b_q.dtype, F32, FP32_DOT)  # [C, C]
-    b_dw = tl.load(dw + row_k, mask=m_tk, other=0.0) - mma_fp32(tl.trans(b_a), b_dqt, b_q.dtype, F32, FP32_DOT)  # [C, BK]: dW'
-    b_y = b_k.to(tl.float32) * (b_beta * b_e)[:, None]  # [C, BK]: diag(β exp(gc)) K
-    b_dt += mma_fp32(tl.trans(b_a), b_dat, b_q.dtype, F32, FP32_DOT) + mma_fp32(b_dw, tl.trans(b_y), b_q.dtype, F32, FP32_DOT)
+    tl.store(dbeta + t * H + i_h, b_dbeta, mask=m_t)
+    tile = (i_ch * H + i_h).to(tl.int64) * C * C + o_t[:, None] * C + o_t[None, :]  # [C, C]
+    tl.store(dps + tile, b_dp * b_beta[None, :])
+    tl.store(dts + tile, b_dt)
+
+
+@triton.jit
+def gdn_chunk_score_grads_kernel(
+    q, k, g, beta, t_inv, w, dqt, dw, dkt, dt_inv, dlast, chunks, dps, dts, a_s, dbeta, dg, scale, H, K,
+    C: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr, USE_DT: tl.constexpr, F32: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """grid: (num_chunks, H). Stage 2 (twin `chunk_score_grads`), the [C, C] gradients of one chunk, from stage 1's
+    tiles (`dps`: dP diag(β), `dts`: dŪ Z^T) and the cotangents of q̃, W, K̃ (and Tinv: USE_DT, the final state's
+    edge rows), over [C, BK] key tiles, with `Y = diag(β exp(gc)) K`:
+
+        dA = dP diag(β) Tinv^T - dq̃ W^T,   dW' = dW - A^T dq̃,   dTinv = dŪ Z^T + A^T dP diag(β) + dW' Y^T [+ dTinv]
+        dM = -strict(Tinv^T dTinv Tinv^T),   dS = lower(dA ⊙ D),   dKK = diag(β) (dM ⊙ D)
+
+    It completes dbeta (stage 1 wrote its value part) and dg (every log-decay term, `dlast` the cotangent of the
+    chunk's total log-decay) and stores for stage 3 A (`a_s`), dS over `dps` and `dKK + dKK^T` over `dts`."""
+    i_ch, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
+    lower = o_t[:, None] >= o_t[None, :]
+    strict = o_t[:, None] > o_t[None, :]
+    b_s, b_kk = chunk_gram(q, k, t, m_t, H, i_h, K, True, C, BK, F32)  # [C, C]: Q K^T, K K^T
+    b_s = b_s * scale  # S
+    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+    b_d = tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32))  # [C, C]: D, 0 above the diagonal
+    b_e = tl.exp2(b_gc)  # [C]: exp(gc)
+    b_a = tl.where(lower, b_s * b_d, 0.0)  # [C, C]: A
+    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+    b_ti = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C] fp32
+    tile = (i_ch * H + i_h).to(tl.int64) * C * C + o_t[:, None] * C + o_t[None, :]  # [C, C]
+    b_dat = tl.load(dps + tile)  # [C, C]: dP diag(β), the gradient of A Tinv
+    b_da = mma_fp32(b_dat, tl.trans(b_ti), k.dtype.element_ty, F32, FP32_DOT)  # [C, C] @ [C, C]
+    b_dt = tl.load(dts + tile) + mma_fp32(tl.trans(b_a), b_dat, k.dtype.element_ty, F32, FP32_DOT)  # [C, C]: dTinv
     if USE_DT:
         b_dt += tl.load(dt_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)
-    b_dy = mma_fp32(tl.trans(b_ti), b_dw, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BK]: Tinv^T dW'
-    b_dyk = tl.sum(b_dy * b_k.to(tl.float32), axis=1)  # [C]
-    b_dbeta += b_e * b_dyk
-    b_de = tl.sum(b_dqt * b_q.to(tl.float32), axis=1) * scale + b_beta * b_dyk  # [C]: d exp(gc)
-    b_dkt = tl.load(dkt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
-    b_ds = tl.sum(b_dkt * b_k.to(tl.float32), axis=1) * b_sfx  # [C]: d log of exp(gc_last - gc)
-    b_dm = mma_fp32(mma_fp32(tl.trans(b_ti), b_dt, b_q.dtype, F32, FP32_DOT), tl.trans(b_ti), b_q.dtype, F32, FP32_DOT)
+    b_dyk = tl.zeros([C], dtype=tl.float32)  # rowsum(dY ⊙ K)
+    b_dqq = tl.zeros([C], dtype=tl.float32)  # rowsum(dq̃ ⊙ Q)
+    b_dkk_t = tl.zeros([C], dtype=tl.float32)  # rowsum(dK̃ ⊙ K)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + row_k, mask=m_tk, other=0.0).to(tl.float32)  # [C, BK]
+        b_dqt = tl.load(dqt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
+        b_da -= mma_fp32(b_dqt, tl.trans(tl.load(w + row_k, mask=m_tk, other=0.0)), k.dtype.element_ty, F32, FP32_DOT)  # [C, BK] @ [BK, C]
+        b_dw = tl.load(dw + row_k, mask=m_tk, other=0.0) - mma_fp32(tl.trans(b_a), b_dqt, k.dtype.element_ty, F32, FP32_DOT)  # [C, BK]: dW'
+        b_dt += mma_fp32(b_dw, tl.trans(b_k * (b_beta * b_e)[:, None]), k.dtype.element_ty, F32, FP32_DOT)  # [C, BK] @ [BK, C]: dW' Y^T
+        b_dy = mma_fp32(tl.trans(b_ti), b_dw, k.dtype.element_ty, F32, FP32_DOT)  # [C, C] @ [C, BK]: Tinv^T dW'
+        b_dyk += tl.sum(b_dy * b_k, axis=1)
+        b_dqq += tl.sum(b_dqt * tl.load(q + row_k, mask=m_tk, other=0.0).to(tl.float32), axis=1)
+        b_dkk_t += tl.sum(tl.load(dkt + row_k, mask=m_tk, other=0.0) * b_k, axis=1)
+    b_dbeta = tl.load(dbeta + t * H + i_h, mask=m_t, other=0.0) + b_e * b_dyk
+    b_de = b_dqq * scale + b_beta * b_dyk  # [C]: d exp(gc)
+    b_ds = b_dkk_t * tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: d log of exp(gc_last - gc)
+    b_dm = mma_fp32(mma_fp32(tl.trans(b_ti), b_dt, k.dtype.element_ty, F32, FP32_DOT), tl.trans(b_ti), k.dtype.element_ty, F32, FP32_DOT)
     b_dm = tl.where(strict, -b_dm, 0.0)  # [C, C]: dM, strictly lower
     b_dbeta += tl.sum(b_dm * b_kk * b_d, axis=1)
-    b_dkk = b_dm * b_d * b_beta[:, None]  # [C, C]
-    b_dd = b_dm * b_kk * b_beta[:, None] + tl.where(lower, b_da * b_s, 0.0)  # [C, C]: dD
-    b_dsc = tl.where(lower, b_da * b_d, 0.0)  # [C, C]: dS
-    b_dq = (mma_left_fp32(b_dsc, b_k, F32) + b_dqt * b_e[:, None]) * scale  # [C, C] @ [C, BK]
-    b_dk = b_dy * (b_beta * b_e)[:, None] + b_dkt * b_sfx[:, None]
-    b_dk += mma_left_fp32(tl.trans(b_dsc), b_q, F32) * scale + mma_left_fp32(b_dkk + tl.trans(b_dkk), b_k, F32)  # [C, C] @ [C, BK]
-    tl.store(dq + row_k, to_output(b_dq, dq.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
-    tl.store(dk + row_k, to_output(b_dk, dk.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
     tl.store(dbeta + t * H + i_h, b_dbeta, mask=m_t)
+    b_dkk = b_dm * b_d * b_beta[:, None]  # [C, C]: dKK
+    b_dsc = tl.where(lower, b_da * b_d, 0.0)  # [C, C]: dS
     if USE_G:
-        b_ddd = b_dd * b_d
+        b_ddd = (b_dm * b_kk * b_beta[:, None] + tl.where(lower, b_da * b_s, 0.0)) * b_d  # [C, C]: dD ⊙ D
         b_dgc = tl.where(m_t, tl.sum(b_ddd, axis=1) - tl.sum(b_ddd, axis=0) + b_de * b_e - b_ds, 0.0)  # [C]
         b_dl = tl.sum(b_ds, axis=0) + tl.load(dlast + i_ch * H + i_h)  # the chunk's total log-decay
         b_dg = tl.sum(tl.where(o_t[None, :] >= o_t[:, None], b_dgc[None, :], 0.0), axis=1) + b_dl  # [C]: reverse cumsum
         tl.store(dg + t * H + i_h, b_dg, mask=m_t)
+    tl.store(a_s + tile, b_a)
+    tl.store(dps + tile, b_dsc)
+    tl.store(dts + tile, b_dkk + tl.trans(b_dkk))
+
+
+@triton.jit
+def gdn_chunk_key_grads_kernel(
+    q, k, g, beta, t_inv, dqt, dw, dkt, chunks, a_s, dss, dkks, dq, dk, scale, H, K,
+    C: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """grid: (cdiv(K, BK) * num_chunks, H) (`chunk_tile_program`). Stage 3 (twin `chunk_key_grads`), one chunk's dq
+    and dk in a [C, BK] key tile from stage 2's tiles A (`a_s`), dS (`dss`) and dKK + dKK^T (`dkks`):
+
+        dq = scale (dS K + diag(exp(gc)) dq̃)
+        dk = scale dS^T Q + (dKK + dKK^T) K + diag(β exp(gc)) Tinv^T dW' + diag(exp(gc_last - gc)) dK̃
+
+    with `dW' = dW - A^T dq̃` (formed again, column by column, rather than stored); input dtype."""
+    i_k, i_ch, i_h, _, _, o_t, t, m_t = chunk_tile_program(chunks, tl.cdiv(K, BK), C)
+    o_k = i_k * BK + tl.arange(0, BK)
+    row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
+    b_dqt = tl.load(dqt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
+    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+    b_e = tl.exp2(b_gc)  # [C]: exp(gc)
+    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+    tile = (i_ch * H + i_h).to(tl.int64) * C * C + o_t[:, None] * C + o_t[None, :]  # [C, C]
+    b_ti = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C] fp32
+    b_dw = tl.load(dw + row_k, mask=m_tk, other=0.0) - mma_fp32(tl.trans(tl.load(a_s + tile)), b_dqt, b_k.dtype, F32, FP32_DOT)  # [C, BK]: dW'
+    b_dy = mma_fp32(tl.trans(b_ti), b_dw, b_k.dtype, F32, FP32_DOT)  # [C, C] @ [C, BK]: Tinv^T dW'
+    b_dsc = tl.load(dss + tile)  # [C, C] fp32: dS
+    b_dq = (mma_left_fp32(b_dsc, b_k, F32) + b_dqt * b_e[:, None]) * scale  # [C, C] @ [C, BK]
+    b_dk = b_dy * (b_beta * b_e)[:, None] + tl.load(dkt + row_k, mask=m_tk, other=0.0) * tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))[:, None]
+    b_dk += mma_left_fp32(tl.trans(b_dsc), b_q, F32) * scale + mma_left_fp32(tl.load(dkks + tile), b_k, F32)  # [C, C] @ [C, BK]
+    tl.store(dq + row_k, to_output(b_dq, dq.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
+    tl.store(dk + row_k, to_output(b_dk, dk.dtype.element_ty, F32), mask=m_tk)  # downcast: input dtype
 
 
 class ChunkLocals(NamedTuple):
@@ -518,7 +601,8 @@ def _chunk_parts(q, k, v, g, beta, lam, layout: _ChunkLayout, scale, C):
     L = lamc.shape[-1]
     m_lam = (lut >= 0) & (lut < L)
     lam_in = torch.where(m_lam, torch.gather(lamc, -1, lut.clamp(0, L - 1)), 0.0)  # [NC, H, C, C]: lam[t, level(t, s)]
-    return dict(qc=qc, kc=kc, vc=vc, bc=bc, gl=gl, gc=torch.cumsum(gl, -1), D=D, t_inv=t_inv, lut=lut.clamp(0, L - 1), m_lam=m_lam, lam_in=lam_in)
+    return dict(qc=qc, kc=kc, vc=vc, bc=bc, gl=gl, gc=torch.cumsum(gl, -1), D=D, t_inv=t_inv, lut=lut.clamp(0, L - 1), m_lam=m_lam,
+                lam_in=lam_in, lamc=lamc, scale=scale)
 
 
 def gdn_chunk_locals(q, k, v, g, beta, lam, table, *, scale, C) -> ChunkLocals:
@@ -542,73 +626,86 @@ def gdn_chunk_locals(q, k, v, g, beta, lam, table, *, scale, C) -> ChunkLocals:
 
 def gdn_chunk_locals_backward(q, k, v, g, beta, lam, table, grads: ChunkLocals, *, scale, C):
     """The vector-Jacobian product of `gdn_chunk_locals` for the cotangents `grads` (a `ChunkLocals` of
-    gradients, any of them None): `(dq, dk, dv, dg (None without g), dbeta, dlam)`, fp32 token rows.
-    With `P = A Tinv diag(β)`, `B = P ⊙ lam_in`, `Y = diag(β exp(gc)) K`, `Z = diag(β) V`:
-
-        dB = dO V^T,  dV = B^T dO,  dP = dB ⊙ lam_in,  dlam_in = dB ⊙ P
-        dA = dP diag(β) Tinv^T - dq̃ W^T,  dTinv = A^T dP diag(β) + dW Y^T + dŪ Z^T (+ the given dTinv)
-        dW' = dW - A^T dq̃,  dM = -Tinv^T dTinv Tinv^T (strictly lower part)
-        dq = scale (diag(exp(gc)) dq̃ + (dA ⊙ D) K),  dk from Y, K̃ = diag(exp(gc_last - gc)) K, K K^T, Q K^T
-
-    and every log-decay term as `dgc` (the gradient of the in-chunk prefix sums), `dg = reverse cumsum`."""
+    gradients, any of them None): `(dq, dk, dv, dg (None without g), dbeta, dlam)`, fp32 token rows, in the three
+    stages of `gdn_chunk_backward`'s kernels (`chunk_value_grads`, `chunk_score_grads`, `chunk_key_grads`, each
+    the twin of one) on the padded chunks `[NC, H, C, *]`."""
     N_tok = q.shape[0]
     layout = _chunk_layout(table, C)
     p = _chunk_parts(q, k, v, g, beta, lam, layout, scale, C)
-    qc, kc, vc, bc, gc, D, t_inv = p["qc"], p["kc"], p["vc"], p["bc"], p["gc"], p["D"], p["t_inv"]
-    NC, H = qc.shape[:2]
-    width = dict(o_intra=vc.shape[-1], qt=qc.shape[-1], w=qc.shape[-1], u_bar=vc.shape[-1], kt=qc.shape[-1], t_inv=C)
-    cot = {n: qc.new_zeros(NC, H, C, d) if getattr(grads, n) is None else layout.chunked(getattr(grads, n)) for n, d in width.items()}
-    cot["gc_last"] = None if grads.gc_last is None else grads.gc_last.to(qc.dtype)
-    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
-    S = qc @ kc.transpose(-1, -2)  # [NC, H, C, C]
-    A = torch.where(lower, S * D, 0.0)
+    NC, H = p["qc"].shape[:2]
+    width = dict(o_intra=p["vc"].shape[-1], qt=p["qc"].shape[-1], w=p["qc"].shape[-1], u_bar=p["vc"].shape[-1], kt=p["qc"].shape[-1], t_inv=C)
+    cot = {n: p["qc"].new_zeros(NC, H, C, d) if getattr(grads, n) is None else layout.chunked(getattr(grads, n)) for n, d in width.items()}
+    cot["gc_last"] = None if grads.gc_last is None else grads.gc_last.to(p["qc"].dtype)
+    p["A"] = torch.where(torch.ones(C, C, dtype=torch.bool, device=q.device).tril(), p["qc"] @ p["kc"].transpose(-1, -2) * p["D"], 0.0)
+    dv, dlam, dbeta, dAT, dT = chunk_value_grads(p, cot)
+    dS, dKKs, dbeta, dgl = chunk_score_grads(p, cot, dAT, dT, dbeta)
+    dq, dk = chunk_key_grads(p, cot, dS, dKKs)
+    tokens = lambda x: layout.tokens(x, N_tok)  # noqa: E731
+    per_token = lambda x: tokens(x[..., None])[..., 0]  # noqa: E731  [NC, H, C] -> [N_tok, H]
+    return tokens(dq), tokens(dk), tokens(dv), per_token(dgl) if g is not None else None, per_token(dbeta), tokens(dlam)
+
+
+def chunk_value_grads(p: dict, cot: dict):
+    """Twin of `gdn_chunk_value_grads_kernel` on `_chunk_parts` `p` (with `A`) and the chunked cotangents `cot`:
+    `(dv (its B^T dO + diag(β) Tinv^T dŪ, whole), dlam (in-chunk columns), dbeta (value part), dP diag(β),
+    dŪ Z^T)`, with `P = A Tinv diag(β)`, `B = P ⊙ lam_in`, `Z = diag(β) V`:
+
+        dB = lower(dO V^T),  dV = B^T dO + diag(β) Tinv^T dŪ,  dP = dB ⊙ lam_in,  dlam_in = dB ⊙ P"""
+    vc, bc, t_inv, C = p["vc"], p["bc"], p["t_inv"], p["vc"].shape[-2]
+    AT = p["A"] @ t_inv  # [NC, H, C, C]
+    P = AT * bc[..., None, :]
+    dB = torch.where(torch.ones(C, C, dtype=torch.bool, device=vc.device).tril(), cot["o_intra"] @ vc.transpose(-1, -2), 0.0)
+    dZ = t_inv.transpose(-1, -2) @ cot["u_bar"]  # [NC, H, C, V]
+    dv = (P * p["lam_in"]).transpose(-1, -2) @ cot["o_intra"] + bc[..., None] * dZ
+    dP = dB * p["lam_in"]
+    dlam = torch.zeros_like(p["lamc"]).scatter_add(-1, p["lut"], torch.where(p["m_lam"], dB * P, 0.0))  # [NC, H, C, L]
+    dbeta = (dP * AT).sum(-2) + (dZ * vc).sum(-1)  # [NC, H, C]: column sums, row sums
+    return dv, dlam, dbeta, dP * bc[..., None, :], cot["u_bar"] @ (bc[..., None] * vc).transpose(-1, -2)
+
+
+def chunk_score_grads(p: dict, cot: dict, dAT, dT, dbeta):
+    """Twin of `gdn_chunk_score_grads_kernel`: from stage 1's `dAT = dP diag(β)` (the gradient of A Tinv), `dT =
+    dŪ Z^T` and dbeta's value part, `(dS, dKK + dKK^T, dbeta, dg)` with `Y = diag(β exp(gc)) K`:
+
+        dA = dAT Tinv^T - dq̃ W^T,   dW' = dW - A^T dq̃,   dTinv = dT + A^T dAT + dW' Y^T (+ the given dTinv)
+        dM = -strict(Tinv^T dTinv Tinv^T),   dS = lower(dA ⊙ D),   dKK = diag(β) (dM ⊙ D)
+
+    and every log-decay term as `dgc` (the gradient of the in-chunk prefix sums), `dg = reverse cumsum`."""
+    qc, kc, bc, gc, D, A, t_inv = p["qc"], p["kc"], p["bc"], p["gc"], p["D"], p["A"], p["t_inv"]
+    C = qc.shape[-2]
+    lower = torch.ones(C, C, dtype=torch.bool, device=qc.device).tril()
     E = torch.exp(gc)  # [NC, H, C]
     Y = (bc * E)[..., None] * kc  # [NC, H, C, K]
-    Z = bc[..., None] * vc  # [NC, H, C, V]
-    w = t_inv @ Y
-    AT = A @ t_inv  # [NC, H, C, C]
-    P = AT * bc[..., None, :]
-    dB = torch.where(lower, cot["o_intra"] @ vc.transpose(-1, -2), 0.0)  # [NC, H, C, C]
-    dv = (P * p["lam_in"]).transpose(-1, -2) @ cot["o_intra"]  # [NC, H, C, V]
-    dP = dB * p["lam_in"]
-    dlam = torch.zeros_like(layout.chunked(lam)).scatter_add(-1, p["lut"], torch.where(p["m_lam"], dB * P, 0.0))  # [NC, H, C, L]
-    dAT = dP * bc[..., None, :]
-    dbeta = (dP * AT).sum(-2)  # [NC, H, C]: column sums
-    dq_t, dw_t = cot["qt"], cot["w"]
-    dA = dAT @ t_inv.transpose(-1, -2) - dq_t @ w.transpose(-1, -2)
-    dT = cot["t_inv"] + A.transpose(-1, -2) @ dAT
-    dW = dw_t - A.transpose(-1, -2) @ dq_t  # [NC, H, C, K]
-    dQ = E[..., None] * dq_t
-    dE = (dq_t * qc).sum(-1)  # [NC, H, C]
-    dT = dT + dW @ Y.transpose(-1, -2) + cot["u_bar"] @ Z.transpose(-1, -2)
-    dY = t_inv.transpose(-1, -2) @ dW
-    dZ = t_inv.transpose(-1, -2) @ cot["u_bar"]
-    dk = (bc * E)[..., None] * dY
-    dYK = (dY * kc).sum(-1)  # [NC, H, C]
-    dbeta = dbeta + E * dYK + (dZ * vc).sum(-1)
-    dE = dE + bc * dYK
-    dv = dv + bc[..., None] * dZ
+    dA = dAT @ t_inv.transpose(-1, -2) - cot["qt"] @ (t_inv @ Y).transpose(-1, -2)
+    dW = cot["w"] - A.transpose(-1, -2) @ cot["qt"]  # [NC, H, C, K]: dW'
+    dT = cot["t_inv"] + dT + A.transpose(-1, -2) @ dAT + dW @ Y.transpose(-1, -2)
+    dYK = ((t_inv.transpose(-1, -2) @ dW) * kc).sum(-1)  # [NC, H, C]
     s = torch.exp(suffix_sum(p["gl"]))  # [NC, H, C]
-    dk = dk + s[..., None] * cot["kt"]
     ds = (cot["kt"] * kc).sum(-1) * s  # [NC, H, C]: gradient of log s
-    dM = torch.where(strict, -(t_inv.transpose(-1, -2) @ dT @ t_inv.transpose(-1, -2)), 0.0)  # [NC, H, C, C]
+    dM = torch.where(lower.tril(-1), -(t_inv.transpose(-1, -2) @ dT @ t_inv.transpose(-1, -2)), 0.0)  # [NC, H, C, C]
     KK = kc @ kc.transpose(-1, -2)
-    dbeta = dbeta + (dM * KK * D).sum(-1)
+    dbeta = dbeta + E * dYK + (dM * KK * D).sum(-1)
     dKK = bc[..., None] * dM * D
-    dD = bc[..., None] * dM * KK
-    dS = torch.where(lower, dA * D, 0.0)
-    dD = dD + torch.where(lower, dA * S, 0.0)
-    dQ = dQ + dS @ kc
-    dk = dk + dS.transpose(-1, -2) @ qc + (dKK + dKK.transpose(-1, -2)) @ kc
-    dDD = dD * D  # [NC, H, C, C]: gradient of the segment sums gc_i - gc_j
+    dDD = (bc[..., None] * dM * KK + torch.where(lower, dA * (qc @ kc.transpose(-1, -2)), 0.0)) * D  # the segment sums' gradient
+    dE = (cot["qt"] * qc).sum(-1) + bc * dYK
     dgc = dDD.sum(-1) - dDD.sum(-2) + dE * E - ds
     dlast = ds.sum(-1) + (cot["gc_last"] if cot["gc_last"] is not None else 0.0)  # [NC, H]
     dgc = dgc + F.pad(dlast[..., None], [C - 1, 0])  # gc_last is the chunk's last prefix sum
     dgl = torch.flip(torch.cumsum(torch.flip(dgc, [-1]), -1), [-1])  # [NC, H, C]
-    tokens = lambda x: layout.tokens(x, N_tok)  # noqa: E731
-    per_token = lambda x: tokens(x[..., None])[..., 0]  # noqa: E731  [NC, H, C] -> [N_tok, H]
-    return (tokens(dQ * scale), tokens(dk), tokens(dv), per_token(dgl) if g is not None else None, per_token(dbeta), tokens(dlam))
+    return torch.where(lower, dA * D, 0.0), dKK + dKK.transpose(-1, -2), dbeta, dgl
+
+
+def chunk_key_grads(p: dict, cot: dict, dS, dKKs):
+    """Twin of `gdn_chunk_key_grads_kernel`: `(dq, dk)` from stage 2's dS and `dKK + dKK^T`:
+
+        dq = dS K + diag(exp(gc)) dq̃   (times scale: `qc` holds scale Q)
+        dk = dS^T (scale Q) + (dKK + dKK^T) K + diag(β exp(gc)) Tinv^T dW' + diag(exp(gc_last - gc)) dK̃"""
+    qc, kc, bc, gc, scale = p["qc"], p["kc"], p["bc"], p["gc"], p["scale"]
+    E = torch.exp(gc)  # [NC, H, C]
+    dW = cot["w"] - p["A"].transpose(-1, -2) @ cot["qt"]  # [NC, H, C, K]: dW'
+    dq = (dS @ kc + E[..., None] * cot["qt"]) * scale
+    dk = dS.transpose(-1, -2) @ qc + dKKs @ kc + (bc * E)[..., None] * (p["t_inv"].transpose(-1, -2) @ dW)
+    return dq, dk + torch.exp(suffix_sum(p["gl"]))[..., None] * cot["kt"]
 
 
 def gdn_levels_ref(qt, w, u_bar, k, g, lam, seq_lens: tuple, positions: list, *, chunk_size, r0=None):
@@ -863,24 +960,34 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
 
 
 def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chunks: tuple, *, scale, grad_dtype=None):
-    """`gdn_chunk_grads_kernel` over every grid chunk (`chunks`, the forward's table): `gdn_chunk_locals_backward`'s
+    """The chunk-local backward's three stages (`gdn_chunk_value_grads_kernel`, `gdn_chunk_score_grads_kernel`,
+    `gdn_chunk_key_grads_kernel`) over every grid chunk (`chunks`, the forward's table): `gdn_chunk_locals_backward`'s
     result `(dq, dk, dv (in grad_dtype, default the inputs' dtypes), dg (fp32, None without g), dbeta, dlam
     (fp32; the in-chunk level columns))` from flattened tokens, the forward's `t_inv` and `w`, and the
-    cotangents `grads` (`o_intra` the output's gradient; `t_inv` may be None, the others not)."""
+    cotangents `grads` (`o_intra` the output's gradient; `t_inv` may be None, the others not). The stages pass
+    three `[NC, H, C, C]` fp32 tiles a chunk between them."""
     N_tok, H, K = q.shape
     V, L = v.shape[-1], lam.shape[-1]
     config = get_config()
-    C = config.chunk_size
+    C, NC = config.chunk_size, chunks[2]
     LOG_C = C.bit_length() - 1
+    BK = min(block(K), 64)
     dq, dk, dv = (torch.empty_like(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
     dbeta = torch.empty(N_tok, H, dtype=torch.float32, device=q.device)
     dg = torch.empty(N_tok, H, dtype=torch.float32, device=q.device) if g is not None else None
     dlam = torch.zeros(N_tok, H, L, dtype=torch.float32, device=q.device)
-    gdn_chunk_grads_kernel[(chunks[2], H)](
-        q, k, v, g, beta, lam, t_inv, w, grads.o_intra.contiguous(), grads.qt, grads.w, grads.kt, grads.u_bar,
-        grads.t_inv, grads.gc_last, dq, dk, dv, dbeta, dg, dlam, chunks[0], scale, H, K, V, L,
-        C=C, LOG_C=LOG_C, BK=block(K), BV=value_tile(config, V), USE_G=g is not None,
-        USE_DT=grads.t_inv is not None, F32=dot_f32(q.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
-        num_warps=config.gdn_chunk_warps, num_stages=config.num_stages,
+    dps, dts, a_s = (torch.empty(NC, H, C, C, dtype=torch.float32, device=q.device) for _ in range(3))
+    modes = dict(USE_G=g is not None, F32=dot_f32(q.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
+                 num_warps=config.gdn_chunk_warps, num_stages=config.num_stages)
+    gdn_chunk_value_grads_kernel[(NC, H)](
+        q, k, v, g, beta, lam, t_inv, grads.o_intra.contiguous(), grads.u_bar, chunks[0], dv, dbeta, dlam, dps, dts,
+        scale, H, K, V, L, C=C, LOG_C=LOG_C, BK=BK, BV=value_tile(config, V), **modes,
+    )
+    gdn_chunk_score_grads_kernel[(NC, H)](
+        q, k, g, beta, t_inv, w, grads.qt, grads.w, grads.kt, grads.t_inv, grads.gc_last, chunks[0], dps, dts, a_s,
+        dbeta, dg, scale, H, K, C=C, BK=BK, USE_DT=grads.t_inv is not None, **modes,
+    )
+    gdn_chunk_key_grads_kernel[(triton.cdiv(K, BK) * NC, H)](
+        q, k, g, beta, t_inv, grads.qt, grads.w, grads.kt, chunks[0], a_s, dps, dts, dq, dk, scale, H, K, C=C, BK=BK, **modes,
     )
     return dq, dk, dv, dg, dbeta, dlam
