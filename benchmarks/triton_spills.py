@@ -133,9 +133,10 @@ def loglinear_gdn() -> None:
             print(f"log-linear GDN levels grads BV{BV} warps{warps}: {resources(gdn_levels_grads_kernel, dict(gdn, BV=BV, ATOMIC=True), warps, 2)}")
             print(f"log-linear GDN chunk  BV{BV} warps{warps}: {resources(gdn_chunk_kernel, dict(gdn, BV=BV, STORE_O=True), warps, 2)}")
             print(f"log-linear GDN chunk value grads BV{BV} warps{warps}: {resources(gdn_chunk_value_grads_kernel, dict(gdn, BK=64, BV=BV), warps, 2)}")
-    for warps in (4, 8):  # the chunk gradients' key-side stages have no value tile
-        print(f"log-linear GDN chunk score grads BK64 warps{warps}: {resources(gdn_chunk_score_grads_kernel, dict(gdn, BK=64, USE_DT=False), warps, 2)}")
-        print(f"log-linear GDN chunk key grads BK64 warps{warps}: {resources(gdn_chunk_key_grads_kernel, dict(gdn, BK=64), warps, 2)}")
+    keys = dict(C=64, BK=64, USE_G=True, F32=False, FP32_DOT=0)  # the chunk gradients' key-side stages: no value tile
+    for warps in (4, 8):
+        print(f"log-linear GDN chunk score grads BK64 warps{warps}: {resources(gdn_chunk_score_grads_kernel, dict(keys, USE_DT=False), warps, 2)}")
+        print(f"log-linear GDN chunk key grads BK64 warps{warps}: {resources(gdn_chunk_key_grads_kernel, keys, warps, 2)}")
 
 
 def kata_chunked() -> None:

@@ -464,13 +464,10 @@ def gdn_chunk_score_grads_kernel(
     chunk's total log-decay) and stores for stage 3 A (`a_s`), dS over `dps` and `dKK + dKK^T` over `dts`."""
     i_ch, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
     lower = o_t[:, None] >= o_t[None, :]
-    strict = o_t[:, None] > o_t[None, :]
-    b_s, b_kk = chunk_gram(q, k, t, m_t, H, i_h, K, True, C, BK, F32)  # [C, C]: Q K^T, K K^T
-    b_s = b_s * scale  # S
+    b_s, _ = chunk_gram(q, k, t, m_t, H, i_h, K, False, C, BK, F32)  # [C, C]: Q K^T
     b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-    b_d = tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32))  # [C, C]: D, 0 above the diagonal
+    b_a = tl.where(lower, b_s * scale * tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32)), 0.0)  # [C, C]: A
     b_e = tl.exp2(b_gc)  # [C]: exp(gc)
-    b_a = tl.where(lower, b_s * b_d, 0.0)  # [C, C]: A
     b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
     b_ti = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C] fp32
     tile = (i_ch * H + i_h).to(tl.int64) * C * C + o_t[:, None] * C + o_t[None, :]  # [C, C]
@@ -495,23 +492,24 @@ def gdn_chunk_score_grads_kernel(
         b_dyk += tl.sum(b_dy * b_k, axis=1)
         b_dqq += tl.sum(b_dqt * tl.load(q + row_k, mask=m_tk, other=0.0).to(tl.float32), axis=1)
         b_dkk_t += tl.sum(tl.load(dkt + row_k, mask=m_tk, other=0.0) * b_k, axis=1)
-    b_dbeta = tl.load(dbeta + t * H + i_h, mask=m_t, other=0.0) + b_e * b_dyk
-    b_de = b_dqq * scale + b_beta * b_dyk  # [C]: d exp(gc)
-    b_ds = b_dkk_t * tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: d log of exp(gc_last - gc)
     b_dm = mma_fp32(mma_fp32(tl.trans(b_ti), b_dt, k.dtype.element_ty, F32, FP32_DOT), tl.trans(b_ti), k.dtype.element_ty, F32, FP32_DOT)
-    b_dm = tl.where(strict, -b_dm, 0.0)  # [C, C]: dM, strictly lower
-    b_dbeta += tl.sum(b_dm * b_kk * b_d, axis=1)
+    b_dm = tl.where(o_t[:, None] > o_t[None, :], -b_dm, 0.0)  # [C, C]: dM, strictly lower
+    _, b_kk = chunk_gram(q, k, t, m_t, H, i_h, K, True, C, BK, F32)  # [C, C]: K K^T (formed here, not held through the loop)
+    b_d = tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32))  # [C, C]: D, 0 above the diagonal
+    b_dmd = b_dm * b_d  # [C, C]: dM ⊙ D
+    b_dbeta = tl.load(dbeta + t * H + i_h, mask=m_t, other=0.0) + b_e * b_dyk + tl.sum(b_dmd * b_kk, axis=1)
     tl.store(dbeta + t * H + i_h, b_dbeta, mask=m_t)
-    b_dkk = b_dm * b_d * b_beta[:, None]  # [C, C]: dKK
-    b_dsc = tl.where(lower, b_da * b_d, 0.0)  # [C, C]: dS
+    b_dkk = b_dmd * b_beta[:, None]  # [C, C]: dKK
     if USE_G:
-        b_ddd = (b_dm * b_kk * b_beta[:, None] + tl.where(lower, b_da * b_s, 0.0)) * b_d  # [C, C]: dD ⊙ D
+        b_ddd = b_dkk * b_kk + b_da * b_a  # [C, C]: dD ⊙ D (dA ⊙ S ⊙ D = dA ⊙ A)
+        b_de = b_dqq * scale + b_beta * b_dyk  # [C]: d exp(gc)
+        b_ds = b_dkk_t * tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: d log of exp(gc_last - gc)
         b_dgc = tl.where(m_t, tl.sum(b_ddd, axis=1) - tl.sum(b_ddd, axis=0) + b_de * b_e - b_ds, 0.0)  # [C]
         b_dl = tl.sum(b_ds, axis=0) + tl.load(dlast + i_ch * H + i_h)  # the chunk's total log-decay
         b_dg = tl.sum(tl.where(o_t[None, :] >= o_t[:, None], b_dgc[None, :], 0.0), axis=1) + b_dl  # [C]: reverse cumsum
         tl.store(dg + t * H + i_h, b_dg, mask=m_t)
     tl.store(a_s + tile, b_a)
-    tl.store(dps + tile, b_dsc)
+    tl.store(dps + tile, tl.where(lower, b_da * b_d, 0.0))  # dS
     tl.store(dts + tile, b_dkk + tl.trans(b_dkk))
 
 
