@@ -282,7 +282,7 @@ def test_gdn_chunk_locals_backward_matches_autograd(decay):
 
 @pytest.mark.parametrize("decay", [True, False])
 def test_gdn_chunk_grads_kernel_matches_its_twin(decay):
-    """`gdn_chunk_grads_kernel` against `gdn_chunk_locals_backward` (float64) on the same inputs and
+    """The chunk gradients' three kernels (`gdn_chunk_backward`) against `gdn_chunk_locals_backward` (float64) on the same inputs and
     cotangents, Tinv's included, packed sequences from odd positions."""
     from polyattn.ops.loglinear.triton.gdn import ChunkLocals, gdn_chunk_backward, gdn_chunk_locals_backward, gdn_forward
     from polyattn.ops.triton.plan import grid_chunk_table

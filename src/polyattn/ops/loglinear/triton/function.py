@@ -554,7 +554,7 @@ def loglinear_gdn_backward(
     empty [0] tensors); the kernels run in `dtype`. The forward's levels rerun, storing the level states
     entering every S-th chunk (`gdn.checkpoint_plan`), `gdn.gdn_levels_backward` recomputes the states
     entering each block's chunks from them and walks the block in reverse (dq̃, dW, dŪ, dK̃, the
-    chunk state factors' and the levels' lam gradients, dr0), and `gdn_chunk_grads_kernel` takes
+    chunk state factors' and the levels' lam gradients, dr0), and `gdn.gdn_chunk_backward` takes
     those, with the gradients of the edge rows' q̃, Tinv and W, through the chunk-local stage. The heads run in
     groups of `KernelConfig.gdn_heads` (`_by_heads`)."""
     return _by_heads(

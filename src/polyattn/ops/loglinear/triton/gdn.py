@@ -39,8 +39,8 @@ block's first), storing the states and their gradients; `gdn_levels_grads_kernel
 gradients of q̃, W, Ū, K̃ and the chunk's state factor `exp(gc_last)`, a program per chunk and value tile (twin of
 both: `gdn_levels_backward_ref`; the value tiles' shares of the [C, K] gradients meet by fp32 atomic adds unless
 `torch.use_deterministic_algorithms` is on); then
-`gdn_chunk_grads_kernel` (twin `gdn_chunk_locals_backward`, the vector-Jacobian product of
-`gdn_chunk_locals`) takes those through the chunk-local stage, every chunk in parallel.
+three kernels take those through the chunk-local stage, every chunk in parallel (`gdn_chunk_backward`; twin
+`gdn_chunk_locals_backward`, the vector-Jacobian product of `gdn_chunk_locals`, a twin per kernel).
 """
 import math
 from typing import NamedTuple
