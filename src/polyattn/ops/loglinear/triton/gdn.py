@@ -464,38 +464,40 @@ def gdn_chunk_score_grads_kernel(
     chunk's total log-decay) and stores for stage 3 A (`a_s`), dS over `dps` and `dKK + dKK^T` over `dts`."""
     i_ch, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
     lower = o_t[:, None] >= o_t[None, :]
-    b_s, _ = chunk_gram(q, k, t, m_t, H, i_h, K, False, C, BK, F32)  # [C, C]: Q K^T
-    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
-    b_a = tl.where(lower, b_s * scale * tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32)), 0.0)  # [C, C]: A
-    b_e = tl.exp2(b_gc)  # [C]: exp(gc)
-    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
-    b_ti = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C] fp32
-    tile = (i_ch * H + i_h).to(tl.int64) * C * C + o_t[:, None] * C + o_t[None, :]  # [C, C]
-    b_dat = tl.load(dps + tile)  # [C, C]: dP diag(β), the gradient of A Tinv
-    b_da = mma_fp32(b_dat, tl.trans(b_ti), k.dtype.element_ty, F32, FP32_DOT)  # [C, C] @ [C, C]
-    b_dt = tl.load(dts + tile) + mma_fp32(tl.trans(b_a), b_dat, k.dtype.element_ty, F32, FP32_DOT)  # [C, C]: dTinv
-    if USE_DT:
-        b_dt += tl.load(dt_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)
-    b_dyk = tl.zeros([C], dtype=tl.float32)  # rowsum(dY ⊙ K)
+    b_dqw = tl.zeros([C, C], dtype=tl.float32)  # dq̃ W^T
+    b_dwk = tl.zeros([C, C], dtype=tl.float32)  # dW K^T
+    b_dqk = tl.zeros([C, C], dtype=tl.float32)  # dq̃ K^T
     b_dqq = tl.zeros([C], dtype=tl.float32)  # rowsum(dq̃ ⊙ Q)
     b_dkk_t = tl.zeros([C], dtype=tl.float32)  # rowsum(dK̃ ⊙ K)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
         m_tk = m_t[:, None] & (o_k < K)[None, :]
-        b_k = tl.load(k + row_k, mask=m_tk, other=0.0).to(tl.float32)  # [C, BK]
+        b_k = tl.load(k + row_k, mask=m_tk, other=0.0)  # [C, BK]
         b_dqt = tl.load(dqt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
-        b_da -= mma_fp32(b_dqt, tl.trans(tl.load(w + row_k, mask=m_tk, other=0.0)), k.dtype.element_ty, F32, FP32_DOT)  # [C, BK] @ [BK, C]
-        b_dw = tl.load(dw + row_k, mask=m_tk, other=0.0) - mma_fp32(tl.trans(b_a), b_dqt, k.dtype.element_ty, F32, FP32_DOT)  # [C, BK]: dW'
-        b_dt += mma_fp32(b_dw, tl.trans(b_k * (b_beta * b_e)[:, None]), k.dtype.element_ty, F32, FP32_DOT)  # [C, BK] @ [BK, C]: dW' Y^T
-        b_dy = mma_fp32(tl.trans(b_ti), b_dw, k.dtype.element_ty, F32, FP32_DOT)  # [C, C] @ [C, BK]: Tinv^T dW'
-        b_dyk += tl.sum(b_dy * b_k, axis=1)
+        b_dqw += mma_fp32(b_dqt, tl.trans(tl.load(w + row_k, mask=m_tk, other=0.0)), k.dtype.element_ty, F32, FP32_DOT)  # [C, BK] @ [BK, C]
+        b_dwk += mma_left_fp32(tl.load(dw + row_k, mask=m_tk, other=0.0), tl.trans(b_k), F32)  # [C, BK] @ [BK, C]
+        b_dqk += mma_left_fp32(b_dqt, tl.trans(b_k), F32)  # [C, BK] @ [BK, C]
         b_dqq += tl.sum(b_dqt * tl.load(q + row_k, mask=m_tk, other=0.0).to(tl.float32), axis=1)
-        b_dkk_t += tl.sum(tl.load(dkt + row_k, mask=m_tk, other=0.0) * b_k, axis=1)
+        b_dkk_t += tl.sum(tl.load(dkt + row_k, mask=m_tk, other=0.0) * b_k.to(tl.float32), axis=1)
+    b_s, b_kk = chunk_gram(q, k, t, m_t, H, i_h, K, True, C, BK, F32)  # [C, C]: Q K^T, K K^T (after the loop: fewer tiles live in it)
+    b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
+    b_d = tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32))  # [C, C]: D, 0 above the diagonal
+    b_a = tl.where(lower, b_s * scale * b_d, 0.0)  # [C, C]: A
+    b_e = tl.exp2(b_gc)  # [C]: exp(gc)
+    b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
+    tile = (i_ch * H + i_h).to(tl.int64) * C * C + o_t[:, None] * C + o_t[None, :]  # [C, C]
+    # dW' K^T with dW' = dW - A^T dq̃: then dW' Y^T = (dW' K^T) diag(β exp(gc)) and rowsum(Tinv^T dW' ⊙ K) = colsum(Tinv ⊙ dW' K^T)
+    b_dwk -= mma_fp32(tl.trans(b_a), b_dqk, k.dtype.element_ty, F32, FP32_DOT)  # [C, C] @ [C, C]
+    b_dat = tl.load(dps + tile)  # [C, C]: dP diag(β), the gradient of A Tinv
+    b_dt = tl.load(dts + tile) + mma_fp32(tl.trans(b_a), b_dat, k.dtype.element_ty, F32, FP32_DOT) + b_dwk * (b_beta * b_e)[None, :]  # dTinv
+    if USE_DT:
+        b_dt += tl.load(dt_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)
+    b_ti = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C] fp32
+    b_da = mma_fp32(b_dat, tl.trans(b_ti), k.dtype.element_ty, F32, FP32_DOT) - b_dqw  # [C, C]: dA
+    b_dyk = tl.sum(b_ti * b_dwk, axis=0)  # [C]: rowsum(dY ⊙ K), dY = Tinv^T dW'
     b_dm = mma_fp32(mma_fp32(tl.trans(b_ti), b_dt, k.dtype.element_ty, F32, FP32_DOT), tl.trans(b_ti), k.dtype.element_ty, F32, FP32_DOT)
     b_dm = tl.where(o_t[:, None] > o_t[None, :], -b_dm, 0.0)  # [C, C]: dM, strictly lower
-    _, b_kk = chunk_gram(q, k, t, m_t, H, i_h, K, True, C, BK, F32)  # [C, C]: K K^T (formed here, not held through the loop)
-    b_d = tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32))  # [C, C]: D, 0 above the diagonal
     b_dmd = b_dm * b_d  # [C, C]: dM ⊙ D
     b_dbeta = tl.load(dbeta + t * H + i_h, mask=m_t, other=0.0) + b_e * b_dyk + tl.sum(b_dmd * b_kk, axis=1)
     tl.store(dbeta + t * H + i_h, b_dbeta, mask=m_t)
