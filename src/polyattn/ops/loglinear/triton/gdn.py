@@ -449,7 +449,7 @@ def gdn_chunk_value_grads_kernel(
 
 @triton.jit
 def gdn_chunk_score_grads_kernel(
-    q, k, g, beta, t_inv, w, dqt, dw, dkt, dt_inv, dlast, chunks, dps, dts, a_s, dbeta, dg, scale, H, K,
+    q, k, g, beta, t_inv, w, dqt, dw, dkt, dt_inv, dlast, chunks, dps, dts, dbeta, dg, scale, H, K,
     C: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr, USE_DT: tl.constexpr, F32: tl.constexpr,
     FP32_DOT: tl.constexpr,
 ):
@@ -461,7 +461,7 @@ def gdn_chunk_score_grads_kernel(
         dM = -strict(Tinv^T dTinv Tinv^T),   dS = lower(dA ⊙ D),   dKK = diag(β) (dM ⊙ D)
 
     It completes dbeta (stage 1 wrote its value part) and dg (every log-decay term, `dlast` the cotangent of the
-    chunk's total log-decay) and stores for stage 3 A (`a_s`), dS over `dps` and `dKK + dKK^T` over `dts`."""
+    chunk's total log-decay) and stores for stage 3 dS over `dps` and `dKK + dKK^T` over `dts`."""
     i_ch, i_h, _, _, o_t, t, m_t = chunk_program(chunks, C)
     lower = o_t[:, None] >= o_t[None, :]
     b_dqw = tl.zeros([C, C], dtype=tl.float32)  # dq̃ W^T
@@ -510,23 +510,22 @@ def gdn_chunk_score_grads_kernel(
         b_dl = tl.sum(b_ds, axis=0) + tl.load(dlast + i_ch * H + i_h)  # the chunk's total log-decay
         b_dg = tl.sum(tl.where(o_t[None, :] >= o_t[:, None], b_dgc[None, :], 0.0), axis=1) + b_dl  # [C]: reverse cumsum
         tl.store(dg + t * H + i_h, b_dg, mask=m_t)
-    tl.store(a_s + tile, b_a)
     tl.store(dps + tile, tl.where(lower, b_da * b_d, 0.0))  # dS
     tl.store(dts + tile, b_dkk + tl.trans(b_dkk))
 
 
 @triton.jit
 def gdn_chunk_key_grads_kernel(
-    q, k, g, beta, t_inv, dqt, dw, dkt, chunks, a_s, dss, dkks, dq, dk, scale, H, K,
+    q, k, g, beta, t_inv, dqt, dw, dkt, chunks, dss, dkks, dq, dk, scale, H, K,
     C: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """grid: (cdiv(K, BK) * num_chunks, H) (`chunk_tile_program`). Stage 3 (twin `chunk_key_grads`), one chunk's dq
-    and dk in a [C, BK] key tile from stage 2's tiles A (`a_s`), dS (`dss`) and dKK + dKK^T (`dkks`):
+    and dk in a [C, BK] key tile from stage 2's tiles dS (`dss`) and dKK + dKK^T (`dkks`):
 
         dq = scale (dS K + diag(exp(gc)) dq̃)
         dk = scale dS^T Q + (dKK + dKK^T) K + diag(β exp(gc)) Tinv^T dW' + diag(exp(gc_last - gc)) dK̃
 
-    with `dW' = dW - A^T dq̃` (formed again, column by column, rather than stored); input dtype."""
+    with `dW' = dW - A^T dq̃` (A formed again over every key tile rather than stored); input dtype."""
     i_k, i_ch, i_h, _, _, o_t, t, m_t = chunk_tile_program(chunks, tl.cdiv(K, BK), C)
     o_k = i_k * BK + tl.arange(0, BK)
     row_k = (t * H + i_h)[:, None] * K + o_k[None, :]  # [C, BK]
@@ -539,7 +538,9 @@ def gdn_chunk_key_grads_kernel(
     b_beta = tl.load(beta + t * H + i_h, mask=m_t, other=0.0).to(tl.float32)  # [C]
     tile = (i_ch * H + i_h).to(tl.int64) * C * C + o_t[:, None] * C + o_t[None, :]  # [C, C]
     b_ti = tl.load(t_inv + (t * H + i_h)[:, None] * C + o_t[None, :], mask=m_t[:, None], other=0.0)  # [C, C] fp32
-    b_dw = tl.load(dw + row_k, mask=m_tk, other=0.0) - mma_fp32(tl.trans(tl.load(a_s + tile)), b_dqt, b_k.dtype, F32, FP32_DOT)  # [C, BK]: dW'
+    b_s, _ = chunk_gram(q, k, t, m_t, H, i_h, K, False, C, BK, F32)  # [C, C]: Q K^T
+    b_a = tl.where(o_t[:, None] >= o_t[None, :], b_s * scale * tl.exp2(chunk_segsum(b_g, b_gc, b_last, False, F32)), 0.0)  # [C, C]: A
+    b_dw = tl.load(dw + row_k, mask=m_tk, other=0.0) - mma_fp32(tl.trans(b_a), b_dqt, b_k.dtype, F32, FP32_DOT)  # [C, BK]: dW'
     b_dy = mma_fp32(tl.trans(b_ti), b_dw, b_k.dtype, F32, FP32_DOT)  # [C, C] @ [C, BK]: Tinv^T dW'
     b_dsc = tl.load(dss + tile)  # [C, C] fp32: dS
     b_dq = (mma_left_fp32(b_dsc, b_k, F32) + b_dqt * b_e[:, None]) * scale  # [C, C] @ [C, BK]
@@ -965,7 +966,7 @@ def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chun
     result `(dq, dk, dv (in grad_dtype, default the inputs' dtypes), dg (fp32, None without g), dbeta, dlam
     (fp32; the in-chunk level columns))` from flattened tokens, the forward's `t_inv` and `w`, and the
     cotangents `grads` (`o_intra` the output's gradient; `t_inv` may be None, the others not). The stages pass
-    three `[NC, H, C, C]` fp32 tiles a chunk between them."""
+    two `[NC, H, C, C]` fp32 tiles a chunk between them."""
     N_tok, H, K = q.shape
     V, L = v.shape[-1], lam.shape[-1]
     config = get_config()
@@ -976,7 +977,7 @@ def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chun
     dbeta = torch.empty(N_tok, H, dtype=torch.float32, device=q.device)
     dg = torch.empty(N_tok, H, dtype=torch.float32, device=q.device) if g is not None else None
     dlam = torch.zeros(N_tok, H, L, dtype=torch.float32, device=q.device)
-    dps, dts, a_s = (torch.empty(NC, H, C, C, dtype=torch.float32, device=q.device) for _ in range(3))
+    dps, dts = (torch.empty(NC, H, C, C, dtype=torch.float32, device=q.device) for _ in range(2))
     modes = dict(USE_G=g is not None, F32=dot_f32(q.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
                  num_warps=config.gdn_chunk_warps, num_stages=config.num_stages)
     gdn_chunk_value_grads_kernel[(NC, H)](
@@ -984,10 +985,10 @@ def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chun
         scale, H, K, V, L, C=C, LOG_C=LOG_C, BK=BK, BV=value_tile(config, V), **modes,
     )
     gdn_chunk_score_grads_kernel[(NC, H)](
-        q, k, g, beta, t_inv, w, grads.qt, grads.w, grads.kt, grads.t_inv, grads.gc_last, chunks[0], dps, dts, a_s,
+        q, k, g, beta, t_inv, w, grads.qt, grads.w, grads.kt, grads.t_inv, grads.gc_last, chunks[0], dps, dts,
         dbeta, dg, scale, H, K, C=C, BK=BK, USE_DT=grads.t_inv is not None, **modes,
     )
     gdn_chunk_key_grads_kernel[(triton.cdiv(K, BK) * NC, H)](
-        q, k, g, beta, t_inv, grads.qt, grads.w, grads.kt, chunks[0], a_s, dps, dts, dq, dk, scale, H, K, C=C, BK=BK, **modes,
+        q, k, g, beta, t_inv, grads.qt, grads.w, grads.kt, chunks[0], dps, dts, dq, dk, scale, H, K, C=C, BK=BK, **modes,
     )
     return dq, dk, dv, dg, dbeta, dlam
