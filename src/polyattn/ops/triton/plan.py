@@ -118,12 +118,16 @@ class KernelConfig:
     states the forward keeps for the backward (None: the integer square root of the longest sequence's grid rows,
     11 / 22 at 8K / 32K; gdn.checkpoint_plan; 6 and 32 took the same time, 32 with more memory, call 21).
     gdn_chunk_warps are the warps
-    of its per-chunk kernels (8; at K = 128 a forward + backward took the same time at 4 and 8. The illegal
+    of its per-chunk kernels (8; at K = 128 a forward + backward took the same time at 4 and 8 when the chunk
+    gradients were one kernel; its three stages now spill 0 / 528 / 0 bytes a thread at 8 warps and several
+    hundred to 2 KB at 4: benchmarks/results/triton-spills-sm90a.txt. The illegal
     memory accesses of small heads came from narrow or partly masked tiles at either count, not from the
     warps: gdn.kernel_heads). gdn_heads is how many heads its forward and backward run at once (None: all): each
     group of heads runs the whole pass alone, so the fp32 work tensors (W, Ū, q̃, Tinv, the checkpoints, the
     backward's round states and level gradients, most of the peak) exist for one group at a time, at the cost
-    of fewer programs per launch.
+    of fewer programs per launch (on an H100 at the standard shape, 2K / 8K / 32K, groups of 2 took a forward +
+    backward's peak from 7.47 / 6.30 / 5.52 to 2.30 / 2.07 / 1.94 GiB and its time from 75.3 / 97.1 / 131.9 to
+    82.1 / 153.0 / 510.5 ms: benchmarks/results/2026-12-06-h100/tune-gdn-heads-split-call31.txt).
     """
 
     chunk_size: int = 64
