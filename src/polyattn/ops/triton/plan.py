@@ -119,7 +119,7 @@ class KernelConfig:
     11 / 22 at 8K / 32K; gdn.checkpoint_plan; 6 and 32 took the same time, 32 with more memory, call 21).
     gdn_chunk_warps are the warps
     of its per-chunk kernels (8; at K = 128 a forward + backward took the same time at 4 and 8 when the chunk
-    gradients were one kernel; its three stages now spill 0 / 528 / 0 bytes a thread at 8 warps and several
+    gradients were one kernel; its three stages now spill 0 / 500 / 0 bytes a thread at 8 warps and several
     hundred to 2 KB at 4: benchmarks/results/triton-spills-sm90a.txt. The illegal
     memory accesses of small heads came from narrow or partly masked tiles at either count, not from the
     warps: gdn.kernel_heads). gdn_heads is how many heads its forward and backward run at once (None: all): each
