@@ -280,11 +280,11 @@ def test_gdn_chunk_locals_backward_matches_autograd(decay):
         assert rel_err(got[n], want[n]) <= 1e-10, f"{n}: {rel_err(got[n], want[n]):.2e}"
 
 
-@pytest.mark.parametrize("decay", [True, False])
-def test_gdn_chunk_grads_kernel_matches_its_twin(decay):
-    """The chunk gradients' three kernels (`gdn_chunk_backward`) against `gdn_chunk_locals_backward` (float64) on the same inputs and
-    cotangents, Tinv's included, packed sequences from odd positions."""
-    from polyattn.ops.loglinear.triton.gdn import ChunkLocals, gdn_chunk_backward, gdn_chunk_locals_backward, gdn_forward
+def _chunk_grads_case(decay):
+    """`(x, fwd, table, cot)`: LEVELS_CASE's packed sequences as fp32 token rows, the forward on them (Tinv, W and
+    the chunk table the kernels take), `grid_chunk_table`'s result and random cotangents of every chunk-local
+    output, Tinv's included."""
+    from polyattn.ops.loglinear.triton.gdn import ChunkLocals, gdn_forward
     from polyattn.ops.triton.plan import grid_chunk_table
 
     lengths, positions = LEVELS_CASE
@@ -297,6 +297,16 @@ def test_gdn_chunk_grads_kernel_matches_its_twin(decay):
     shapes = dict(o_intra=x["v"].shape, qt=x["k"].shape, w=x["k"].shape, u_bar=x["v"].shape, kt=x["k"].shape,
                   t_inv=fwd.t_inv.shape, gc_last=(table[2], H))
     cot = ChunkLocals(**{n: torch.randn(shape, generator=gen).to(DEVICE) for n, shape in shapes.items()})
+    return x, fwd, table, cot
+
+
+@pytest.mark.parametrize("decay", [True, False])
+def test_gdn_chunk_grads_kernel_matches_its_twin(decay):
+    """The chunk gradients' three kernels (`gdn_chunk_backward`) against `gdn_chunk_locals_backward` (float64) on the same inputs and
+    cotangents, Tinv's included, packed sequences from odd positions."""
+    from polyattn.ops.loglinear.triton.gdn import ChunkLocals, gdn_chunk_backward, gdn_chunk_locals_backward
+
+    x, fwd, table, cot = _chunk_grads_case(decay)
     got = gdn_chunk_backward(*(x[n] for n in ("q", "k", "v", "g", "beta", "lam")), fwd.t_inv, fwd.w, cot, fwd.chunks, scale=0.5)
     x64 = {n: None if t is None else t.double() for n, t in x.items()}
     want = gdn_chunk_locals_backward(*(x64[n] for n in ("q", "k", "v", "g", "beta", "lam")), table[0],
@@ -304,6 +314,42 @@ def test_gdn_chunk_grads_kernel_matches_its_twin(decay):
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dlam"), got, want):
         if b is not None:
             assert rel_err(a, b) <= 1e-5, f"{name}: {rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize("decay", [True, False])
+def test_gdn_chunk_grads_stages_match_their_twins(decay):
+    """Each of the chunk gradients' three kernels against its twin stage in float64, the later kernels fed the
+    twins' results of the earlier stages (so a fault shows in its own stage), packed sequences from odd positions."""
+    from polyattn.ops.loglinear.triton.gdn import (
+        ChunkLocals, chunk_grads_inputs, chunk_key_grads, chunk_key_grads_stage, chunk_score_grads,
+        chunk_score_grads_stage, chunk_value_grads, chunk_value_grads_stage,
+    )
+
+    x, fwd, table, cot = _chunk_grads_case(decay)
+    x64 = {n: None if t is None else t.double() for n, t in x.items()}
+    layout, p, cot64 = chunk_grads_inputs(*(x64[n] for n in ("q", "k", "v", "g", "beta", "lam")), table[0],
+                                          ChunkLocals(*(c.double() for c in cot)), scale=0.5, C=64)
+    N_tok = x["q"].shape[0]
+    tokens = lambda t: layout.tokens(t, N_tok)  # noqa: E731
+    per_token = lambda t: tokens(t[..., None])[..., 0]  # noqa: E731
+    q, k, v, g, beta, lam = (x[n] for n in ("q", "k", "v", "g", "beta", "lam"))
+
+    def check(pairs):
+        for name, a, b in pairs:
+            assert rel_err(a, b) <= 1e-5, f"{name}: {rel_err(a, b):.2e}"
+
+    dv, dbeta, dlam, dps, dts = chunk_value_grads_stage(q, k, v, g, beta, lam, fwd.t_inv, cot.o_intra, cot.u_bar, fwd.chunks, scale=0.5)
+    dv64, dlam64, dbeta64, dat64, dt64 = chunk_value_grads(p, cot64)
+    check([("dv", dv, tokens(dv64)), ("dbeta (value part)", dbeta, per_token(dbeta64)), ("dlam", dlam, tokens(dlam64)),
+           ("dP diag(beta)", dps, dat64), ("dU Z^T", dts, dt64)])
+    dss, dkks, dbeta = dat64.float().contiguous(), dt64.float().contiguous(), per_token(dbeta64).float().contiguous()
+    dg = chunk_score_grads_stage(q, k, g, beta, fwd.t_inv, fwd.w, cot, fwd.chunks, dss, dkks, dbeta, scale=0.5)
+    ds64, dkks64, dbeta64, dg64 = chunk_score_grads(p, cot64, dat64, dt64, dbeta64)
+    check([("dS", dss, ds64), ("dKK + dKK^T", dkks, dkks64), ("dbeta", dbeta, per_token(dbeta64))]
+          + ([("dg", dg, per_token(dg64))] if decay else []))
+    dq, dk = chunk_key_grads_stage(q, k, g, beta, fwd.t_inv, cot, fwd.chunks, ds64.float().contiguous(), dkks64.float().contiguous(), scale=0.5)
+    dq64, dk64 = chunk_key_grads(p, cot64, ds64, dkks64)
+    check([("dq", dq, tokens(dq64)), ("dk", dk, tokens(dk64))])
 
 
 @pytest.mark.parametrize("T", [1, 40])

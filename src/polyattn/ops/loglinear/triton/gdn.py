@@ -631,6 +631,18 @@ def gdn_chunk_locals_backward(q, k, v, g, beta, lam, table, grads: ChunkLocals, 
     stages of `gdn_chunk_backward`'s kernels (`chunk_value_grads`, `chunk_score_grads`, `chunk_key_grads`, each
     the twin of one) on the padded chunks `[NC, H, C, *]`."""
     N_tok = q.shape[0]
+    layout, p, cot = chunk_grads_inputs(q, k, v, g, beta, lam, table, grads, scale=scale, C=C)
+    dv, dlam, dbeta, dAT, dT = chunk_value_grads(p, cot)
+    dS, dKKs, dbeta, dgl = chunk_score_grads(p, cot, dAT, dT, dbeta)
+    dq, dk = chunk_key_grads(p, cot, dS, dKKs)
+    tokens = lambda x: layout.tokens(x, N_tok)  # noqa: E731
+    per_token = lambda x: tokens(x[..., None])[..., 0]  # noqa: E731  [NC, H, C] -> [N_tok, H]
+    return tokens(dq), tokens(dk), tokens(dv), per_token(dgl) if g is not None else None, per_token(dbeta), tokens(dlam)
+
+
+def chunk_grads_inputs(q, k, v, g, beta, lam, table, grads: ChunkLocals, *, scale, C):
+    """What the stage twins take: `(layout, p, cot)`, the chunk layout of `table`, `_chunk_parts` with A, and the
+    cotangents `grads` chunked (`[NC, H, C, *]`, zero where None)."""
     layout = _chunk_layout(table, C)
     p = _chunk_parts(q, k, v, g, beta, lam, layout, scale, C)
     NC, H = p["qc"].shape[:2]
@@ -638,12 +650,7 @@ def gdn_chunk_locals_backward(q, k, v, g, beta, lam, table, grads: ChunkLocals, 
     cot = {n: p["qc"].new_zeros(NC, H, C, d) if getattr(grads, n) is None else layout.chunked(getattr(grads, n)) for n, d in width.items()}
     cot["gc_last"] = None if grads.gc_last is None else grads.gc_last.to(p["qc"].dtype)
     p["A"] = torch.where(torch.ones(C, C, dtype=torch.bool, device=q.device).tril(), p["qc"] @ p["kc"].transpose(-1, -2) * p["D"], 0.0)
-    dv, dlam, dbeta, dAT, dT = chunk_value_grads(p, cot)
-    dS, dKKs, dbeta, dgl = chunk_score_grads(p, cot, dAT, dT, dbeta)
-    dq, dk = chunk_key_grads(p, cot, dS, dKKs)
-    tokens = lambda x: layout.tokens(x, N_tok)  # noqa: E731
-    per_token = lambda x: tokens(x[..., None])[..., 0]  # noqa: E731  [NC, H, C] -> [N_tok, H]
-    return tokens(dq), tokens(dk), tokens(dv), per_token(dgl) if g is not None else None, per_token(dbeta), tokens(dlam)
+    return layout, p, cot
 
 
 def chunk_value_grads(p: dict, cot: dict):
@@ -960,35 +967,68 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     return (*(x[0] if atomic else x.sum(0) for x in (dqt, dw, dkt)), du, dlast.sum(0), dlam.sum(0), dstate)
 
 
-def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chunks: tuple, *, scale, grad_dtype=None):
-    """The chunk-local backward's three stages (`gdn_chunk_value_grads_kernel`, `gdn_chunk_score_grads_kernel`,
-    `gdn_chunk_key_grads_kernel`) over every grid chunk (`chunks`, the forward's table): `gdn_chunk_locals_backward`'s
-    result `(dq, dk, dv (in grad_dtype, default the inputs' dtypes), dg (fp32, None without g), dbeta, dlam
-    (fp32; the in-chunk level columns))` from flattened tokens, the forward's `t_inv` and `w`, and the
-    cotangents `grads` (`o_intra` the output's gradient; `t_inv` may be None, the others not). The stages pass
-    two `[NC, H, C, C]` fp32 tiles a chunk between them."""
+def _stage_modes(q, g):
+    """`(config, BK, the launch options)` shared by the chunk gradients' three kernels."""
+    config = get_config()
+    return config, min(block(q.shape[-1]), 64), dict(
+        USE_G=g is not None, F32=dot_f32(q.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
+        num_warps=config.gdn_chunk_warps, num_stages=config.num_stages,
+    )
+
+
+def chunk_value_grads_stage(q, k, v, g, beta, lam, t_inv, do, du, chunks: tuple, *, scale, grad_dtype=None):
+    """`gdn_chunk_value_grads_kernel` over every grid chunk (twin `chunk_value_grads`): `(dv (in grad_dtype, default
+    v's), dbeta's value part, dlam (the in-chunk level columns), dps, dts)`, the last two `[NC, H, C, C]` fp32."""
     N_tok, H, K = q.shape
     V, L = v.shape[-1], lam.shape[-1]
-    config = get_config()
+    config, BK, modes = _stage_modes(q, g)
     C, NC = config.chunk_size, chunks[2]
-    LOG_C = C.bit_length() - 1
-    BK = min(block(K), 64)
-    dq, dk, dv = (torch.empty_like(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))
+    dv = torch.empty_like(v, dtype=grad_dtype or v.dtype)
     dbeta = torch.empty(N_tok, H, dtype=torch.float32, device=q.device)
-    dg = torch.empty(N_tok, H, dtype=torch.float32, device=q.device) if g is not None else None
     dlam = torch.zeros(N_tok, H, L, dtype=torch.float32, device=q.device)
     dps, dts = (torch.empty(NC, H, C, C, dtype=torch.float32, device=q.device) for _ in range(2))
-    modes = dict(USE_G=g is not None, F32=dot_f32(q.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"),
-                 num_warps=config.gdn_chunk_warps, num_stages=config.num_stages)
     gdn_chunk_value_grads_kernel[(NC, H)](
-        q, k, v, g, beta, lam, t_inv, grads.o_intra.contiguous(), grads.u_bar, chunks[0], dv, dbeta, dlam, dps, dts,
-        scale, H, K, V, L, C=C, LOG_C=LOG_C, BK=BK, BV=value_tile(config, V), **modes,
+        q, k, v, g, beta, lam, t_inv, do.contiguous(), du, chunks[0], dv, dbeta, dlam, dps, dts,
+        scale, H, K, V, L, C=C, LOG_C=C.bit_length() - 1, BK=BK, BV=value_tile(config, V), **modes,
     )
-    gdn_chunk_score_grads_kernel[(NC, H)](
+    return dv, dbeta, dlam, dps, dts
+
+
+def chunk_score_grads_stage(q, k, g, beta, t_inv, w, grads: ChunkLocals, chunks: tuple, dps, dts, dbeta, *, scale):
+    """`gdn_chunk_score_grads_kernel` over every grid chunk (twin `chunk_score_grads`) on stage 1's `dps`, `dts` and
+    dbeta, which it overwrites with dS, `dKK + dKK^T` and the whole dbeta: returns dg (fp32, None without g)."""
+    N_tok, H, K = q.shape
+    config, BK, modes = _stage_modes(q, g)
+    dg = torch.empty(N_tok, H, dtype=torch.float32, device=q.device) if g is not None else None
+    gdn_chunk_score_grads_kernel[(chunks[2], H)](
         q, k, g, beta, t_inv, w, grads.qt, grads.w, grads.kt, grads.t_inv, grads.gc_last, chunks[0], dps, dts,
-        dbeta, dg, scale, H, K, C=C, BK=BK, USE_DT=grads.t_inv is not None, **modes,
+        dbeta, dg, scale, H, K, C=config.chunk_size, BK=BK, USE_DT=grads.t_inv is not None, **modes,
     )
-    gdn_chunk_key_grads_kernel[(triton.cdiv(K, BK) * NC, H)](
-        q, k, g, beta, t_inv, grads.qt, grads.w, grads.kt, chunks[0], dps, dts, dq, dk, scale, H, K, C=C, BK=BK, **modes,
+    return dg
+
+
+def chunk_key_grads_stage(q, k, g, beta, t_inv, grads: ChunkLocals, chunks: tuple, dss, dkks, *, scale, grad_dtype=None):
+    """`gdn_chunk_key_grads_kernel` over every grid chunk and key tile (twin `chunk_key_grads`) from stage 2's dS
+    (`dss`) and `dKK + dKK^T` (`dkks`): `(dq, dk)` in grad_dtype (default the inputs')."""
+    H, K = q.shape[1:]
+    config, BK, modes = _stage_modes(q, g)
+    dq, dk = (torch.empty_like(x, dtype=grad_dtype or x.dtype) for x in (q, k))
+    gdn_chunk_key_grads_kernel[(triton.cdiv(K, BK) * chunks[2], H)](
+        q, k, g, beta, t_inv, grads.qt, grads.w, grads.kt, chunks[0], dss, dkks, dq, dk, scale, H, K,
+        C=config.chunk_size, BK=BK, **modes,
     )
+    return dq, dk
+
+
+def gdn_chunk_backward(q, k, v, g, beta, lam, t_inv, w, grads: ChunkLocals, chunks: tuple, *, scale, grad_dtype=None):
+    """The chunk-local backward's three stages over every grid chunk (`chunks`, the forward's table):
+    `gdn_chunk_locals_backward`'s result `(dq, dk, dv (in grad_dtype, default the inputs' dtypes), dg (fp32, None
+    without g), dbeta, dlam (fp32; the in-chunk level columns))` from flattened tokens, the forward's `t_inv` and
+    `w`, and the cotangents `grads` (`o_intra` the output's gradient; `t_inv` may be None, the others not). The
+    stages pass two `[NC, H, C, C]` fp32 tiles a chunk between them."""
+    dv, dbeta, dlam, dps, dts = chunk_value_grads_stage(
+        q, k, v, g, beta, lam, t_inv, grads.o_intra, grads.u_bar, chunks, scale=scale, grad_dtype=grad_dtype,
+    )
+    dg = chunk_score_grads_stage(q, k, g, beta, t_inv, w, grads, chunks, dps, dts, dbeta, scale=scale)
+    dq, dk = chunk_key_grads_stage(q, k, g, beta, t_inv, grads, chunks, dps, dts, scale=scale, grad_dtype=grad_dtype)
     return dq, dk, dv, dg, dbeta, dlam
