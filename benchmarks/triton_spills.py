@@ -27,10 +27,8 @@ from polyattn.ops.kata.triton.delta import deltakata_states_kernel, deltakata_wa
 from polyattn.ops.kata.triton.function import feature_blocks
 from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
-from polyattn.ops.loglinear.triton.gdn import (
-    gdn_chunk_key_grads_kernel, gdn_chunk_kernel, gdn_chunk_score_grads_kernel, gdn_chunk_value_grads_kernel,
-    gdn_levels_chain_kernel, gdn_levels_grads_kernel, gdn_levels_kernel,
-)
+from polyattn.ops.loglinear.triton.gdn import gdn_chunk_kernel, gdn_levels_chain_kernel, gdn_levels_grads_kernel, gdn_levels_kernel
+from polyattn.ops.loglinear.triton.gdn_grads import gdn_chunk_key_grads_kernel, gdn_chunk_score_grads_kernel, gdn_chunk_value_grads_kernel
 from polyattn.ops.triton.plan import KernelConfig, kata_state_chunk
 from polyattn.ops.triton.precision import UPDATE_DOTS
 

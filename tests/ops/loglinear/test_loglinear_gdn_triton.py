@@ -261,7 +261,8 @@ def test_gdn_levels_backward_kernel_matches_its_twin(decay, deterministic, inter
 def test_gdn_chunk_locals_backward_matches_autograd(decay):
     """`gdn_chunk_locals_backward` against autograd of `gdn_chunk_locals` in float64, every cotangent at
     once, packed sequences from odd positions (first chunks cut at the grid line)."""
-    from polyattn.ops.loglinear.triton.gdn import ChunkLocals, gdn_chunk_locals, gdn_chunk_locals_backward
+    from polyattn.ops.loglinear.triton.gdn import ChunkLocals, gdn_chunk_locals
+    from polyattn.ops.loglinear.triton.gdn_grads import gdn_chunk_locals_backward
     from polyattn.ops.triton.plan import grid_chunk_table
 
     lengths, positions = LEVELS_CASE
@@ -304,7 +305,8 @@ def _chunk_grads_case(decay):
 def test_gdn_chunk_grads_kernel_matches_its_twin(decay):
     """The chunk gradients' three kernels (`gdn_chunk_backward`) against `gdn_chunk_locals_backward` (float64) on the same inputs and
     cotangents, Tinv's included, packed sequences from odd positions."""
-    from polyattn.ops.loglinear.triton.gdn import ChunkLocals, gdn_chunk_backward, gdn_chunk_locals_backward
+    from polyattn.ops.loglinear.triton.gdn import ChunkLocals
+    from polyattn.ops.loglinear.triton.gdn_grads import gdn_chunk_backward, gdn_chunk_locals_backward
 
     x, fwd, table, cot = _chunk_grads_case(decay)
     got = gdn_chunk_backward(*(x[n] for n in ("q", "k", "v", "g", "beta", "lam")), fwd.t_inv, fwd.w, cot, fwd.chunks, scale=0.5)
@@ -320,9 +322,10 @@ def test_gdn_chunk_grads_kernel_matches_its_twin(decay):
 def test_gdn_chunk_grads_stages_match_their_twins(decay):
     """Each of the chunk gradients' three kernels against its twin stage in float64, the later kernels fed the
     twins' results of the earlier stages (so a fault shows in its own stage), packed sequences from odd positions."""
-    from polyattn.ops.loglinear.triton.gdn import (
-        ChunkLocals, chunk_grads_inputs, chunk_key_grads, chunk_key_grads_stage, chunk_score_grads,
-        chunk_score_grads_stage, chunk_value_grads, chunk_value_grads_stage,
+    from polyattn.ops.loglinear.triton.gdn import ChunkLocals
+    from polyattn.ops.loglinear.triton.gdn_grads import (
+        chunk_grads_inputs, chunk_key_grads, chunk_key_grads_stage, chunk_score_grads, chunk_score_grads_stage,
+        chunk_value_grads, chunk_value_grads_stage,
     )
 
     x, fwd, table, cot = _chunk_grads_case(decay)

@@ -32,7 +32,8 @@ from polyattn.ops.loglinear.state import LogLinearState, check_lam_levels, fenwi
 from polyattn.ops.triton.plan import device_lengths, get_config, no_output, reverse_cumsum, sequence_lengths
 from polyattn.ops.triton.precision import check_kernel_inputs
 
-from .gdn import ChunkLocals, gdn_chunk_backward, gdn_forward, gdn_levels_backward, kernel_heads
+from .gdn import ChunkLocals, gdn_forward, gdn_levels_backward, kernel_heads
+from .gdn_grads import gdn_chunk_backward
 from .level_pass import level_pass
 from .step import loglinear_attn_step_inplace
 
@@ -554,7 +555,7 @@ def loglinear_gdn_backward(
     empty [0] tensors); the kernels run in `dtype`. The forward's levels rerun, storing the level states
     entering every S-th chunk (`gdn.checkpoint_plan`), `gdn.gdn_levels_backward` recomputes the states
     entering each block's chunks from them and walks the block in reverse (dq̃, dW, dŪ, dK̃, the
-    chunk state factors' and the levels' lam gradients, dr0), and `gdn.gdn_chunk_backward` takes
+    chunk state factors' and the levels' lam gradients, dr0), and `gdn_grads.gdn_chunk_backward` takes
     those, with the gradients of the edge rows' q̃, Tinv and W, through the chunk-local stage. The heads run in
     groups of `KernelConfig.gdn_heads` (`_by_heads`)."""
     return _by_heads(
