@@ -226,11 +226,12 @@ def gdn_levels_chain_kernel(
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """grid: (cdiv(V, BV), N, H). Round jb of `gdn_levels_kernel`'s walk in reverse: each sequence's jb-th
-    block of S chunks from its end (a sequence with fewer blocks does nothing). First the level states
-    entering each of the block's chunks, recomputed from the block's checkpoint (`ck`, stored by
-    `gdn_levels_kernel`), carried in `fstate [N, H, NLC, K, V]` and stored to `hs [N, H, S, NLC, K, V]`; then the
-    block's chunks last to first, every level in turn, the chain of the adjoint alone (dx = K̃ dh'):
+    """grid: (2 * cdiv(V, BV), N, H), the part fastest. Round jb of `gdn_levels_kernel`'s walk in reverse: each
+    sequence's jb-th block of S chunks from its end (a sequence with fewer blocks does nothing), in two
+    independent parts, each a program: part 0 the level states entering each of the block's chunks, recomputed
+    from the block's checkpoint (`ck`, stored by `gdn_levels_kernel`), carried in `fstate [N, H, NLC, K, V]` and
+    stored to `hs [N, H, S, NLC, K, V]`; part 1 the block's chunks last to first, every level in turn, the chain
+    of the adjoint alone, which needs no state (dx = K̃ dh'):
 
         dh = exp(gc_last) dh' - W^T dx [+ (diag(lam) q̃)^T dO],   zero into the chunk before a block's first
 
@@ -238,13 +239,15 @@ def gdn_levels_chain_kernel(
     states R and leaving as that of the entering ones r0) stored to `dhs [N, H, S, NLC, K, V]` for
     `gdn_levels_grads_kernel`, which forms the round's gradients from hs and dhs, every chunk in parallel. At a
     block's first chunk h is zero and nothing flows back; after its last dh' is zero unless the sequence ends there."""
-    i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile(seqs, cu_chunks, K, V, BK, BV)
+    part = tl.program_id(0) % 2
+    i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile_of(
+        tl.program_id(0) // 2, tl.program_id(1), tl.program_id(2), seqs, cu_chunks, K, V, BK, BV,
+    )
     n0, n_ch, NL, i_lo, i_hi, live = block_span(pos, i_n, eos, bos, jb, S, C, NLC)
-    if live:
-        p_level = dstate + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
+    p_hs = hs + ((i_n * H + i_h) * S * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of chunk 0, level 0
+    p_dhs = dhs + ((i_n * H + i_h) * S * NLC).to(tl.int64) * K * V + state_tile
+    if live & (part == 0):
         p_fwd = fstate + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
-        p_hs = hs + ((i_n * H + i_h) * S * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of chunk 0, level 0
-        p_dhs = dhs + ((i_n * H + i_h) * S * NLC).to(tl.int64) * K * V + state_tile
         p_ck = ck + ((tl.load(cu_blocks + i_n) * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # of block 0
         for i in range(i_lo, i_hi):  # the block's entering level states, as gdn_levels_kernel formed them
             a = n0 + i
@@ -264,6 +267,8 @@ def gdn_levels_chain_kernel(
                     read = ((a >> ell) & 1) == 1
                     first = (phase == 0) & (i > 0)
                     tl.store(p_fwd + ell * K * V, level_carry(b_h, b_w_hi, b_w_lo, b_k, b_u, b_wk, b_last, read, first, bad, F32, FP32_DOT), mask=m_s)
+    if live & (part == 1):
+        p_level = dstate + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
         for j in range(0, i_hi - i_lo):
             i = i_hi - 1 - j
             a = n0 + i
@@ -681,7 +686,7 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     do = do.contiguous()
     F32, FP32_DOT = dot_f32(k.dtype), fp32_dot_mode(config, "delta_fp32_dot")
     for jb in range(rounds):
-        gdn_levels_chain_kernel[(n_v, N, H)](
+        gdn_levels_chain_kernel[(2 * n_v, N, H)](
             k, g, fwd.w, fwd.u_bar, fwd.qt, lam, fwd.firsts, do, fwd.ck, cu_blocks, fstate, hs, dhs, dstate,
             seqs, chunks[0], chunks[1], position, jb, H, K, V, L, NLC, S,
             C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT,
