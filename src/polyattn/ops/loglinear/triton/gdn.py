@@ -33,9 +33,10 @@ once) and `gdn_levels_ref` (the walk).
 
 The backward (function.py) reruns the walk storing the level states entering every S-th chunk
 (`checkpoint_plan`), then takes blocks of S chunks last to first, one round per block: `gdn_levels_chain_kernel`
-recomputes a block's entering states from its checkpoint and walks its chunks in reverse, per level the
-delta rule's adjoint `dh = exp(gc_last) dh' - W^T K̃ dh' [+ q̃^T diag(lam) dO]` (zero into the chunk before a
-block's first), storing the states and their gradients; `gdn_levels_grads_kernel` forms from them the
+recomputes a block's entering states from its checkpoint (with what each level writes, `x`) and, in programs of
+its own, walks its chunks in reverse, per level the delta rule's adjoint `dh = exp(gc_last) dh' - W^T K̃ dh'
+[+ q̃^T diag(lam) dO]` (zero into the chunk before a block's first), storing the states, their gradients, x and
+`dx = K̃ dh'`; `gdn_levels_grads_kernel` forms from them the
 gradients of q̃, W, Ū, K̃ and the chunk's state factor `exp(gc_last)`, a program per chunk and value tile (twin of
 both: `gdn_levels_backward_ref`; the value tiles' shares of the [C, K] gradients meet by fp32 atomic adds unless
 `torch.use_deterministic_algorithms` is on); then
@@ -127,10 +128,9 @@ def level_chunk(chunks, row, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, 
 
 
 @triton.jit
-def level_carry(b_h, b_w_hi, b_w_lo, b_k, b_u, b_wk, b_last, read, first, bad, F32: tl.constexpr, FP32_DOT: tl.constexpr):
-    """One level's state leaving the chunk, `h' = exp(gc_last) h + K̃^T x` with `x = -W h` in the
-    block's second half (`read`) and `Ū - W h` in its first, `x = Ū` at the block's first chunk (`first`:
-    h entered as zero, so `W h` is not formed); NaN after a chunk with a non-finite token."""
+def level_x(b_h, b_w_hi, b_w_lo, b_u, read, first, F32: tl.constexpr, FP32_DOT: tl.constexpr):
+    """What one level writes in the chunk, `x = -W h` [C, BV] in the block's second half (`read`) and `Ū - W h`
+    in its first, `x = Ū` at the block's first chunk (`first`: h entered as zero, so `W h` is not formed)."""
     if first:
         b_x = b_u
     else:
@@ -139,6 +139,13 @@ def level_carry(b_h, b_w_hi, b_w_lo, b_k, b_u, b_wk, b_last, read, first, bad, F
             b_x = -b_x
         else:
             b_x = b_u - b_x
+    return b_x
+
+
+@triton.jit
+def level_carry(b_h, b_x, b_k, b_wk, b_last, bad, F32: tl.constexpr):
+    """One level's state leaving the chunk, `h' = exp(gc_last) h + K̃^T x` (x: `level_x`); NaN after a chunk
+    with a non-finite token."""
     b_h = mma_right_acc(tl.trans(b_k), b_x * b_wk[:, None], b_h * tl.exp2(b_last), F32, SPLIT)  # [BK, C] @ [C, BV]
     return b_h + tl.where(bad, float("nan"), 0.0)
 
@@ -203,7 +210,8 @@ def gdn_levels_kernel(
             # the sequence ends there: it leaves in `state`
             if (phase != (2 << ell) - 1) | (i == n_ch - 1):
                 first = (phase == 0) & (i > 0)
-                tl.store(p_s, level_carry(b_h, b_w_hi, b_w_lo, b_k, b_u, b_wk, b_last, read, first, bad, F32, FP32_DOT), mask=m_s)
+                b_x = level_x(b_h, b_w_hi, b_w_lo, b_u, read, first, F32, FP32_DOT)  # [C, BV]
+                tl.store(p_s, level_carry(b_h, b_x, b_k, b_wk, b_last, bad, F32), mask=m_s)
         if not STORE_CK:
             tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
 
@@ -221,24 +229,26 @@ def block_span(pos, i_n, eos, bos, jb, S, C: tl.constexpr, NLC):
 
 @triton.jit
 def gdn_levels_chain_kernel(
-    k, g, w, u_bar, qt, lam, firsts, do, ck, cu_blocks, fstate, hs, dhs, dstate,
+    k, g, w, u_bar, qt, lam, firsts, do, ck, cu_blocks, fstate, hs, xs, dhs, dxs, dstate,
     seqs, chunks, cu_chunks, pos, jb, H, K, V, L, NLC, S,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """grid: (2 * cdiv(V, BV), N, H), the part fastest. Round jb of `gdn_levels_kernel`'s walk in reverse: each
     sequence's jb-th block of S chunks from its end (a sequence with fewer blocks does nothing), in two
-    independent parts, each a program: part 0 the level states entering each of the block's chunks, recomputed
+    independent parts, each a program. Part 0: the level states entering each of the block's chunks, recomputed
     from the block's checkpoint (`ck`, stored by `gdn_levels_kernel`), carried in `fstate [N, H, NLC, K, V]` and
-    stored to `hs [N, H, S, NLC, K, V]`; part 1 the block's chunks last to first, every level in turn, the chain
-    of the adjoint alone, which needs no state (dx = K̃ dh'):
+    stored to `hs [N, H, S, NLC, K, V]`, with what each level writes, `x` (`level_x`), stored to `xs [N, H, S,
+    NLC, C, V]` wherever its gradient dh' is not zero. Part 1: the block's chunks last to first, every level in
+    turn, the chain of the adjoint alone, which needs no state (dx = K̃ dh'):
 
         dh = exp(gc_last) dh' - W^T dx [+ (diag(lam) q̃)^T dO],   zero into the chunk before a block's first
 
     with `dh'` (the gradient of the level's state leaving the chunk, `dstate`, entering as that of the leaving
-    states R and leaving as that of the entering ones r0) stored to `dhs [N, H, S, NLC, K, V]` for
-    `gdn_levels_grads_kernel`, which forms the round's gradients from hs and dhs, every chunk in parallel. At a
-    block's first chunk h is zero and nothing flows back; after its last dh' is zero unless the sequence ends there."""
+    states R and leaving as that of the entering ones r0) stored to `dhs [N, H, S, NLC, K, V]` and dx to `dxs
+    [N, H, S, NLC, C, V]` for `gdn_levels_grads_kernel`, which forms the round's gradients from the four, every
+    chunk in parallel. At a block's first chunk h is zero and nothing flows back; after its last dh' is zero
+    unless the sequence ends there (then neither x nor dx is stored: the gradients do not read them)."""
     part = tl.program_id(0) % 2
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile_of(
         tl.program_id(0) // 2, tl.program_id(1), tl.program_id(2), seqs, cu_chunks, K, V, BK, BV,
@@ -246,6 +256,10 @@ def gdn_levels_chain_kernel(
     n0, n_ch, NL, i_lo, i_hi, live = block_span(pos, i_n, eos, bos, jb, S, C, NLC)
     p_hs = hs + ((i_n * H + i_h) * S * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of chunk 0, level 0
     p_dhs = dhs + ((i_n * H + i_h) * S * NLC).to(tl.int64) * K * V + state_tile
+    chunk_tile = tl.arange(0, C)[:, None] * V + o_v[None, :]  # [C, BV] offsets inside one [C, V] tile of xs, dxs
+    m_c = m_v[None, :] & (tl.arange(0, C) < C)[:, None]
+    p_xs = xs + ((i_n * H + i_h) * S * NLC).to(tl.int64) * C * V + chunk_tile  # [C, BV] of chunk 0, level 0
+    p_dxs = dxs + ((i_n * H + i_h) * S * NLC).to(tl.int64) * C * V + chunk_tile
     if live & (part == 0):
         p_fwd = fstate + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
         p_ck = ck + ((tl.load(cu_blocks + i_n) * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # of block 0
@@ -263,10 +277,13 @@ def gdn_levels_chain_kernel(
                     m_h = m_s & (o_k[:, None] * 0 + phase != 0)
                     b_h = tl.load(p_fwd + ell * K * V, mask=m_h, other=0.0)  # [BK, BV]
                 tl.store(p_hs + ((i - i_lo) * NLC + ell).to(tl.int64) * K * V, b_h, mask=m_s)
-                if (i + 1 < i_hi) & (phase != (2 << ell) - 1):  # else the next chunk's state is zero or not needed here
+                if (phase != (2 << ell) - 1) | (i == n_ch - 1):  # dh' not zero: the gradients read x
                     read = ((a >> ell) & 1) == 1
                     first = (phase == 0) & (i > 0)
-                    tl.store(p_fwd + ell * K * V, level_carry(b_h, b_w_hi, b_w_lo, b_k, b_u, b_wk, b_last, read, first, bad, F32, FP32_DOT), mask=m_s)
+                    b_x = level_x(b_h, b_w_hi, b_w_lo, b_u, read, first, F32, FP32_DOT)  # [C, BV]
+                    tl.store(p_xs + ((i - i_lo) * NLC + ell).to(tl.int64) * C * V, b_x, mask=m_c)
+                    if (i + 1 < i_hi) & (phase != (2 << ell) - 1):  # else the next chunk's state is zero or not needed here
+                        tl.store(p_fwd + ell * K * V, level_carry(b_h, b_x, b_k, b_wk, b_last, bad, F32), mask=m_s)
     if live & (part == 1):
         p_level = dstate + ((i_n * H + i_h) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
         for j in range(0, i_hi - i_lo):
@@ -287,8 +304,9 @@ def gdn_levels_chain_kernel(
                 if (phase != (2 << ell) - 1) | (i == n_ch - 1):
                     b_dh = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV]: dh' of the leaving state
                     tl.store(p_dhs + ((i - i_lo) * NLC + ell).to(tl.int64) * K * V, b_dh, mask=m_s)
+                    b_dx = mma_right_fp32(b_k, b_dh, F32) * b_wk[:, None]  # [C, BK] @ [BK, BV]: K̃ dh'
+                    tl.store(p_dxs + ((i - i_lo) * NLC + ell).to(tl.int64) * C * V, b_dx, mask=m_c)
                     if (phase != 0) | (i == 0):  # else h entered as zero, and nothing flows further back
-                        b_dx = mma_right_fp32(b_k, b_dh, F32) * b_wk[:, None]  # [C, BK] @ [BK, BV]: K̃ dh'
                         b_dn = b_dh * b_e - mma_halves(tl.trans(b_w_hi), tl.trans(b_w_lo), b_dx, F32, FP32_DOT)  # [BK, C] @ [C, BV]
                 if ((a >> ell) & 1) == 1:  # second half: read
                     b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
@@ -299,14 +317,14 @@ def gdn_levels_chain_kernel(
 
 @triton.jit
 def gdn_levels_grads_kernel(
-    k, g, w, u_bar, qt, lam, do, hs, dhs, dqt, dw, dkt, du, dlast, dlam,
+    k, g, qt, lam, do, hs, xs, dhs, dxs, dqt, dw, dkt, du, dlast, dlam,
     seqs, chunks, cu_chunks, pos, jb, N_tok, NC, H, K, V, L, NLC, S,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     """grid: (S * cdiv(V, BV), N, H), the block's chunk fastest. Round jb's gradients of one chunk of the block
-    `gdn_levels_chain_kernel` walked, from its entering level states h (`hs`) and their leaving gradients dh'
-    (`dhs`), every level in turn (dx = K̃ dh', x = [write] Ū - W h):
+    `gdn_levels_chain_kernel` walked, from its entering level states h (`hs`), what each level wrote, x (`xs`),
+    the leaving states' gradients dh' (`dhs`) and dx = K̃ dh' (`dxs`), every level in turn:
 
         dŪ += [write] dx        dW -= dx h^T        dK̃ += x dh'^T        dlast += exp(gc_last) <h, dh'>
         read: P = dO h^T,   dq̃ += diag(lam) P,   dlam[t, c + 1 + ell] = <q̃_t, P_t>  (= <dO_t, (q̃ h)_t>)
@@ -324,14 +342,21 @@ def gdn_levels_grads_kernel(
     if live & (i < i_hi):
         a = n0 + i
         row = c0 + i
-        t, m_t, row_v, m_tv, b_w_hi, b_w_lo, _, b_k, b_u, b_wk, b_last = level_chunk(
-            chunks, row, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
-        )
+        t = tl.load(chunks + row * 4) + tl.arange(0, C)
+        m_t = t < tl.load(chunks + row * 4 + 1)
+        _, _, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # the chunk's total log2-decay
+        row_v = ((t * H + i_h).to(tl.int64))[:, None] * V + o_v[None, :]  # [C, BV] (int64)
+        m_tv = m_t[:, None] & m_v[None, :]
         row_k = ((t * H + i_h).to(tl.int64))[:, None] * K + o_k[None, :]  # [C, BK] (int64)
         m_tk = m_t[:, None] & m_k[None, :]
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV] in do's dtype (mma_mixed: as it is or split)
-        p_hs = hs + (((i_n * H + i_h) * S + i_b) * NLC).to(tl.int64) * K * V + state_tile  # [BK, BV] of level 0
-        p_dhs = dhs + (((i_n * H + i_h) * S + i_b) * NLC).to(tl.int64) * K * V + state_tile
+        chunk_tile = tl.arange(0, C)[:, None] * V + o_v[None, :]  # [C, BV] inside one [C, V] tile of xs, dxs
+        m_c = m_v[None, :] & (tl.arange(0, C) < C)[:, None]
+        base = ((i_n * H + i_h) * S + i_b) * NLC  # chunk i_b, level 0 of the round's scratches
+        p_hs = hs + base.to(tl.int64) * K * V + state_tile  # [BK, BV]
+        p_dhs = dhs + base.to(tl.int64) * K * V + state_tile
+        p_xs = xs + base.to(tl.int64) * C * V + chunk_tile  # [C, BV]
+        p_dxs = dxs + base.to(tl.int64) * C * V + chunk_tile
         b_dqt = tl.zeros([C, BK], dtype=tl.float32)
         b_dw = tl.zeros([C, BK], dtype=tl.float32)
         b_dkt = tl.zeros([C, BK], dtype=tl.float32)
@@ -345,22 +370,18 @@ def gdn_levels_grads_kernel(
             b_h = tl.load(p_hs + ell * K * V, mask=m_h, other=0.0)  # [BK, BV]: the entering state
             if (phase != (2 << ell) - 1) | (i == n_ch - 1):  # else dh' is zero
                 b_dh = tl.load(p_dhs + ell * K * V, mask=m_s, other=0.0)  # [BK, BV]: dh' of the leaving state
-                b_dx = mma_right_fp32(b_k, b_dh, F32) * b_wk[:, None]  # [C, BK] @ [BK, BV]: K̃ dh'
-                if first:
-                    b_x = b_u
-                else:
-                    b_x = -mma_halves(b_w_hi, b_w_lo, b_h, F32, FP32_DOT)  # [C, BK] @ [BK, BV]: -W h
-                    b_dw -= mma_fp32(b_dx, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
+                b_dx = tl.load(p_dxs + ell * C * V, mask=m_c, other=0.0)  # [C, BV]: K̃ dh'
+                b_x = tl.load(p_xs + ell * C * V, mask=m_c, other=0.0)  # [C, BV]: what the level wrote
+                if not first:
+                    b_dw -= mma_fp32(b_dx, tl.trans(b_h), k.dtype.element_ty, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
                     b_dl += tl.sum(tl.sum(b_h * b_dh, axis=1), axis=0)
-                    if write:
-                        b_x += b_u
                 if write:
                     b_du += b_dx
-                b_dkt += mma_fp32(b_x, tl.trans(b_dh), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
+                b_dkt += mma_fp32(b_x, tl.trans(b_dh), k.dtype.element_ty, F32, FP32_DOT)  # [C, BV] @ [BV, BK]
             if ((a >> ell) & 1) == 1:  # second half: read
                 b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
                 b_qt = tl.load(qt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
-                b_p = mma_mixed(b_do, tl.trans(b_h), b_k.dtype, F32, FP32_DOT)  # [C, BV] @ [BV, BK]: dO h^T
+                b_p = mma_mixed(b_do, tl.trans(b_h), k.dtype.element_ty, F32, FP32_DOT)  # [C, BV] @ [BV, BK]: dO h^T
                 b_dqt += b_p * b_lam[:, None]
                 tl.store(dlam + ((i_v * N_tok + t).to(tl.int64) * H + i_h) * L + (LOG_C + 1 + ell), tl.sum(b_qt * b_p, axis=1), mask=m_t)  # <dO, q̃ h>
         if ATOMIC:  # every value tile adds into one buffer
@@ -677,6 +698,7 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     S, cu_blocks, _, rounds = checkpoint_plan(seq_lens, C, k.device)
     fstate = torch.empty(N, H, NLC, K, V, dtype=torch.float32, device=k.device)
     hs, dhs = (torch.empty(N, H, S, NLC, K, V, dtype=torch.float32, device=k.device) for _ in range(2))
+    xs, dxs = (torch.empty(N, H, S, NLC, C, V, dtype=torch.float32, device=k.device) for _ in range(2))
     atomic = n_vg > 1 and not torch.are_deterministic_algorithms_enabled()
     parts = 1 if atomic else n_vg
     dqt, dw, dkt = ((torch.zeros if atomic else torch.empty)(parts, N_tok, H, K, dtype=torch.float32, device=k.device) for _ in range(3))
@@ -687,16 +709,16 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     F32, FP32_DOT = dot_f32(k.dtype), fp32_dot_mode(config, "delta_fp32_dot")
     for jb in range(rounds):
         gdn_levels_chain_kernel[(2 * n_v, N, H)](
-            k, g, fwd.w, fwd.u_bar, fwd.qt, lam, fwd.firsts, do, fwd.ck, cu_blocks, fstate, hs, dhs, dstate,
+            k, g, fwd.w, fwd.u_bar, fwd.qt, lam, fwd.firsts, do, fwd.ck, cu_blocks, fstate, hs, xs, dhs, dxs, dstate,
             seqs, chunks[0], chunks[1], position, jb, H, K, V, L, NLC, S,
             C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT,
             num_warps=config.gdn_num_warps, num_stages=config.num_stages,
         )
         gdn_levels_grads_kernel[(S * n_vg, N, H)](
-            k, g, fwd.w, fwd.u_bar, fwd.qt, lam, do, hs, dhs, dqt, dw, dkt, du, dlast, dlam,
+            k, g, fwd.qt, lam, do, hs, xs, dhs, dxs, dqt, dw, dkt, du, dlast, dlam,
             seqs, chunks[0], chunks[1], position, jb, N_tok, NC, H, K, V, L, NLC, S,
             C=C, LOG_C=LOG_C, BK=BK, BV=BVG, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT, ATOMIC=atomic,
             num_warps=config.gdn_grads_warps, num_stages=config.num_stages,
         )
-    del fstate, hs, dhs
+    del fstate, hs, xs, dhs, dxs
     return (*(x[0] if atomic else x.sum(0) for x in (dqt, dw, dkt)), du, dlast.sum(0), dlam.sum(0), dstate)
