@@ -56,7 +56,7 @@ def ptxas() -> Path:
 
 def resources(fn, constexprs: dict, warps: int, stages: int, pointers: dict | None = None) -> str:
     names = fn.arg_names
-    scalars = {"scale": "fp32", "H": "i32", "K": "i32", "V": "i32", "N_tok": "i32", "DA": "i32", "DC": "i32", "L": "i32", "NLC": "i32", "NC": "i32", "S": "i32", "E": "i32", "P": "i32", "NE": "i32", "scale2": "fp32", "jb": "i32"}
+    scalars = {"scale": "fp32", "H": "i32", "K": "i32", "V": "i32", "N_tok": "i32", "DA": "i32", "DC": "i32", "L": "i32", "NLC": "i32", "NC": "i32", "S": "i32", "E": "i32", "P": "i32", "NE": "i32", "scale2": "fp32", "jb": "i32", "n_v": "i32"}
     pointers = POINTERS | (pointers or {})
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, scalars.get(n, "*fp32")) for n in names}
     consts = {(names.index(n),): v for n, v in constexprs.items()}
