@@ -8,8 +8,8 @@ counts each kernel's `[C, K] x [K, V]`-sized tensor-core passes per chunk and le
 gdn.py` forms them (an fp32 x fp32 product split in bf16 halves is three passes, an fp32 x bf16 one two, a
 bf16 one one; a level skips `W h` at its block's first chunk, where h is zero, and its carry after the block's
 last, unless the sequence ends there) and prints the TFLOP of each kernel; with `--profile` (a JSON of
-`benchmarks/profile_kernels.py --by-launch`) also the kernel's time and TFLOP/s. The backward's recompute of
-each round's last chunk carry is counted though the chain skips it (1/S of its recompute).
+`benchmarks/profile_kernels.py --by-launch`) also the kernel's time and TFLOP/s. The chain's carry out of each
+round's last chunk is counted though the chain skips it (1/S of its recompute).
 """
 import argparse
 import json
@@ -28,11 +28,13 @@ def passes(n_chunks: int) -> Counter:
             phase = a % (2 << ell)
             first, read = phase == 0 and a > 0, (a >> ell) & 1 == 1
             live = phase != (2 << ell) - 1 or a == n_chunks - 1  # the state leaving the chunk is used: dh' not zero
-            carry = (0 if first else WH) + CARRY if live else 0
-            out["gdn_levels_kernel (forward)"] += carry + (READ_FWD if read else 0)
-            out["gdn_levels_kernel (rerun)"] += carry
-            out["gdn_levels_chain_kernel"] += carry + (DX + WT_DX if live and not first else 0) + (READ_BWD if read else 0)
-            out["gdn_levels_grads_kernel"] += (DX + (0 if first else WH + DW) + DKT if live else 0) + (P if read else 0)
+            x = 0 if first else WH  # x = [write] Ū - W h
+            carried = phase != (2 << ell) - 1 and a < n_chunks - 1  # a later chunk of the walk reads the state
+            out["gdn_levels_kernel (forward)"] += (x + CARRY if live else 0) + (READ_FWD if read else 0)
+            out["gdn_levels_kernel (rerun)"] += x + CARRY if live else 0
+            out["gdn_levels_chain_kernel"] += ((x + (CARRY if carried else 0) + DX + (0 if first else WT_DX) if live else 0)
+                                               + (READ_BWD if read else 0))
+            out["gdn_levels_grads_kernel"] += ((0 if first else DW) + DKT if live else 0) + (P if read else 0)
     return out
 
 

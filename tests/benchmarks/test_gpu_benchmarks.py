@@ -188,18 +188,19 @@ def test_kernel_plot_of_one_mode_warns_of_nothing(tmp_path):
 
 def test_gdn_products_follow_the_level_skip_rules(tmp_path, capsys):
     """`gdn_products.passes` at two chunks (one level): chunk 0 writes and carries (`W h` and the carry, five
-    passes), chunk 1 reads and, the sequence's last, carries too; the backward's chain adds `K̃ dh'` and `W^T dx`
-    at both and the read's term at chunk 1, the gradients recompute `dx`, `W h` and form dW, dK̃ (+ dO h^T at the
-    read). With a profile, the rate is the count over the kernel's time."""
+    passes), chunk 1 reads and, the sequence's last, carries too; the backward's chain forms x (`W h`) at both,
+    carries out of chunk 0 only (chunk 1's state leaves the walk), and adds `K̃ dh'` and `W^T dx` at both and the
+    read's term at chunk 1; the gradients form dW, dK̃ (+ dO h^T at the read). With a profile, the rate is the
+    count over the kernel's time."""
     products = load("gdn_products")
     got = products.passes(2)
-    assert got == {"gdn_levels_kernel (forward)": 13, "gdn_levels_kernel (rerun)": 10, "gdn_levels_chain_kernel": 22,
-                   "gdn_levels_grads_kernel": 24}
+    assert got == {"gdn_levels_kernel (forward)": 13, "gdn_levels_kernel (rerun)": 10, "gdn_levels_chain_kernel": 20,
+                   "gdn_levels_grads_kernel": 14}
     assert products.passes(4)["gdn_levels_kernel (rerun)"] < 4 * 10  # level 1's block skips W h at its first chunk
     profile = tmp_path / "p.json"
     profile.write_text(json.dumps({"row": {"00 gdn_levels_grads_kernel": 1.0, "01 gdn_levels_grads_kernel": 1.0,
                                            "02 gdn_levels_kernel": 2.0, "03 wy_kernel": 0.5}}))
     products.main(["--T", "128", "--profile", str(profile)])
     out = capsys.readouterr().out
-    tflop = 24 * 2 * 64 * 128 * 128 * 16 * (65536 // 128) / 1e12
+    tflop = 14 * 2 * 64 * 128 * 128 * 16 * (65536 // 128) / 1e12
     assert f"{tflop:6.2f} TFLOP, 2.00 ms, {tflop / 2 * 1e3:.0f} TFLOP/s" in out
