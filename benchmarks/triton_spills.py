@@ -127,7 +127,9 @@ def loglinear_gdn() -> None:
     for BV in (16, 32, 64):
         for warps in (4, 8):
             print(f"log-linear GDN levels BV{BV} warps{warps}: {resources(gdn_levels_kernel, dict(gdn, BV=BV, STORE_CK=False), warps, 2)}")
-            print(f"log-linear GDN levels chain BV{BV} warps{warps}: {resources(gdn_levels_chain_kernel, dict(gdn, BV=BV), warps, 2)}")
+            for part in (0, 1):
+                print(f"log-linear GDN levels chain part {part} BV{BV} warps{warps}: "
+                      f"{resources(gdn_levels_chain_kernel, dict(gdn, BV=BV, PART=part), warps, 2)}")
             print(f"log-linear GDN levels grads BV{BV} warps{warps}: {resources(gdn_levels_grads_kernel, dict(gdn, BV=BV, ATOMIC=True), warps, 2)}")
             print(f"log-linear GDN chunk  BV{BV} warps{warps}: {resources(gdn_chunk_kernel, dict(gdn, BV=BV, STORE_O=True), warps, 2)}")
             print(f"log-linear GDN chunk value grads BV{BV} warps{warps}: {resources(gdn_chunk_value_grads_kernel, dict(gdn, BK=64, BV=BV), warps, 2)}")

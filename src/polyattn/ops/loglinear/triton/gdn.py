@@ -232,13 +232,13 @@ def gdn_levels_chain_kernel(
     k, g, w, u_bar, qt, lam, firsts, do, ck, cu_blocks, hs, xs, dhs, dxs, dstate,
     seqs, chunks, cu_chunks, pos, jb, n_v, H, K, V, L, NLC, S,
     C: tl.constexpr, LOG_C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
+    USE_G: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr, PART: tl.constexpr,
 ):
-    """grid: (2 * n_v * NLC, N, H), the part fastest, then the value tile (n_v of them), then the chunk-level ell.
-    Round jb of `gdn_levels_kernel`'s walk in reverse for one level: each sequence's jb-th block of S chunks from
-    its end (a sequence with fewer blocks, or fewer levels, does nothing). The levels are independent delta rules
-    and the two parts share no data, so each is a program of its own, its state or gradient in registers from
-    chunk to chunk. Part 0: the level's states entering each of the block's chunks, recomputed from the block's
+    """grid: (n_v * NLC, N, H), the value tile fastest (n_v of them), then the chunk-level ell. Round jb of
+    `gdn_levels_kernel`'s walk in reverse for one level: each sequence's jb-th block of S chunks from its end (a
+    sequence with fewer blocks, or fewer levels, does nothing). The levels are independent delta rules and the
+    two parts share no data, so each is a program of its own (a launch per PART), its state or gradient in
+    registers from chunk to chunk. Part 0: the level's states entering each of the block's chunks, recomputed from the block's
     checkpoint (`ck`, stored by `gdn_levels_kernel`) and stored to `hs [N, H, S, NLC, K, V]`, with what the level
     writes, `x` (`level_x`), stored to `xs [N, H, S, NLC, C, V]` wherever its gradient dh' is not zero. Part 1:
     the block's chunks last to first, the chain of the adjoint alone, which needs no state (dx = K̃ dh'):
@@ -251,9 +251,8 @@ def gdn_levels_chain_kernel(
     forms the round's gradients from the four, every chunk in parallel. At a block's first chunk h is zero and
     nothing flows back; after its last dh' is zero unless the sequence ends there (then neither x nor dx is
     stored: the gradients do not read them)."""
-    part = tl.program_id(0) % 2
-    i_v = (tl.program_id(0) // 2) % n_v
-    ell = tl.program_id(0) // (2 * n_v)
+    i_v = tl.program_id(0) % n_v
+    ell = tl.program_id(0) // n_v
     i_n, i_h, bos, eos, c0, o_k, m_k, o_v, m_v, m_s, state_tile = sequence_tile_of(
         i_v, tl.program_id(1), tl.program_id(2), seqs, cu_chunks, K, V, BK, BV,
     )
@@ -266,53 +265,55 @@ def gdn_levels_chain_kernel(
     p_xs = xs + level * C * V + chunk_tile  # [C, BV]
     p_dxs = dxs + level * C * V + chunk_tile
     last = (2 << ell) - 1  # a chunk's phase at its level's block's last
-    if live & (ell < NL) & (part == 0):
-        p_ck = ck + ((tl.load(cu_blocks + i_n) + i_lo // S) * H * NLC + i_h * NLC + ell).to(tl.int64) * K * V + state_tile
-        b_h = tl.load(p_ck, mask=m_s, other=0.0)  # [BK, BV]: the state entering the block's first chunk
-        for i in range(i_lo, i_hi):  # the block's entering states, as gdn_levels_kernel formed them
-            a = n0 + i
-            _, _, _, _, b_w_hi, b_w_lo, _, b_k, b_u, b_wk, b_last = level_chunk(
-                chunks, c0 + i, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
-            )
-            phase = a % (2 << ell)
-            if (phase == 0) & (i > i_lo):  # a level's block starts: its state is zero
-                b_h = tl.zeros([BK, BV], dtype=tl.float32)
-            tl.store(p_hs + ((i - i_lo) * NLC).to(tl.int64) * K * V, b_h, mask=m_s)
-            if (phase != last) | (i == n_ch - 1):  # dh' not zero: the gradients read x
-                read = ((a >> ell) & 1) == 1
-                first = (phase == 0) & (i > 0)
-                b_x = level_x(b_h, b_w_hi, b_w_lo, b_u, read, first, F32, FP32_DOT)  # [C, BV]
-                tl.store(p_xs + ((i - i_lo) * NLC).to(tl.int64) * C * V, b_x, mask=m_c)
-                if (i + 1 < i_hi) & (phase != last):  # else the next chunk's state is zero or not needed here
-                    bad = tl.load(firsts + (c0 + i) * H + i_h) < C
-                    b_h = level_carry(b_h, b_x, b_k, b_wk, b_last, bad, F32)
-    if live & (ell < NL) & (part == 1):
-        p_s = dstate + ((i_n * H + i_h) * NLC + ell).to(tl.int64) * K * V + state_tile  # [BK, BV]
-        b_dh = tl.load(p_s, mask=m_s, other=0.0)  # dh' of the state leaving the block
-        for j in range(0, i_hi - i_lo):
-            i = i_hi - 1 - j
-            a = n0 + i
-            t, m_t, row_v, m_tv, b_w_hi, b_w_lo, _, b_k, _, b_wk, b_last = level_chunk(
-                chunks, c0 + i, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
-            )
-            phase = a % (2 << ell)
-            b_dn = tl.zeros([BK, BV], dtype=tl.float32)
-            # dh' is zero after a block's last chunk (the next chunk starts the next block), unless the sequence ends there
-            if (phase != last) | (i == n_ch - 1):
-                tl.store(p_dhs + ((i - i_lo) * NLC).to(tl.int64) * K * V, b_dh, mask=m_s)
-                b_dx = mma_right_fp32(b_k, b_dh, F32) * b_wk[:, None]  # [C, BK] @ [BK, BV]: K̃ dh'
-                tl.store(p_dxs + ((i - i_lo) * NLC).to(tl.int64) * C * V, b_dx, mask=m_c)
-                if (phase != 0) | (i == 0):  # else h entered as zero, and nothing flows further back
-                    b_dn = b_dh * tl.exp2(b_last) - mma_halves(tl.trans(b_w_hi), tl.trans(b_w_lo), b_dx, F32, FP32_DOT)  # [BK, C] @ [C, BV]
-            if ((a >> ell) & 1) == 1:  # second half: read
-                row_k = ((t * H + i_h).to(tl.int64))[:, None] * K + o_k[None, :]  # [C, BK] (int64)
-                m_tk = m_t[:, None] & m_k[None, :]
-                b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV] in do's dtype (mma_mixed: as it is or split)
-                b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
-                b_qt = tl.load(qt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
-                b_dn += mma_mixed(tl.trans(b_qt * b_lam[:, None]), b_do, b_k.dtype, F32, FP32_DOT)  # [BK, C] @ [C, BV]: q̃^T diag(lam) dO
-            b_dh = b_dn  # zero into the chunk before a block's first
-        tl.store(p_s, b_dh, mask=m_s)
+    if PART == 0:
+        if live & (ell < NL):
+            p_ck = ck + ((tl.load(cu_blocks + i_n) + i_lo // S) * H * NLC + i_h * NLC + ell).to(tl.int64) * K * V + state_tile
+            b_h = tl.load(p_ck, mask=m_s, other=0.0)  # [BK, BV]: the state entering the block's first chunk
+            for i in range(i_lo, i_hi):  # the block's entering states, as gdn_levels_kernel formed them
+                a = n0 + i
+                _, _, _, _, b_w_hi, b_w_lo, _, b_k, b_u, b_wk, b_last = level_chunk(
+                    chunks, c0 + i, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
+                )
+                phase = a % (2 << ell)
+                if (phase == 0) & (i > i_lo):  # a level's block starts: its state is zero
+                    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+                tl.store(p_hs + ((i - i_lo) * NLC).to(tl.int64) * K * V, b_h, mask=m_s)
+                if (phase != last) | (i == n_ch - 1):  # dh' not zero: the gradients read x
+                    read = ((a >> ell) & 1) == 1
+                    first = (phase == 0) & (i > 0)
+                    b_x = level_x(b_h, b_w_hi, b_w_lo, b_u, read, first, F32, FP32_DOT)  # [C, BV]
+                    tl.store(p_xs + ((i - i_lo) * NLC).to(tl.int64) * C * V, b_x, mask=m_c)
+                    if (i + 1 < i_hi) & (phase != last):  # else the next chunk's state is zero or not needed here
+                        bad = tl.load(firsts + (c0 + i) * H + i_h) < C
+                        b_h = level_carry(b_h, b_x, b_k, b_wk, b_last, bad, F32)
+    else:
+        if live & (ell < NL):
+            p_s = dstate + ((i_n * H + i_h) * NLC + ell).to(tl.int64) * K * V + state_tile  # [BK, BV]
+            b_dh = tl.load(p_s, mask=m_s, other=0.0)  # dh' of the state leaving the block
+            for j in range(0, i_hi - i_lo):
+                i = i_hi - 1 - j
+                a = n0 + i
+                t, m_t, row_v, m_tv, b_w_hi, b_w_lo, _, b_k, _, b_wk, b_last = level_chunk(
+                    chunks, c0 + i, k, g, w, u_bar, qt, o_k, m_k, o_v, m_v, H, i_h, K, V, C, USE_G, F32,
+                )
+                phase = a % (2 << ell)
+                b_dn = tl.zeros([BK, BV], dtype=tl.float32)
+                # dh' is zero after a block's last chunk (the next chunk starts the next block), unless the sequence ends there
+                if (phase != last) | (i == n_ch - 1):
+                    tl.store(p_dhs + ((i - i_lo) * NLC).to(tl.int64) * K * V, b_dh, mask=m_s)
+                    b_dx = mma_right_fp32(b_k, b_dh, F32) * b_wk[:, None]  # [C, BK] @ [BK, BV]: K̃ dh'
+                    tl.store(p_dxs + ((i - i_lo) * NLC).to(tl.int64) * C * V, b_dx, mask=m_c)
+                    if (phase != 0) | (i == 0):  # else h entered as zero, and nothing flows further back
+                        b_dn = b_dh * tl.exp2(b_last) - mma_halves(tl.trans(b_w_hi), tl.trans(b_w_lo), b_dx, F32, FP32_DOT)  # [BK, C] @ [C, BV]
+                if ((a >> ell) & 1) == 1:  # second half: read
+                    row_k = ((t * H + i_h).to(tl.int64))[:, None] * K + o_k[None, :]  # [C, BK] (int64)
+                    m_tk = m_t[:, None] & m_k[None, :]
+                    b_do = tl.load(do + row_v, mask=m_tv, other=0.0)  # [C, BV] in do's dtype (mma_mixed: as it is or split)
+                    b_lam = tl.load(lam + (t * H + i_h) * L + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
+                    b_qt = tl.load(qt + row_k, mask=m_tk, other=0.0)  # [C, BK] fp32
+                    b_dn += mma_mixed(tl.trans(b_qt * b_lam[:, None]), b_do, b_k.dtype, F32, FP32_DOT)  # [BK, C] @ [C, BV]: q̃^T diag(lam) dO
+                b_dh = b_dn  # zero into the chunk before a block's first
+            tl.store(p_s, b_dh, mask=m_s)
 
 
 @triton.jit
@@ -711,12 +712,13 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     do = do.contiguous()
     F32, FP32_DOT = dot_f32(k.dtype), fp32_dot_mode(config, "delta_fp32_dot")
     for jb in range(rounds):
-        gdn_levels_chain_kernel[(2 * n_v * NLC, N, H)](
-            k, g, fwd.w, fwd.u_bar, fwd.qt, lam, fwd.firsts, do, fwd.ck, cu_blocks, hs, xs, dhs, dxs, dstate,
-            seqs, chunks[0], chunks[1], position, jb, n_v, H, K, V, L, NLC, S,
-            C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT,
-            num_warps=config.gdn_num_warps, num_stages=config.num_stages,
-        )
+        for part in (0, 1):
+            gdn_levels_chain_kernel[(n_v * NLC, N, H)](
+                k, g, fwd.w, fwd.u_bar, fwd.qt, lam, fwd.firsts, do, fwd.ck, cu_blocks, hs, xs, dhs, dxs, dstate,
+                seqs, chunks[0], chunks[1], position, jb, n_v, H, K, V, L, NLC, S,
+                C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT, PART=part,
+                num_warps=config.gdn_num_warps, num_stages=config.num_stages,
+            )
         gdn_levels_grads_kernel[(S * n_vg, N, H)](
             k, g, fwd.qt, lam, do, hs, xs, dhs, dxs, dqt, dw, dkt, du, dlast, dlam,
             seqs, chunks[0], chunks[1], position, jb, N_tok, NC, H, K, V, L, NLC, S,
