@@ -694,10 +694,10 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
     V, L = do.shape[-1], lam.shape[-1]
     config, C, LOG_C, N, NLC, chunks, seqs = _walk_plan(seq_lens, position, L, fwd.chunks)
     BK, BVG = block(K), value_tile(config, V, "gdn_grads_block_v")
-    # the chain's value tile: at least 64 wide beside a 64-wide key tile, where Triton 3.6 compiled its W^T dx
-    # ([64, 64] @ [64, 32]) to an out-of-range shared-memory access on the H100 (compute-sanitizer; heads of 16
-    # and 32 padded to 64, test_gdn_triton_model_heads)
-    BV = value_tile(config, V) if BK > 64 else max(value_tile(config, V), min(block(V), 64))
+    # the chain's value tile: at least 64 wide, where Triton 3.6 compiled its W^T dx ([64, 64] @ [64, 32]) to an
+    # out-of-range shared-memory access on the H100 (compute-sanitizer; heads of 16 and 32 padded to 64,
+    # test_gdn_triton_model_heads); at K = 128 and 32-wide tiles the same tree faulted at the standard shape (call 29)
+    BV = max(value_tile(config, V), min(block(V), 64))
     n_v, n_vg, NC = triton.cdiv(V, BV), triton.cdiv(V, BVG), chunks[2]
     dstate = torch.zeros(N, H, NLC, K, V, dtype=torch.float32, device=k.device) if dR is None else dR.float().contiguous().clone()
     S, cu_blocks, _, rounds = checkpoint_plan(seq_lens, C, k.device)
