@@ -717,7 +717,7 @@ def gdn_levels_backward(k, g, lam, fwd: GdnForward, do, dR, seq_lens: tuple, pos
                 k, g, fwd.w, fwd.u_bar, fwd.qt, lam, fwd.firsts, do, fwd.ck, cu_blocks, hs, xs, dhs, dxs, dstate,
                 seqs, chunks[0], chunks[1], position, jb, n_v, H, K, V, L, NLC, S,
                 C=C, LOG_C=LOG_C, BK=BK, BV=BV, USE_G=g is not None, F32=F32, FP32_DOT=FP32_DOT, PART=part,
-                num_warps=config.gdn_num_warps, num_stages=config.num_stages,
+                num_warps=config.gdn_chain_warps, num_stages=config.num_stages,
             )
         gdn_levels_grads_kernel[(S * n_vg, N, H)](
             k, g, fwd.qt, lam, do, hs, xs, dhs, dxs, dqt, dw, dkt, du, dlast, dlam,
