@@ -221,6 +221,17 @@ def state_tile(i_c, DA, DC, BA: tl.constexpr, BC: tl.constexpr):
     return o_a, o_c, m_a, m_c, m_a[:, None] & m_c[None, :]
 
 
+@triton.jit
+def chunk_tokens(bos, eos, i, n_chunks, C: tl.constexpr, REVERSE: tl.constexpr):
+    """The token rows `t [C]` of the i-th chunk that a walk over the tokens `[bos, eos)` visits (the last chunk
+    first when REVERSE) and their mask `t < eos`."""
+    if REVERSE:
+        t = bos + (n_chunks - 1 - i) * C + tl.arange(0, C)
+    else:
+        t = bos + i * C + tl.arange(0, C)
+    return t, t < eos
+
+
 def block(d: int) -> int:
     """A power-of-two tile of at least 16 covering `d`."""
     return max(16, triton.next_power_of_2(d))

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays, select_scores
-from polyattn.ops.triton.plan import state_tile
+from polyattn.ops.triton.plan import chunk_tokens, state_tile
 from polyattn.ops.triton.precision import (
     first_nonfinite_row, mma, mma_left_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
 )
@@ -56,7 +56,6 @@ def segment_outputs(
     """The loop of `chunk_outputs_kernel` over one segment's chunks for one DC tile: writes the
     outputs (and rowdot) and returns the state that leaves the segment ([BA, BC] fp32)."""
     o_a, o_c, m_a, m_c, m_s = state_tile(i_c, DA, DC, BA, BC)
-    o_t = tl.arange(0, C)
     if SPLIT:
         p_s = s_in + ((i_s * H + i_h) * DA + o_a[:, None]).to(tl.int64) * DC + o_c[None, :]
         b_s = tl.load(p_s, mask=m_s, other=0.0)
@@ -67,11 +66,7 @@ def segment_outputs(
         b_s = tl.zeros([BA, BC], dtype=tl.float32)
     n_chunks = tl.cdiv(eos - bos, C)
     for i in range(0, n_chunks):
-        if REVERSE:
-            t = bos + (n_chunks - 1 - i) * C + o_t
-        else:
-            t = bos + i * C + o_t
-        m_t = t < eos
+        t, m_t = chunk_tokens(bos, eos, i, n_chunks, C, REVERSE)  # [C]
         row_a = (t * H + i_h)[:, None] * DA + o_a[None, :]  # [C, BA]
         row_c = (t * H + i_h)[:, None] * DC + o_c[None, :]  # [C, BC]
         m_ta = m_t[:, None] & m_a[None, :]

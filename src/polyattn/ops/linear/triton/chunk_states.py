@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from polyattn.ops.triton.decay import chunk_decay, chunk_side_decays
+from polyattn.ops.triton.plan import chunk_tokens
 from polyattn.ops.triton.precision import UPDATE_DOTS, fp32_dot_mode, mma_acc, mma_right_acc
 
 
@@ -76,16 +77,11 @@ def segment_states_kernel(
     o_c = i_c * BC + tl.arange(0, BC)
     m_a = o_a < DA
     m_c = o_c < DC
-    o_t = tl.arange(0, C)
     b_s = tl.zeros([BA, BC], dtype=tl.float32)
     b_total = tl.sum(tl.zeros([C], dtype=tl.float32), axis=0)
     n_chunks = tl.cdiv(eos - bos, C)
     for i in range(0, n_chunks):
-        if REVERSE:
-            t = bos + (n_chunks - 1 - i) * C + o_t
-        else:
-            t = bos + i * C + o_t
-        m_t = t < eos
+        t, m_t = chunk_tokens(bos, eos, i, n_chunks, C, REVERSE)  # [C]
         b_b = tl.load(b + (t * H + i_h)[:, None] * DA + o_a[None, :], mask=m_t[:, None] & m_a[None, :], other=0.0)  # [C, BA]
         b_v = tl.load(c + (t * H + i_h)[:, None] * DC + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)  # [C, BC]
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
