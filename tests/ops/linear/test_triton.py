@@ -94,6 +94,19 @@ def test_triton_segment_split(dtype, layout):
         )
 
 
+@pytest.mark.parametrize("field", ["k", "v"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_low_precision_nonfinite_input_stays_causal(dtype, field, p=100):
+    """bf16 and fp16 inputs: a NaN at token p (head 0) leaves every earlier output bit-identical and reaches the
+    outputs from p on; the guarded rerun finds the row in the input dtype (`precision.first_nonfinite_row`)."""
+    x = {n: t.to(dtype) for n, t in _inputs(1, 150, decay=True, seed=13).items()}
+    o_clean, _ = linear_attn_triton(*x.values(), scale=0.1)
+    x[field][:, p, 0] = float("nan")
+    o, _ = linear_attn_triton(*x.values(), scale=0.1)
+    assert torch.equal(o[:, :p], o_clean[:, :p]), f"{field}=nan at {p} changed an earlier output"
+    assert not bool(torch.isfinite(o[:, p:, 0]).all()), f"{field}=nan at {p} never reached an output"
+
+
 def test_split_only_below_fill():
     """A pass splits its sequences only while its unsplit programs number at most `split_fill` per multiprocessor,
     and then aims at `programs_per_sm` of them."""

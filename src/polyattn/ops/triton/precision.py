@@ -176,7 +176,8 @@ def split_halves(x, dtype: tl.constexpr, F32: tl.constexpr):
 def first_nonfinite_row(x):
     """The first row index of `x [C, *]` that holds a NaN or an Inf (`x - x` is 0 exactly for finite
     values), C when there is none: the chunk's rows from it on are non-finite input."""
-    bad = tl.sum(tl.where(x - x == 0, 0, 1), axis=1) > 0  # [C]
+    xf = x.to(tl.float32)  # NaN and Inf stay so; the interpreter holds bf16 as raw bits, where x - x is 0 for them too
+    bad = tl.sum(tl.where(xf - xf == 0, 0, 1), axis=1) > 0  # [C]
     o_t = tl.arange(0, x.shape[0])
     return tl.min(tl.where(bad, o_t, x.shape[0]), axis=0)
 
