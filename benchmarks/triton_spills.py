@@ -1,13 +1,16 @@
 """Registers and spills of the Triton kernels for Hopper, compiled on a machine without a GPU.
 
-python benchmarks/triton_spills.py [linear delta gdn kata]
+python benchmarks/triton_spills.py [linear guard delta gdn kata]
 Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel`) and the delta rule's
 (`wy_kernel`, `wy_factors_kernel`, the two recurrences (the forward's with and without its outputs and stores), the per-chunk output and two gradient kernels) and log-linear
 Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_chain_kernel`, `gdn_levels_grads_kernel`, the chunk gradients' three stages) and
 KATA's chunked form's (`kata_states_kernel` both ways, `kata_read_kernel`, `kata_lift_grad_kernel` with and without
 its read, at K = V = 64 with the default tiles) and DeltaKATA's walks and state recompute (`deltakata_walk_kernel`, `deltakata_walk_grad_kernel`, `deltakata_states_kernel`) for sm_90a with the installed Triton (or the families named) and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
+`guard` (not in the default list) counts the floating-point instructions of linear attention's plain and guarded loops
+(ops/README.md, "Guarantees of the Triton forms").
 The installed Triton may differ from the GPU machine's, so read the numbers as indications.
 """
+import re
 import subprocess
 import sys
 import tempfile
@@ -54,7 +57,8 @@ def ptxas() -> Path:
     return Path(get_ptxas(90).path)
 
 
-def resources(fn, constexprs: dict, warps: int, stages: int, pointers: dict | None = None) -> str:
+def compile_sm90(fn, constexprs: dict, warps: int, stages: int, pointers: dict | None = None):
+    """`fn` compiled for sm_90a with the given constexprs, as a launch at the standard shape specializes it."""
     names = fn.arg_names
     scalars = {"scale": "fp32", "H": "i32", "K": "i32", "V": "i32", "N_tok": "i32", "DA": "i32", "DC": "i32", "L": "i32", "NLC": "i32", "NC": "i32", "S": "i32", "E": "i32", "P": "i32", "NE": "i32", "scale2": "fp32", "jb": "i32", "n_v": "i32"}
     pointers = POINTERS | (pointers or {})
@@ -63,8 +67,12 @@ def resources(fn, constexprs: dict, warps: int, stages: int, pointers: dict | No
     # what a launch specializes on: 16-byte aligned pointers and sizes that are multiples of 16 (H = 16, K = V = 128)
     aligned = [i for i, n in enumerate(names) if signature[n].startswith("*") or (n in DIVISIBLE and i not in fn.do_not_specialize)]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def resources(fn, constexprs: dict, warps: int, stages: int, pointers: dict | None = None) -> str:
+    kernel = compile_sm90(fn, constexprs, warps, stages, pointers)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"
         ptx.write_text(kernel.asm["ptx"])
@@ -81,6 +89,8 @@ def main() -> None:
     print(f"triton {triton.__version__}, {ptxas().name}, sm_90a, bf16")
     if "linear" in families:
         linear()
+    if "guard" in families:
+        guarded_loop_ops()
     if "delta" in families:
         delta_rule()
     if "gdn" in families:
@@ -101,6 +111,20 @@ def linear() -> None:
     for warps in (4, 8):
         constexprs = dict(C=64, BA=128, BC=64, REVERSE=False, USE_G=True, F32=False, UPDATE_DOT=UPDATE_DOTS["rounded"], TERMINAL=True)
         print(f"segment_states decay C64 BC64 warps{warps}: {resources(segment_states_kernel, constexprs, warps, 2)}")
+
+
+def guarded_loop_ops() -> None:
+    """The floating-point instructions of `chunk_outputs_kernel`'s plain and guarded (RERUN) forward loops with
+    decay: a guarded rerun's earlier outputs are bit-identical to a plain call's only if both fuse alike."""
+    print("linear_attn forward with decay, C64 BA128 BC64 warps4 stages2: PTX instructions, plain / guarded loop")
+    counts = []
+    for rerun in (False, True):
+        constexprs = dict(C=64, BA=128, BC=64, REVERSE=False, USE_G=True, SPLIT=False, USE_H0=False, STORE_HT=False,
+                          ROWDOT=False, F32=False, UPDATE_DOT=UPDATE_DOTS["rounded"], CHECK=False, RERUN=rerun)
+        ptx = compile_sm90(chunk_outputs_kernel, constexprs, 4, 2).asm["ptx"]
+        counts.append({op: len(re.findall(rf"\b{re.escape(op)}\s", ptx)) for op in ("fma.rn.f32", "mul.f32", "sub.f32", "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16")})
+    for op in counts[0]:
+        print(f"  {op:55} {counts[0][op]:4d} / {counts[1][op]:4d}")
 
 
 def delta_rule() -> None:
