@@ -94,10 +94,10 @@ def select_scores(b_att, b_d, scale):
     """The [C, C] score tile weighted by `exp2(b_d) * scale` (`chunk_segsum`), 0 where `b_d` is -inf (or
     NaN) by select rather than by product: a non-finite score there (a later non-finite key) reaches no
     output. The scores are selected before they are weighted, so the product is the last operation, as in
-    the unguarded `b_att * (exp2(b_d) * scale)`: the compiler then fuses it into what follows (the fp32
-    split's `x - hi` becomes one fma) in both loops alike, and a guarded rerun's finite rows are
-    bit-identical to the plain loop's (selected after the product, they came out of an unfused
-    subtraction: outputs one rounding apart on the GPU)."""
+    the unguarded `b_att * (exp2(b_d) * scale)`: the compiler fuses it into what follows (the fp32
+    split's `x - hi` becomes one fma) in linear attention's plain and guarded loops alike, as a guarded
+    rerun's finite rows need to match the plain loop's bit for bit (selected after the product, they came
+    out of an unfused subtraction, one rounding apart on the GPU; ops/README.md)."""
     keep = b_d > float("-inf")  # [C, C]
     return tl.where(keep, b_att, 0.0) * (tl.exp2(tl.where(keep, b_d, float("-inf"))) * scale)
 
