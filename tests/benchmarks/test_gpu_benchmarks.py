@@ -1,4 +1,4 @@
-"""The GPU benchmark scripts at toy sizes (on CPU the Triton forms run under the interpreter): `train_step.py`
+"""The benchmark scripts at toy sizes (on CPU the Triton forms run under the interpreter): `train_step.py`
 finds one graph with the custom ops in it and equal losses, and reports a graph break as a failure;
 `hf_generate.py` counts the fused decoding steps and reports a mismatch as a failure."""
 
@@ -204,3 +204,12 @@ def test_gdn_products_follow_the_level_skip_rules(tmp_path, capsys):
     out = capsys.readouterr().out
     tflop = 14 * 2 * 64 * 128 * 128 * 16 * (65536 // 128) / 1e12
     assert f"{tflop:6.2f} TFLOP, 2.00 ms, {tflop / 2 * 1e3:.0f} TFLOP/s" in out
+
+
+def test_dg_identity_compares_each_way_against_the_chunk_forms_bound():
+    """`dg_identity.py` at a toy size: every way of forming dg is measured, and the kernels' way (the per-token dots of
+    fp32 dq and dk) stays within the bound the tests set."""
+    errors = load("dg_identity").errors(1, 65, 1, 8, 12, torch.bfloat16, seed=1)
+    assert set(errors) == {"chunk form", "bound", "q·dq − k·dk", "q·dq − v·dv", "do·o − k·dk", "do·o − v·dv"}
+    assert all(math.isfinite(e) and e >= 0 for e in errors.values())
+    assert errors["q·dq − k·dk"] <= errors["bound"]
