@@ -14,16 +14,9 @@ import argparse
 import torch
 
 from polyattn.ops.linear import linear_attn_chunk, linear_attn_naive
-from polyattn.testing import LOW_PRECISION_CEILING, LOW_PRECISION_FLOOR, rel_err, seeded_inputs
+from polyattn.testing import LOW_PRECISION_CEILING, LOW_PRECISION_FLOOR, forward_backward, rel_err, seeded_inputs
 
 SHAPES = [(2, 65, 2, 8, 12), (2, 1000, 2, 8, 12), (1, 1000, 2, 64, 64), (1, 1000, 2, 128, 96), (1, 2048, 1, 128, 128)]  # B, T, H, K, V
-
-
-def gradients(form, inputs: dict, do, dht, scale: float):
-    leaves = {n: t.detach().clone().requires_grad_() for n, t in inputs.items()}
-    o, ht = form(*leaves.values(), scale=scale, output_final_state=True)
-    loss = (o.double() * do).sum() + (ht.double() * dht).sum()
-    return o, ht, dict(zip(("dq", "dk", "dv", "dg"), torch.autograd.grad(loss, list(leaves.values()))))
 
 
 def errors(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, seed: int) -> dict:
@@ -35,12 +28,12 @@ def errors(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, seed: int
     do = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)  # [B, T, H, V]
     dht = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)  # [B, H, K, V]
     scale = K**-0.5
-    o, ht, ref = gradients(linear_attn_naive, exact, do, dht, scale)
-    chunk = gradients(linear_attn_chunk, low, do, dht, scale)[2]
-    rounded = {"do": do.to(dtype).double(), "o": o.to(dtype).double(), "dv": ref["dv"].to(dtype).double()}  # as the kernels see them
+    ref = forward_backward(linear_attn_naive, exact, None, (do, dht), scale=scale)  # {"o", "final_state", "dq", ...}
+    chunk = forward_backward(linear_attn_chunk, low, None, (do, dht), scale=scale)
+    rounded = {"do": do.to(dtype).double(), "o": ref["o"].to(dtype).double(), "dv": ref["dv"].to(dtype).double()}  # as the kernels see them
     q_side = {"q·dq": (exact["q"] * ref["dq"]).sum(-1), "do·o": (rounded["do"] * rounded["o"]).sum(-1)}  # [B, T, H]
     k_side = {"k·dk": (exact["k"] * ref["dk"]).sum(-1), "v·dv": (exact["v"] * rounded["dv"]).sum(-1)}  # [B, T, H]
-    end = (dht * ht.double()).sum((-1, -2))  # [B, H]
+    end = (dht * ref["final_state"].double()).sum((-1, -2))  # [B, H]
     bound_chunk = rel_err(chunk["dg"], ref["dg"])
     out = {"chunk form": bound_chunk, "bound": min(max(2 * bound_chunk, LOW_PRECISION_FLOOR[dtype]), LOW_PRECISION_CEILING[dtype])}
     for qn, qd in q_side.items():
