@@ -169,7 +169,15 @@ class DecayGate(nn.Module):
 
     def forward(self, x):
         dt = compute_dtype(x)
-        return -torch.exp(self.A_log.to(dt)) * F.softplus(self.a_proj(x).to(dt) + self.dt_bias.to(dt))  # [B, T, H]
+        return -torch.exp(self.A_log.to(dt)) * softplus(self.a_proj(x).to(dt) + self.dt_bias.to(dt))  # [B, T, H]
+
+
+def softplus(x):
+    """``log(1 + e^x)`` as ``logaddexp(x, 0)``: the same function and gradient (``sigmoid(x)``) as
+    ``F.softplus``, whose backward op breaks ``torch.compile(backend="aot_eager")``: with the gradient
+    arriving in the chunk forms' head-major layout, the traced graph expects its output contiguous, eager
+    returns it in that layout, and the linear layer's backward view of it fails (pytorch/pytorch#120035)."""
+    return torch.logaddexp(x, x.new_zeros(()))
 
 
 def sample_dt(n, dt_min=1e-3, dt_max=0.1, floor=1e-4):
@@ -199,7 +207,7 @@ class LevelScales(nn.Module):
 
     def forward(self, x):
         dl = split_heads(self.l_proj(x), self.heads)  # [B, T, H*L] -> [B, T, H, L] ("(h ell)" head-major)
-        return F.softplus(self.L.to(compute_dtype(x)) * dl.to(compute_dtype(x)))
+        return softplus(self.L.to(compute_dtype(x)) * dl.to(compute_dtype(x)))
 
 
 def check_option(name, value, choices):

@@ -34,6 +34,7 @@ from polyattn.layers.common import (
     cast_state,
     inverse_softplus,
     sample_dt,
+    softplus,
     split_heads,
 )
 from polyattn.ops.common import compute_dtype, num_levels
@@ -96,7 +97,7 @@ class Mamba2(Mixer):
         xs, Bm, Cm = xBC.split([self.d_inner, N, N], dim=-1)
         xs = split_heads(xs, H)  # [B, T, H*P] -> [B, T, H, P]
         cdt = compute_dtype(x)
-        dt = F.softplus(dt.to(cdt) + self.dt_bias.to(cdt))  # [B, T, H] fp32
+        dt = softplus(dt.to(cdt) + self.dt_bias.to(cdt))  # [B, T, H] fp32
         g = -torch.exp(self.A_log.to(cdt)) * dt  # [B, T, H]
         q = Cm[:, :, None].expand(-1, -1, H, -1)  # [B, T, N] -> [B, T, H, N]
         k = Bm[:, :, None].expand(-1, -1, H, -1)  # [B, T, N] -> [B, T, H, N]
