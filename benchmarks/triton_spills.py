@@ -30,6 +30,7 @@ from polyattn.ops.kata.triton.delta import deltakata_states_kernel, deltakata_wa
 from polyattn.ops.kata.triton.function import feature_blocks
 from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
+from polyattn.ops.linear.triton.launch import state_rows
 from polyattn.ops.loglinear.triton.gdn import gdn_chunk_kernel, gdn_levels_chain_kernel, gdn_levels_grads_kernel, gdn_levels_kernel
 from polyattn.ops.loglinear.triton.gdn_grads import gdn_chunk_key_grads_kernel, gdn_chunk_score_grads_kernel, gdn_chunk_value_grads_kernel
 from polyattn.ops.triton.plan import KernelConfig, kata_state_chunk
@@ -104,7 +105,7 @@ def linear() -> None:
     print("linear_attn: BA = 128 (K = 128)")
     for name, (reverse, use_g, rowdot, update_dot) in PASSES.items():
         for C, BC, warps, stages in LAUNCHES:
-            constexprs = dict(C=C, BA=128, BC=BC, REVERSE=reverse, USE_G=use_g, SPLIT=True, USE_H0=False, STORE_HT=False,
+            constexprs = dict(C=C, BA=128, R=state_rows(128), BC=BC, REVERSE=reverse, USE_G=use_g, SPLIT=True, USE_H0=False, STORE_HT=False,
                               ROWDOT=rowdot, F32=False, UPDATE_DOT=update_dot, CHECK=name.startswith("forward"), RERUN=False)
             print(f"chunk_outputs  {name:15} C{C} BC{BC} warps{warps} stages{stages}: "
                   f"{resources(chunk_outputs_kernel, constexprs, warps, stages)}", flush=True)

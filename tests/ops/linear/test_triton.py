@@ -107,6 +107,25 @@ def test_low_precision_nonfinite_input_stays_causal(dtype, field, p=100):
     assert not bool(torch.isfinite(o[:, p:, 0]).all()), f"{field}=nan at {p} never reached an output"
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+@pytest.mark.parametrize("DK", [128, 136])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_triton_state_in_two_tiles(dtype, DK, split):
+    """Keys of 128 or more hold the pass's state as two row tiles (`launch.state_rows`), a and b loaded as
+    two column halves; at 136 the second tile runs past the keys (masked rows). Packed sequences with an initial
+    state, gradients through o and the final state, with and without the segment split (the entering state read
+    from the scan in two tiles)."""
+    from polyattn.ops.triton.plan import KernelConfig, use_config
+
+    lengths = [70, 1, 130]
+    x = seeded_inputs(1, sum(lengths), 1, DK, V, decay=True, seed=11, device=DEVICE)
+    x.pop("beta")
+    h0 = torch.randn(len(lengths), 1, DK, V, generator=torch.Generator().manual_seed(12), dtype=torch.float64).to(DEVICE)
+    fields = dict(split_fill=float("inf"), chunk_size=16, block_c=16, min_segment_chunks=1) if split else {}
+    with use_config(KernelConfig(**fields)):
+        assert_low_precision_matches(linear_attn_naive, linear_attn_chunk, linear_attn_triton, x, h0, dtype, lengths=lengths)
+
+
 def test_split_only_below_fill():
     """A pass splits its sequences only while its unsplit programs number at most `split_fill` per multiprocessor,
     and then aims at `programs_per_sm` of them."""

@@ -13,7 +13,7 @@ exact next to a huge log-decay and across a reset).
 
 (launch.py states the pass vocabulary). Per-row factors (scale, decays of the query side) are
 applied after the products, in fp32; fp32 operands (the score tile, the state, decayed keys)
-enter the tensor cores split in two input-dtype halves (`mma_left_fp32`, `mma_right_fp32`).
+enter the tensor cores split in two input-dtype halves (`mma_left_fp32`, `mma_right_acc`).
 Optionally it also writes `rowdot = sum(x * out, -1)` per DC tile, the per-token term of the
 log-decay gradient.
 
@@ -37,42 +37,66 @@ import triton
 import triton.language as tl
 
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays, select_scores
-from polyattn.ops.triton.plan import chunk_tokens, state_tile
+from polyattn.ops.triton.plan import chunk_tokens
 from polyattn.ops.triton.precision import (
-    first_nonfinite_row, mma, mma_left_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
+    SPLIT as SPLIT_DOT, first_nonfinite_row, mma, mma_acc, mma_left_fp32, mma_right_acc, nan_rows_from, to_output,
+    zero_rows_from,
 )
 
 from .chunk_states import add_keys_times_values, flag_nonfinite
 
 
 @triton.jit
+def entering_state(s_in, h0, i_s, i_n, i_h, H, DA, DC, s_h0n, s_h0h, s_h0a, s_h0c, o_r, m_r, o_c, m_c,
+                   SPLIT: tl.constexpr, USE_H0: tl.constexpr, BC: tl.constexpr):
+    """Rows `o_r` of the state entering the segment, fp32 `[R, BC]`: the scan's `s_in[s]` (SPLIT), the strided
+    `h0[n]` or zero."""
+    m_s = m_r[:, None] & m_c[None, :]
+    if SPLIT:
+        return tl.load(s_in + ((i_s * H + i_h) * DA + o_r[:, None]).to(tl.int64) * DC + o_c[None, :], mask=m_s, other=0.0)
+    if USE_H0:
+        p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_r[:, None] * s_h0a + o_c[None, :] * s_h0c
+        return tl.load(p_h0, mask=m_s, other=0.0).to(tl.float32)
+    return tl.zeros([o_r.shape[0], BC], dtype=tl.float32)
+
+
+@triton.jit
+def token_rows(x, t, m_t, H, i_h, D, o_r, m_r):
+    """`x[t, i_h, o_r]`, `[C, R]` (0 outside the masks)."""
+    return tl.load(x + (t * H + i_h)[:, None] * D + o_r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
+
+
+@triton.jit
 def segment_outputs(
     a, b, c, g, out, s_in, h0, dot_x, rowdot, s_h0n, s_h0h, s_h0a, s_h0c,
     scale, N_tok, H, DA, DC, bos, eos, i_n, i_s, i_c, i_h,
-    C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr,
+    C: tl.constexpr, BA: tl.constexpr, R: tl.constexpr, BC: tl.constexpr,
     REVERSE: tl.constexpr, USE_G: tl.constexpr, SPLIT: tl.constexpr, USE_H0: tl.constexpr,
     ROWDOT: tl.constexpr, F32: tl.constexpr, UPDATE_DOT: tl.constexpr, GUARD: tl.constexpr,
 ):
     """The loop of `chunk_outputs_kernel` over one segment's chunks for one DC tile: writes the
-    outputs (and rowdot) and returns the state that leaves the segment ([BA, BC] fp32)."""
-    o_a, o_c, m_a, m_c, m_s = state_tile(i_c, DA, DC, BA, BC)
-    if SPLIT:
-        p_s = s_in + ((i_s * H + i_h) * DA + o_a[:, None]).to(tl.int64) * DC + o_c[None, :]
-        b_s = tl.load(p_s, mask=m_s, other=0.0)
-    elif USE_H0:
-        p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_a[:, None] * s_h0a + o_c[None, :] * s_h0c
-        b_s = tl.load(p_h0, mask=m_s, other=0.0).to(tl.float32)
+    outputs (and rowdot) and returns the state that leaves the segment as its two tiles of R rows
+    (`launch.state_rows`; the second a placeholder when R = BA), fp32 `[R, BC]` each."""
+    TWO: tl.constexpr = R < BA
+    o_r = tl.arange(0, R)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_r0, m_r1, m_c = o_r < DA, o_r + R < DA, o_c < DC
+    b_s0 = entering_state(s_in, h0, i_s, i_n, i_h, H, DA, DC, s_h0n, s_h0h, s_h0a, s_h0c, o_r, m_r0, o_c, m_c, SPLIT, USE_H0, BC)
+    if TWO:
+        b_s1 = entering_state(s_in, h0, i_s, i_n, i_h, H, DA, DC, s_h0n, s_h0h, s_h0a, s_h0c, o_r + R, m_r1, o_c, m_c,
+                              SPLIT, USE_H0, BC)
     else:
-        b_s = tl.zeros([BA, BC], dtype=tl.float32)
+        b_s1 = tl.zeros([16, BC], dtype=tl.float32)  # unused
     n_chunks = tl.cdiv(eos - bos, C)
     for i in range(0, n_chunks):
         t, m_t = chunk_tokens(bos, eos, i, n_chunks, C, REVERSE)  # [C]
-        row_a = (t * H + i_h)[:, None] * DA + o_a[None, :]  # [C, BA]
         row_c = (t * H + i_h)[:, None] * DC + o_c[None, :]  # [C, BC]
-        m_ta = m_t[:, None] & m_a[None, :]
         m_tc = m_t[:, None] & m_c[None, :]
-        b_a = tl.load(a + row_a, mask=m_ta, other=0.0)  # [C, BA]
-        b_b = tl.load(b + row_a, mask=m_ta, other=0.0)  # [C, BA]
+        b_a0 = token_rows(a, t, m_t, H, i_h, DA, o_r, m_r0)  # [C, R]
+        b_b0 = token_rows(b, t, m_t, H, i_h, DA, o_r, m_r0)  # [C, R]
+        if TWO:
+            b_a1 = token_rows(a, t, m_t, H, i_h, DA, o_r + R, m_r1)  # [C, R]
+            b_b1 = token_rows(b, t, m_t, H, i_h, DA, o_r + R, m_r1)  # [C, R]
         b_v = tl.load(c + row_c, mask=m_tc, other=0.0)  # [C, BC]
         if ROWDOT:  # loaded with the other operands: issued early, its latency hides behind the dots
             b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0)  # [C, BC]
@@ -80,7 +104,9 @@ def segment_outputs(
         b_wq, b_wk = chunk_side_decays(b_g, b_gc, b_last, REVERSE, F32)  # [C], [C]
         b_wa = tl.exp2(b_wq) * scale  # [C]
         b_d = chunk_segsum(b_g, b_gc, b_last, REVERSE, F32)  # [C, C]
-        b_att = mma(b_a, tl.trans(b_b), F32)  # [C, BA] @ [BA, C] -> [C, C]
+        b_att = mma(b_a0, tl.trans(b_b0), F32)  # [C, R] @ [R, C] -> [C, C]
+        if TWO:
+            b_att = mma_acc(b_a1, tl.trans(b_b1), b_att, F32)  # [C, C]
         if GUARD:
             first = first_nonfinite_row(b_v)  # scalar: C when every value row is finite
             b_att = select_scores(b_att, b_d, scale)  # [C, C]
@@ -88,14 +114,19 @@ def segment_outputs(
         else:
             b_att = b_att * (tl.exp2(b_d) * scale)  # [C, C]
             b_o = mma_left_fp32(b_att, b_v, F32)  # [C, C] @ [C, BC] -> [C, BC]
-        b_o += mma_right_fp32(b_a, b_s, F32) * b_wa[:, None]  # [C, BA] @ [BA, BC] -> [C, BC]
+        b_in = mma_right_acc(b_a0, b_s0, tl.zeros([C, BC], dtype=tl.float32), F32, SPLIT_DOT)  # [C, R] @ [R, BC]
+        if TWO:
+            b_in = mma_right_acc(b_a1, b_s1, b_in, F32, SPLIT_DOT)  # [C, BC]
+        b_o += b_in * b_wa[:, None]  # [C, BC]
         if GUARD:
             b_o = nan_rows_from(b_o, first)  # [C, BC]
-        b_s = add_keys_times_values(b_s * tl.exp2(b_last), b_b, b_v, b_wk, USE_G, F32, UPDATE_DOT)
+        b_s0 = add_keys_times_values(b_s0 * tl.exp2(b_last), b_b0, b_v, b_wk, USE_G, F32, UPDATE_DOT)  # [R, BC]
+        if TWO:
+            b_s1 = add_keys_times_values(b_s1 * tl.exp2(b_last), b_b1, b_v, b_wk, USE_G, F32, UPDATE_DOT)  # [R, BC]
         tl.store(out + row_c, to_output(b_o, out.dtype.element_ty, F32), mask=m_tc)  # downcast: output dtype
         if ROWDOT:
             tl.store(rowdot + (i_c * N_tok + t) * H + i_h, tl.sum(b_x.to(tl.float32) * b_o, axis=1), mask=m_t)
-    return b_s
+    return b_s0, b_s1
 
 
 @triton.jit(do_not_specialize=["N_tok", "s_h0n", "s_h0h", "s_h0a", "s_h0c"])
@@ -103,7 +134,7 @@ def chunk_outputs_kernel(
     a, b, c, g, out, seg, s_in, h0, ht, dot_x, rowdot, nonfinite,
     s_h0n, s_h0h, s_h0a, s_h0c,
     scale, N_tok, H, DA, DC,
-    C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr,
+    C: tl.constexpr, BA: tl.constexpr, R: tl.constexpr, BC: tl.constexpr,
     REVERSE: tl.constexpr, USE_G: tl.constexpr, SPLIT: tl.constexpr, USE_H0: tl.constexpr,
     STORE_HT: tl.constexpr, ROWDOT: tl.constexpr, F32: tl.constexpr, UPDATE_DOT: tl.constexpr,
     CHECK: tl.constexpr, RERUN: tl.constexpr,
@@ -111,10 +142,12 @@ def chunk_outputs_kernel(
     """One segment's outputs for one DC tile.
 
     grid: (cdiv(DC, BC), num_segments, H). Tiling: a and b rows of the full DA (padded to BA),
-    c / out columns [BC]; the fp32 state [BA, BC] stays in registers for the whole segment.
+    c / out columns [BC]; the fp32 state [BA, BC] stays in registers for the whole segment, as two
+    `[R, BC]` tiles when R = BA / 2 (from BA = 128 on, `launch.state_rows`), a and b loaded as two column halves
+    to match.
     Loop (`segment_outputs`): over the segment's chunks, forward (causal) or backward (anticausal);
     per chunk the products `[C, BA] @ [BA, C]` (scores), `[C, C] @ [C, BC]` (intra),
-    `[C, BA] @ [BA, BC]` (inter) and the state update `[BA, C] @ [C, BC]`. The incoming state is
+    `[C, BA] @ [BA, BC]` (inter) and the state update `[BA, C] @ [C, BC]`, each state product one per tile. The incoming state is
     `s_in[s]` (SPLIT: written by `segment_scan_kernel`) or `h0[n]` (strided) or zero; the segment
     that ends its sequence in the pass direction stores its final state to `ht[n]` (strided like h0).
     CHECK (a pass without segment split; with it the scan kernel flags the segments): write
@@ -130,19 +163,26 @@ def chunk_outputs_kernel(
     eos = tl.load(seg + i_s * 4 + 1).to(tl.int64)
     i_n = tl.load(seg + i_s * 4 + 2).to(tl.int64)
     flags = tl.load(seg + i_s * 4 + 3)
-    b_s = segment_outputs(
+    b_s0, b_s1 = segment_outputs(
         a, b, c, g, out, s_in, h0, dot_x, rowdot, s_h0n, s_h0h, s_h0a, s_h0c,
         scale, N_tok, H, DA, DC, bos, eos, i_n, i_s, i_c, i_h,
-        C, BA, BC, REVERSE, USE_G, SPLIT, USE_H0, ROWDOT, F32, UPDATE_DOT, RERUN,
+        C, BA, R, BC, REVERSE, USE_G, SPLIT, USE_H0, ROWDOT, F32, UPDATE_DOT, RERUN,
     )
     if CHECK:  # not finite when a key, value or log-decay of the segment (or the entering state) is not
-        flag_nonfinite(nonfinite, b_s, program)
+        if R < BA:
+            flag_nonfinite(nonfinite, b_s0 + b_s1, program)
+        else:
+            flag_nonfinite(nonfinite, b_s0, program)
     if STORE_HT:
-        o_a, o_c, m_a, m_c, m_s = state_tile(i_c, DA, DC, BA, BC)
         if REVERSE:
             terminal = (flags & 1) != 0
         else:
             terminal = (flags & 2) != 0
         if terminal:
-            p_ht = ht + i_n * s_h0n + i_h * s_h0h + o_a[:, None] * s_h0a + o_c[None, :] * s_h0c
-            tl.store(p_ht, b_s, mask=m_s)
+            o_r = tl.arange(0, R)
+            o_c = i_c * BC + tl.arange(0, BC)
+            m_c = o_c < DC
+            p_ht = ht + i_n * s_h0n + i_h * s_h0h + o_c[None, :] * s_h0c
+            tl.store(p_ht + o_r[:, None] * s_h0a, b_s0, mask=(o_r < DA)[:, None] & m_c[None, :])
+            if R < BA:
+                tl.store(p_ht + (o_r + R)[:, None] * s_h0a, b_s1, mask=(o_r + R < DA)[:, None] & m_c[None, :])

@@ -25,6 +25,13 @@ from polyattn.ops.triton.plan import KernelConfig, block, get_config, plan_segme
 from polyattn.ops.triton.precision import dot_f32
 
 
+def state_rows(BA: int) -> int:
+    """The rows of a pass's state tile: from BA = 128 on, half of BA (the `[BA, BC]` state is held as two tiles,
+    each split into its tensor-core halves alone: fewer live registers, ops/linear/README.md "Where the decay's
+    time goes"), else BA."""
+    return BA // 2 if BA >= 128 else BA
+
+
 def chunk_pass(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -90,7 +97,7 @@ def chunk_pass(
         chunk_outputs_kernel[(n_c, S, H)](
             a, b, c, g, out, seg, s_in, initial_state, final_state, dot_x, rowdot, nonfinite, *strides,
             scale, N_tok, H, DA, DC,
-            C=C, BA=BA, BC=BC, REVERSE=reverse, USE_G=g is not None, SPLIT=split,
+            C=C, BA=BA, R=state_rows(BA), BC=BC, REVERSE=reverse, USE_G=g is not None, SPLIT=split,
             USE_H0=initial_state is not None, STORE_HT=store_final_state, ROWDOT=dot_x is not None,
             F32=F32, UPDATE_DOT=UPDATE_DOT, CHECK=guard and not rerun and not split, RERUN=rerun, **launch,
         )
