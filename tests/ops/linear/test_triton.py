@@ -126,6 +126,20 @@ def test_triton_state_in_two_tiles(dtype, DK, split):
         assert_low_precision_matches(linear_attn_naive, linear_attn_chunk, linear_attn_triton, x, h0, dtype, lengths=lengths)
 
 
+@pytest.mark.parametrize("field", ["k", "v"])
+def test_state_in_two_tiles_keeps_nonfinite_input_causal(field, p=100):
+    """With the state in two tiles (keys of 128), a NaN at token p leaves every earlier output bit-identical and
+    reaches the outputs from p on: the guarded rerun holds both tiles."""
+    x = seeded_inputs(1, 150, 1, 128, V, decay=True, seed=13, device=DEVICE)
+    x.pop("beta")
+    x = {n: t.to(torch.bfloat16) for n, t in x.items()}
+    o_clean, _ = linear_attn_triton(*x.values(), scale=0.1)
+    x[field][:, p, 0] = float("nan")
+    o, _ = linear_attn_triton(*x.values(), scale=0.1)
+    assert torch.equal(o[:, :p], o_clean[:, :p])
+    assert not bool(torch.isfinite(o[:, p:]).all())
+
+
 def test_split_only_below_fill():
     """A pass splits its sequences only while its unsplit programs number at most `split_fill` per multiprocessor,
     and then aims at `programs_per_sm` of them."""
