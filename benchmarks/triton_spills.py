@@ -120,7 +120,7 @@ def guarded_loop_ops() -> None:
     print("linear_attn forward with decay, C64 BA128 BC64 warps4 stages2: PTX instructions, plain / guarded loop")
     counts = []
     for rerun in (False, True):
-        constexprs = dict(C=64, BA=128, BC=64, REVERSE=False, USE_G=True, SPLIT=False, USE_H0=False, STORE_HT=False,
+        constexprs = dict(C=64, BA=128, R=state_rows(128), BC=64, REVERSE=False, USE_G=True, SPLIT=False, USE_H0=False, STORE_HT=False,
                           ROWDOT=False, F32=False, UPDATE_DOT=UPDATE_DOTS["rounded"], CHECK=False, RERUN=rerun)
         ptx = compile_sm90(chunk_outputs_kernel, constexprs, 4, 2).asm["ptx"]
         counts.append({op: len(re.findall(rf"\b{re.escape(op)}\s", ptx)) for op in ("fma.rn.f32", "mul.f32", "sub.f32", "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16")})
