@@ -172,7 +172,7 @@ class KernelConfig:
     deltakata_state_interval: int | None = None
     gdn_block_v: int = 32
     gdn_num_warps: int = 4
-    gdn_chain_warps: int = 4
+    gdn_chain_warps: int = 8
     gdn_grads_warps: int = 8
     gdn_grads_block_v: int = 32
     gdn_state_interval: int | None = None
