@@ -110,7 +110,8 @@ class KernelConfig:
     though ptxas for sm_90a at K = 128 and 32-column tiles counts more spills at 4, 52 / 496 bytes a thread for
     the forward walk / the chain against 8 / 200 at 8 (benchmarks/results/triton-spills-sm90a.txt).
     gdn_chain_warps are the warps of the backward's chain (`gdn_levels_chain_kernel`, a program per level and part,
-    value tiles of at least 64).
+    value tiles of at least 64; 8: a forward + backward at 8K took 83.1 ms against 86.9 at 4 on an H100, call 35,
+    and on the H200 at 32K 109.8 against 111.8, benchmarks/results/2026-12-06-h200/).
     gdn_grads_warps are the warps of the backward's per-chunk level gradients (`gdn_levels_grads_kernel`; 8: a
     forward + backward took 117.5 / 146.2 ms at 4, call 21) and gdn_grads_block_v their value tile (the states
     they read are whole `[K, V]`, so it need not match the walks'; 32: a forward + backward took 105.0 / 138.2 ms at
