@@ -7,13 +7,15 @@ Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_chain_ker
 KATA's chunked form's (`kata_states_kernel` both ways, `kata_read_kernel`, `kata_lift_grad_kernel` with and without
 its read, at K = V = 64 with the default tiles) and DeltaKATA's walks and state recompute (`deltakata_walk_kernel`, `deltakata_walk_grad_kernel`, `deltakata_states_kernel`) for sm_90a with the installed Triton (or the families named) and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
 `guard` (not in the default list) counts the floating-point instructions of linear attention's plain and guarded loops
-(ops/README.md, "Guarantees of the Triton forms").
+(ops/README.md, "Guarantees of the Triton forms"); `compile` (neither) times the compile of its forward with decay on
+bf16 and on fp32 inputs (ops/linear/README.md, "Triton kernels").
 The installed Triton may differ from the GPU machine's, so read the numbers as indications.
 """
 import re
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -92,6 +94,8 @@ def main() -> None:
         linear()
     if "guard" in families:
         guarded_loop_ops()
+    if "compile" in families:
+        compile_times()
     if "delta" in families:
         delta_rule()
     if "gdn" in families:
@@ -126,6 +130,24 @@ def guarded_loop_ops() -> None:
         counts.append({op: len(re.findall(rf"\b{re.escape(op)}\s", ptx)) for op in ("fma.rn.f32", "mul.f32", "sub.f32", "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16")})
     for op in counts[0]:
         print(f"  {op:55} {counts[0][op]:4d} / {counts[1][op]:4d}")
+
+
+def compile_times() -> None:
+    """Seconds to compile linear attention's forward with decay for sm_90a on bf16 and fp32 inputs, from an empty
+    cache: Triton's front end (to PTX) and ptxas. fp32 inputs take IEEE fp32 products, which Triton emits as FMAs."""
+    print("linear_attn forward with decay, C64 BA128 BC64 warps4 stages2: compile time, empty cache")
+    for dtype, f32 in (("bf16", False), ("fp32", True)):
+        constexprs = dict(C=64, BA=128, R=state_rows(128), BC=64, REVERSE=False, USE_G=True, SPLIT=False, USE_H0=False, STORE_HT=False,
+                          ROWDOT=False, F32=f32, UPDATE_DOT=UPDATE_DOTS["split"], CHECK=True, RERUN=False)
+        pointers = {n: f"*{dtype}" for n in ("a", "b", "c", "out", "dot_x")}
+        with tempfile.TemporaryDirectory() as tmp:
+            triton.knobs.cache.dir = tmp
+            start = time.perf_counter()
+            ptx = compile_sm90(chunk_outputs_kernel, constexprs, 4, 2, pointers).asm["ptx"]
+            middle = time.perf_counter()
+            (Path(tmp) / "k.ptx").write_text(ptx)
+            subprocess.run([ptxas(), "-arch=sm_90a", Path(tmp) / "k.ptx", "-o", Path(tmp) / "k.cubin"], check=True)
+            print(f"  {dtype}: to PTX {middle - start:.1f} s ({len(ptx) // 1000} KB), ptxas {time.perf_counter() - middle:.1f} s", flush=True)
 
 
 def delta_rule() -> None:
