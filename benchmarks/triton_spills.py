@@ -105,12 +105,19 @@ def main() -> None:
         deltakata_chunked()
 
 
+def outputs_constexprs(**changes) -> dict:
+    """`chunk_outputs_kernel`'s constexprs at K = 128: by default the forward with decay of a training call (no segment
+    split, no initial or final state, split updates, bf16), with `changes` applied."""
+    return dict(C=64, BA=128, R=state_rows(128), BC=64, REVERSE=False, USE_G=True, SPLIT=False, USE_H0=False, STORE_HT=False,
+                ROWDOT=False, F32=False, UPDATE_DOT=UPDATE_DOTS["split"], CHECK=False, RERUN=False) | changes
+
+
 def linear() -> None:
     print("linear_attn: BA = 128 (K = 128)")
     for name, (reverse, use_g, rowdot, update_dot) in PASSES.items():
         for C, BC, warps, stages in LAUNCHES:
-            constexprs = dict(C=C, BA=128, R=state_rows(128), BC=BC, REVERSE=reverse, USE_G=use_g, SPLIT=True, USE_H0=False, STORE_HT=False,
-                              ROWDOT=rowdot, F32=False, UPDATE_DOT=update_dot, CHECK=name.startswith("forward"), RERUN=False)
+            constexprs = outputs_constexprs(C=C, BC=BC, REVERSE=reverse, USE_G=use_g, SPLIT=True, ROWDOT=rowdot, UPDATE_DOT=update_dot,
+                                            CHECK=name.startswith("forward"))
             print(f"chunk_outputs  {name:15} C{C} BC{BC} warps{warps} stages{stages}: "
                   f"{resources(chunk_outputs_kernel, constexprs, warps, stages)}", flush=True)
     for warps in (4, 8):
@@ -124,8 +131,7 @@ def guarded_loop_ops() -> None:
     print("linear_attn forward with decay, C64 BA128 BC64 warps4 stages2: PTX instructions, plain / guarded loop")
     counts = []
     for rerun in (False, True):
-        constexprs = dict(C=64, BA=128, R=state_rows(128), BC=64, REVERSE=False, USE_G=True, SPLIT=False, USE_H0=False, STORE_HT=False,
-                          ROWDOT=False, F32=False, UPDATE_DOT=UPDATE_DOTS["rounded"], CHECK=False, RERUN=rerun)
+        constexprs = outputs_constexprs(UPDATE_DOT=UPDATE_DOTS["rounded"], RERUN=rerun)
         ptx = compile_sm90(chunk_outputs_kernel, constexprs, 4, 2).asm["ptx"]
         counts.append({op: len(re.findall(rf"\b{re.escape(op)}\s", ptx)) for op in ("fma.rn.f32", "mul.f32", "sub.f32", "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16")})
     for op in counts[0]:
@@ -137,9 +143,9 @@ def compile_times() -> None:
     cache: Triton's front end (to PTX) and ptxas. fp32 inputs take IEEE fp32 products, which Triton emits as FMAs."""
     print("linear_attn forward with decay, C64 BA128 BC64 warps4 stages2: compile time, empty cache")
     for dtype, f32 in (("bf16", False), ("fp32", True)):
-        constexprs = dict(C=64, BA=128, R=state_rows(128), BC=64, REVERSE=False, USE_G=True, SPLIT=False, USE_H0=False, STORE_HT=False,
-                          ROWDOT=False, F32=f32, UPDATE_DOT=UPDATE_DOTS["split"], CHECK=True, RERUN=False)
+        constexprs = outputs_constexprs(F32=f32, CHECK=True)
         pointers = {n: f"*{dtype}" for n in ("a", "b", "c", "out", "dot_x")}
+        kept = triton.knobs.cache.dir
         with tempfile.TemporaryDirectory() as tmp:
             triton.knobs.cache.dir = tmp
             start = time.perf_counter()
@@ -148,6 +154,7 @@ def compile_times() -> None:
             (Path(tmp) / "k.ptx").write_text(ptx)
             subprocess.run([ptxas(), "-arch=sm_90a", Path(tmp) / "k.ptx", "-o", Path(tmp) / "k.cubin"], check=True)
             print(f"  {dtype}: to PTX {middle - start:.1f} s ({len(ptx) // 1000} KB), ptxas {time.perf_counter() - middle:.1f} s", flush=True)
+        triton.knobs.cache.dir = kept
 
 
 def delta_rule() -> None:

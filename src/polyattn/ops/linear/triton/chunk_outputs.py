@@ -47,6 +47,13 @@ from .chunk_states import add_keys_times_values, flag_nonfinite
 
 
 @triton.jit
+def strided_state(p, i_n, i_h, s_h0n, s_h0h, s_h0a, s_h0c, o_r, o_c):
+    """Pointers to rows `o_r`, columns `o_c` of `p[n, h]`, a `[N, H, DA, DC]` state with the strides of h0 (h0 and
+    ht share them)."""
+    return p + i_n * s_h0n + i_h * s_h0h + o_r[:, None] * s_h0a + o_c[None, :] * s_h0c
+
+
+@triton.jit
 def entering_state(s_in, h0, i_s, i_n, i_h, H, DA, DC, s_h0n, s_h0h, s_h0a, s_h0c, o_r, m_r, o_c, m_c,
                    SPLIT: tl.constexpr, USE_H0: tl.constexpr, BC: tl.constexpr):
     """Rows `o_r` of the state entering the segment, fp32 `[R, BC]`: the scan's `s_in[s]` (SPLIT), the strided
@@ -55,8 +62,7 @@ def entering_state(s_in, h0, i_s, i_n, i_h, H, DA, DC, s_h0n, s_h0h, s_h0a, s_h0
     if SPLIT:
         return tl.load(s_in + ((i_s * H + i_h) * DA + o_r[:, None]).to(tl.int64) * DC + o_c[None, :], mask=m_s, other=0.0)
     if USE_H0:
-        p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_r[:, None] * s_h0a + o_c[None, :] * s_h0c
-        return tl.load(p_h0, mask=m_s, other=0.0).to(tl.float32)
+        return tl.load(strided_state(h0, i_n, i_h, s_h0n, s_h0h, s_h0a, s_h0c, o_r, o_c), mask=m_s, other=0.0).to(tl.float32)
     return tl.zeros([o_r.shape[0], BC], dtype=tl.float32)
 
 
@@ -182,7 +188,7 @@ def chunk_outputs_kernel(
             o_r = tl.arange(0, R)
             o_c = i_c * BC + tl.arange(0, BC)
             m_c = o_c < DC
-            p_ht = ht + i_n * s_h0n + i_h * s_h0h + o_c[None, :] * s_h0c
-            tl.store(p_ht + o_r[:, None] * s_h0a, b_s0, mask=(o_r < DA)[:, None] & m_c[None, :])
+            tl.store(strided_state(ht, i_n, i_h, s_h0n, s_h0h, s_h0a, s_h0c, o_r, o_c), b_s0, mask=(o_r < DA)[:, None] & m_c[None, :])
             if R < BA:
-                tl.store(p_ht + (o_r + R)[:, None] * s_h0a, b_s1, mask=(o_r + R < DA)[:, None] & m_c[None, :])
+                tl.store(strided_state(ht, i_n, i_h, s_h0n, s_h0h, s_h0a, s_h0c, o_r + R, o_c), b_s1,
+                         mask=(o_r + R < DA)[:, None] & m_c[None, :])
