@@ -94,6 +94,23 @@ def test_triton_segment_split(dtype, layout):
         )
 
 
+@pytest.mark.parametrize("decay", [False, True], ids=["nodecay", "decay"])
+def test_segment_states_own_tile(decay):
+    """The split's local-state kernel on its own value tile and warps (`states_block_c`, `states_warps`), wider than
+    the other kernels' and past the values (masked columns): o and every gradient within the same bound."""
+    from polyattn.ops.triton.plan import KernelConfig, use_config
+
+    fields = dict(chunk_size=16, block_c=4, min_segment_chunks=1) if not CUDA else {}
+    lengths = [SPLIT_T // 3, 1, SPLIT_T // 2 + 5]
+    h0 = torch.randn(len(lengths), H, K, V, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(DEVICE)
+    config = KernelConfig(split_fill=float("inf"), states_block_c=2 * V, states_warps=8, **fields)
+    with use_config(config):
+        assert_low_precision_matches(
+            linear_attn_naive, linear_attn_chunk, linear_attn_triton, _inputs(1, sum(lengths), decay=decay, seed=6), h0,
+            torch.bfloat16, lengths=lengths
+        )
+
+
 @pytest.mark.parametrize("field", ["k", "v"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
 def test_low_precision_nonfinite_input_stays_causal(dtype, field, p=100):

@@ -35,7 +35,10 @@ class KernelConfig:
     5.38 to 6.24, while at 32K, 64 programs, nine segments each beat three by 4 to 11%:
     benchmarks/results/2026-12-04-h200/tune-linear-programs.json; on an H100, eight programs per multiprocessor
     beat four, twelve and sixteen at 32K and 128K, a fwd+bwd with decay at 128K 11.55 ms at four, 10.30 at eight:
-    benchmarks/results/2026-12-06-h100/tune-programs*.json). level_programs_per_sm: log-linear attention's level
+    benchmarks/results/2026-12-06-h100/tune-programs*.json). states_block_c and states_warps are the value tile and
+    warps of a split pass's local-state kernel (`segment_states_kernel`; None: block_c and num_warps): its programs
+    each read every key of their segment, so at value tiles of 64 and 128 values each key is read twice.
+    level_programs_per_sm: log-linear attention's level
     pass narrows its value tiles while its programs number fewer than this many per multiprocessor.
     decay_update_dot is how the forward of `linear_attn` with decay, when no final state is asked for, feeds its
     state update `keys^T @ (values * decay)` to the tensor cores on bf16/fp16 inputs (`precision.UPDATE_DOTS`,
@@ -138,6 +141,8 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 8
+    states_block_c: int | None = None
+    states_warps: int | None = None
     level_programs_per_sm: int = 4
     split_fill: float = 1.0
     decay_update_dot: str = "rounded"

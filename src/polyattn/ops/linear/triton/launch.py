@@ -81,10 +81,11 @@ def chunk_pass(
     if split:
         s_in = torch.empty(S, H, DA, DC, dtype=torch.float32, device=a.device)
         seg_decay = torch.empty(S, H, dtype=torch.float32, device=a.device)
-        segment_states_kernel[(n_c, S, H)](
+        BS = min(block(DC), config.states_block_c or BC)
+        segment_states_kernel[(triton.cdiv(DC, BS), S, H)](
             b, c, g, seg, s_in, seg_decay, H, DA, DC,
-            C=C, BA=BA, BC=BC, REVERSE=reverse, USE_G=g is not None, F32=F32, UPDATE_DOT=UPDATE_DOT, TERMINAL=guard,
-            **launch,
+            C=C, BA=BA, BC=BS, REVERSE=reverse, USE_G=g is not None, F32=F32, UPDATE_DOT=UPDATE_DOT, TERMINAL=guard,
+            num_warps=config.states_warps or config.num_warps, num_stages=config.num_stages,
         )
         segment_scan_kernel[(n_c, N, H)](
             s_in, seg_decay, cu_seg, initial_state, nonfinite, *strides, S, H, DA, DC,
