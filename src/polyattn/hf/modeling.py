@@ -9,7 +9,6 @@ when ``use_cache``, which defaults to ``config.use_cache`` outside training), ``
 encoding: ``position_ids`` are accepted and unused.
 """
 
-import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
