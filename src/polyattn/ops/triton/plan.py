@@ -36,8 +36,10 @@ class KernelConfig:
     benchmarks/results/2026-12-04-h200/tune-linear-programs.json; on an H100, eight programs per multiprocessor
     beat four, twelve and sixteen at 32K and 128K, a fwd+bwd with decay at 128K 11.55 ms at four, 10.30 at eight:
     benchmarks/results/2026-12-06-h100/tune-programs*.json). states_block_c and states_warps are the value tile and
-    warps of a split pass's local-state kernel (`segment_states_kernel`; None: block_c and num_warps): its programs
-    each read every key of their segment, so at value tiles of 64 and 128 values each key is read twice.
+    warps of a split pass's local-state kernel (`segment_states_kernel`; None: block_c and num_warps), whose programs
+    each read every key of their segment: at 64-column tiles and 128 values each key is read twice. 128 columns at 4
+    warps took a fwd+bwd of linear attention with decay from 5.05 / 9.46 to 4.87 / 9.03 ms at 32K / 128K tokens on an
+    H100 (8 warps: 5.18 / 9.76; the forwards within 3%: benchmarks/results/2026-12-07-h100/tune-states-call43.txt).
     level_programs_per_sm: log-linear attention's level
     pass narrows its value tiles while its programs number fewer than this many per multiprocessor.
     decay_update_dot is how the forward of `linear_attn` with decay, when no final state is asked for, feeds its
@@ -141,7 +143,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 8
-    states_block_c: int | None = None
+    states_block_c: int | None = 128
     states_warps: int | None = None
     level_programs_per_sm: int = 4
     split_fill: float = 1.0
