@@ -120,9 +120,9 @@ def linear() -> None:
                                             CHECK=name.startswith("forward"))
             print(f"chunk_outputs  {name:15} C{C} BC{BC} warps{warps} stages{stages}: "
                   f"{resources(chunk_outputs_kernel, constexprs, warps, stages)}", flush=True)
-    for warps in (4, 8):
-        constexprs = dict(C=64, BA=128, BC=64, REVERSE=False, USE_G=True, F32=False, UPDATE_DOT=UPDATE_DOTS["rounded"], TERMINAL=True)
-        print(f"segment_states decay C64 BC64 warps{warps}: {resources(segment_states_kernel, constexprs, warps, 2)}")
+    for BC, warps in ((64, 4), (64, 8), (128, 4), (128, 8)):  # 128: KernelConfig.states_block_c
+        constexprs = dict(C=64, BA=128, BC=BC, REVERSE=False, USE_G=True, F32=False, UPDATE_DOT=UPDATE_DOTS["rounded"], TERMINAL=True)
+        print(f"segment_states decay C64 BC{BC} warps{warps}: {resources(segment_states_kernel, constexprs, warps, 2)}")
 
 
 def guarded_loop_ops() -> None:

@@ -39,7 +39,8 @@ class KernelConfig:
     warps of a split pass's local-state kernel (`segment_states_kernel`; None: block_c and num_warps), whose programs
     each read every key of their segment: at 64-column tiles and 128 values each key is read twice. 128 columns at 4
     warps took a fwd+bwd of linear attention with decay from 5.05 / 9.46 to 4.87 / 9.03 ms at 32K / 128K tokens on an
-    H100 (8 warps: 5.18 / 9.76; the forwards within 3%: benchmarks/results/2026-12-07-h100/tune-states-call43.txt).
+    H100 (8 warps: 5.18 / 9.76; the forwards within 3%: benchmarks/results/2026-12-07-h100/tune-states-call43.txt); ptxas
+    counts 251 registers and no spills at 4 warps (benchmarks/results/triton-spills-sm90a.txt).
     level_programs_per_sm: log-linear attention's level
     pass narrows its value tiles while its programs number fewer than this many per multiprocessor.
     decay_update_dot is how the forward of `linear_attn` with decay, when no final state is asked for, feeds its
