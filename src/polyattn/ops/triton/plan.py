@@ -40,9 +40,9 @@ class KernelConfig:
     each read every key of their segment: at 64-column tiles and 128 values each key is read twice. 128 columns at 4
     warps took a fwd+bwd of linear attention with decay from 5.05 / 9.46 to 4.87 / 9.03 ms at 32K / 128K tokens on an
     H100 (8 warps: 5.18 / 9.76; the forwards within 3%: benchmarks/results/2026-12-07-h100/tune-states-call43.txt); ptxas
-    counts 251 registers and no spills at 4 warps (benchmarks/results/triton-spills-sm90a.txt).
-    level_programs_per_sm: log-linear attention's level
-    pass narrows its value tiles while its programs number fewer than this many per multiprocessor.
+    counts 251 registers and no spills at 4 warps (benchmarks/results/triton-spills-sm90a.txt). level_programs_per_sm:
+    log-linear attention's level pass narrows its value tiles while its programs number fewer than this many per
+    multiprocessor.
     decay_update_dot is how the forward of `linear_attn` with decay, when no final state is asked for, feeds its
     state update `keys^T @ (values * decay)` to the tensor cores on bf16/fp16 inputs (`precision.UPDATE_DOTS`,
     chunk_states.update_dot; every other pass splits):
