@@ -43,14 +43,7 @@ from polyattn.ops.triton.precision import (
     zero_rows_from,
 )
 
-from .chunk_states import add_keys_times_values, flag_nonfinite
-
-
-@triton.jit
-def strided_state(p, i_n, i_h, s_h0n, s_h0h, s_h0a, s_h0c, o_r, o_c):
-    """Pointers to rows `o_r`, columns `o_c` of `p[n, h]`, a `[N, H, DA, DC]` state with the strides of h0 (h0 and
-    ht share them)."""
-    return p + i_n * s_h0n + i_h * s_h0h + o_r[:, None] * s_h0a + o_c[None, :] * s_h0c
+from .chunk_states import add_keys_times_values, flag_nonfinite, strided_state
 
 
 @triton.jit

@@ -94,6 +94,13 @@ def segment_states_kernel(
         tl.store(seg_decay + i_s * H + i_h, b_total)
 
 
+@triton.jit
+def strided_state(p, i_n, i_h, s_h0n, s_h0h, s_h0a, s_h0c, o_r, o_c):
+    """Pointers to rows `o_r`, columns `o_c` of `p[n, h]`, a `[N, H, DA, DC]` state with the strides of h0 (h0 and
+    ht share them)."""
+    return p + i_n.to(tl.int64) * s_h0n + i_h * s_h0h + o_r[:, None] * s_h0a + o_c[None, :] * s_h0c
+
+
 @triton.jit(do_not_specialize=["s_h0n", "s_h0h", "s_h0a", "s_h0c"])
 def segment_scan_kernel(
     states, seg_decay, cu_seg, h0, nonfinite,
@@ -121,8 +128,7 @@ def segment_scan_kernel(
     o_c = i_c * BC + tl.arange(0, BC)
     m_s = (o_a < DA)[:, None] & (o_c < DC)[None, :]
     if USE_H0:
-        p_h0 = h0 + i_n.to(tl.int64) * s_h0n + i_h * s_h0h + o_a[:, None] * s_h0a + o_c[None, :] * s_h0c
-        b_carry = tl.load(p_h0, mask=m_s, other=0.0).to(tl.float32)
+        b_carry = tl.load(strided_state(h0, i_n, i_h, s_h0n, s_h0h, s_h0a, s_h0c, o_a, o_c), mask=m_s, other=0.0).to(tl.float32)
     else:
         b_carry = tl.zeros([BA, BC], dtype=tl.float32)
     for i in range(0, hi - lo - 1):
