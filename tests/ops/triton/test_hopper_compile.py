@@ -3,10 +3,12 @@
 The interpreter runs a kernel's Python on NumPy and skips what only the GPU compiler checks: a tensor-core
 product needs every dimension at least 16, for one. A kernel can pass every interpreted test and still fail
 to compile on the GPU (the chunked KATA reads did, at a group width of 8). Here each family's Triton form runs
-forward and backward, and one decoding token, under the interpreter at small shapes in bf16 and fp32 while
-every launch is recorded (kernel, argument types, constexprs, warps and stages); a process without the
-interpreter then lowers each distinct launch through Triton's front end and its GPU passes for sm_90, the
-bf16 launches on the tensor-core branch the interpreter never takes (`polyattn.ops.triton.launches`).
+forward and backward, and one decoding token, at small shapes in bf16 and fp32 while every launch is recorded
+(kernel, argument types, constexprs, warps and stages) and not interpreted: which kernels launch, and with what,
+is decided on the host from shapes and configs alone (the forms never read a result back to choose), and the
+other tests interpret the kernels. A process without the interpreter then lowers each distinct launch through
+Triton's front end and its GPU passes for sm_90, the bf16 launches on the tensor-core branch the interpreter
+never takes (`polyattn.ops.triton.launches`).
 """
 from __future__ import annotations
 
@@ -87,7 +89,7 @@ def test_every_launched_kernel_compiles_for_hopper(tmp_path):
     small = KernelConfig(kata_block_m=32, kata_block_n=16, kata_chunk_size=64, kata_read_block=32)
     split = replace(small, split_fill=1e9, min_segment_chunks=1, delta_fused_outputs=False, delta_split_fill=1e9,
                     delta_split_backward=True, deltakata_chunk_size=16, deltakata_state_interval=2)  # the other paths
-    with recording() as launches:
+    with recording(execute=False) as launches:
         for config, dtypes in ((small, (torch.bfloat16, torch.float32)), (split, (torch.bfloat16,))):
             with use_config(config):
                 for dtype in dtypes:

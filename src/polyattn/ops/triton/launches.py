@@ -51,9 +51,10 @@ def describe(fn, args: tuple, kwargs: dict) -> dict:
 
 
 @contextlib.contextmanager
-def recording():
+def recording(execute: bool = True):
     """Inside it, every launch of one of the package's kernels under the interpreter is also noted: yields the
-    list of distinct launches (`describe`), filled as they come."""
+    list of distinct launches (`describe`), filled as they come. With `execute=False` they are noted and not run:
+    their outputs keep whatever memory they were given."""
     from triton.runtime.interpreter import InterpretedFunction
 
     seen, launches, run = set(), [], InterpretedFunction.run
@@ -65,6 +66,8 @@ def recording():
             if key not in seen:
                 seen.add(key)
                 launches.append(launch)
+            if not execute:
+                return None
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording_run
