@@ -8,6 +8,7 @@ chunk's first token and inside a chunk; with CUDA at real shapes.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -283,28 +284,28 @@ NONFINITE_INPUT_CAUSAL = (
 BETA_OPS = ("delta_rule", "loglinear_gdn", "deltakata_lorentz")
 
 
-@pytest.mark.parametrize("position", [64, 100], ids=["chunk-start", "inside"])
-@pytest.mark.parametrize("value, packed", [("nan", False), ("inf", False), ("nan", True)], ids=["nan", "inf", "nan-packed"])
-@pytest.mark.parametrize("op, field", [(op, field) for op in NONFINITE_INPUT_CAUSAL
-                                       for field in ("q", "k", "v") + (("beta",) if op in BETA_OPS else ())])
-def test_triton_forms_under_nonfinite_inputs(op, field, value, packed, position):
-    """A NaN or Inf in q, k or v at one token (head 0) leaves every earlier output bit-identical to a
-    clean call, and a non-finite k or v reaches the outputs from that token on (KATA on the CPU: query
-    tiles of two key tiles, so that the diagonal has more than one). Packed: two documents, the token in
-    the second (at 64 inside its first chunk), the first untouched."""
-    from polyattn import ops
+def nonfinite_case_inputs() -> dict:
+    """The inputs of the non-finite cases below, float32 on DEVICE (a fresh copy each call)."""
     from polyattn.ops.common import num_levels
 
     T, H, K, V = (150, 2, 8, 12) if DEVICE == "cpu" else (1000, 16, 128, 96)
     x = {n: t.float() for n, t in seeded_inputs(1, T, H, K, V, decay=True, beta=True, seed=7, device=DEVICE).items()}
     x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)  # the delta rule's contractive regime
     x["lam"] = torch.rand(1, T, H, num_levels(T), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    return x
+
+
+def nonfinite_case_output(op: str, x: dict, packed: bool) -> torch.Tensor:
+    """`op`'s Triton form on `x` (packed: two documents, [0, 40) and [40, T)), under a small KATA tiling on the CPU
+    (query tiles of two key tiles, so that the diagonal has more than one)."""
+    from polyattn import ops
+
     hla = {"hla2": {}, "ahla": {"asymmetric": True}, "hla3": {"order": 3}}
     kata = {"kata_m1": {}, "kata_m2": {"groups": 2}, "kata_s2": {"groups": 2, "combine": "sum"}, "kata_lorentz": {"feature": "lorentz"},
             "kata_m2_chunk": {"groups": 2, "impl": "triton_chunk"}, "kata_s2_chunk": {"groups": 2, "combine": "sum", "impl": "triton_chunk"}}
+    T = x["q"].shape[1]
     options = dict(impl="triton", cu_seqlens=torch.tensor([0, 40, T], device=DEVICE) if packed else None)
-
-    def call(x):
+    with use_config(KernelConfig(kata_block_m=64, kata_block_n=16, kata_chunk_size=64, kata_read_block=32) if DEVICE == "cpu" else get_config()):
         if op in hla:
             return ops.hla(x["q"], x["k"], x["v"], x["g"], **hla[op], **options)[0]
         if op in kata:
@@ -319,10 +320,25 @@ def test_triton_forms_under_nonfinite_inputs(op, field, value, packed, position)
             return ops.kata(x["q"], x["k"], x["v"], x["g"], feature="lorentz", beta=x["beta"], normalize=False, **options)[0]
         return ops.linear_attn(x["q"], x["k"], x["v"], x["g"], **options)[0]
 
-    with use_config(KernelConfig(kata_block_m=64, kata_block_n=16, kata_chunk_size=64, kata_read_block=32) if DEVICE == "cpu" else get_config()):
-        clean = call(x)
-        x[field][:, position, 0] = float(value)
-        o = call(x)
+
+@functools.lru_cache(maxsize=None)
+def nonfinite_case_clean(op: str, packed: bool) -> torch.Tensor:
+    """The clean call of each (op, packed), once per test process: each case compares its planted call with it."""
+    return nonfinite_case_output(op, nonfinite_case_inputs(), packed)
+
+
+@pytest.mark.parametrize("position", [64, 100], ids=["chunk-start", "inside"])
+@pytest.mark.parametrize("value, packed", [("nan", False), ("inf", False), ("nan", True)], ids=["nan", "inf", "nan-packed"])
+@pytest.mark.parametrize("op, field", [(op, field) for op in NONFINITE_INPUT_CAUSAL
+                                       for field in ("q", "k", "v") + (("beta",) if op in BETA_OPS else ())])
+def test_triton_forms_under_nonfinite_inputs(op, field, value, packed, position):
+    """A NaN or Inf in q, k or v at one token (head 0) leaves every earlier output bit-identical to a
+    clean call, and a non-finite k or v reaches the outputs from that token on. Packed: two documents, the
+    token in the second (at 64 inside its first chunk), the first untouched."""
+    clean = nonfinite_case_clean(op, packed)
+    x = nonfinite_case_inputs()
+    x[field][:, position, 0] = float(value)
+    o = nonfinite_case_output(op, x, packed)
     assert bool(torch.isfinite(clean).all())
     assert torch.equal(o[:, :position], clean[:, :position]), f"{field}={value} at {position} changed an earlier output"
     if field in ("k", "v"):
