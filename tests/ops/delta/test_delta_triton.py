@@ -154,6 +154,16 @@ def test_forward_without_backward(dtype, fused):
     assert rel_err(ht, ht_ref) <= 1e-5, f"final state: {rel_err(ht, ht_ref):.2e}"
 
 
+def test_backward_refuses_one_pipeline_stage():
+    """`KernelConfig.num_stages = 1`: the forward runs; the backward is a ValueError, not a launch (its reverse
+    walk made an illegal memory access at one stage on an H100)."""
+    leaves = [t.float().clone().requires_grad_() for t in _inputs(1, 70, True, seed=23).values()]
+    with use_config(replace(get_config(), num_stages=1)):
+        o, _ = delta_rule_triton(*leaves, scale=K**-0.5)
+        with pytest.raises(ValueError, match="num_stages"):
+            o.sum().backward()
+
+
 # both recurrences in segments of one chunk or more at these shapes, however many walks there are
 SPLIT = dict(delta_split_per_sm=64, delta_split_fill=float("inf"), delta_split_backward=True, min_segment_chunks=1)
 

@@ -257,6 +257,9 @@ def delta_rule_backward(
     """The backward kernels and dg as a custom op: `(dq, dk, dv, dbeta, dg, dh0)`, dg and dh0 empty
     [0] tensors when not wanted."""
     config, (B, T, H, K, V, C, N), (qf, kf, vf, bf, gf), seq_lens, chunks, seqs = _flatten(q, k, v, beta, g, seq_lens)
+    if config.num_stages < 2:  # ops/delta/README.md, "Triton kernels"
+        raise ValueError("delta_rule's backward needs KernelConfig.num_stages >= 2: at 1 its reverse walk made an "
+                         "illegal memory access on an H100 (Triton 3.6)")
     dof = do.reshape(B * T, H, V).contiguous()  # [B, T, H, V] -> [B*T, H, V]
     dht = dht.float().contiguous() if dht is not None else None
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=qf.device) if want_dh0 else None
