@@ -11,8 +11,6 @@ three chunk-levels; with CUDA the same tests run at real shapes.
 """
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import triton
@@ -412,10 +410,13 @@ def test_gdn_state_interval_below_one_is_refused():
         checkpoint_plan((640,), 64, "cpu")
 
 
-@functools.lru_cache(maxsize=None)
-def _head_group_case(with_states: bool):
-    """`(run, want)` of `test_gdn_triton_in_head_groups`: the call and its result over every head at once, computed
-    once per test process for the group sizes that share it."""
+@pytest.mark.parametrize("size, with_states", [(1, True), (2, True), (2, False)], ids=["1", "2", "2-plain"])
+def test_gdn_triton_in_head_groups(size, with_states):
+    """`KernelConfig.gdn_heads`: the forward and backward run a group of heads at a time (three heads in groups of
+    one, or of two and one) and give what one call over every head gives (each head's arithmetic is its own),
+    packed sequences from states at odd positions, with the final state and gradients through every input; or,
+    plain, from no state and without the final state (the ops' edge-row outputs then empty stand-ins)."""
+    from polyattn.ops.triton.plan import KernelConfig, use_config
     from polyattn.testing import forward_backward, loglinear_prefix_state
 
     heads = (3, *((32, 32) if CUDA else (8, 12)))
@@ -431,18 +432,7 @@ def _head_group_case(with_states: bool):
     if not with_states:
         state, dht = None, None
     run = lambda: forward_backward(TRITON, x, state, (do, dht), scale=0.5, cu_seqlens=cu, final_state=with_states)  # noqa: E731
-    return run, run()
-
-
-@pytest.mark.parametrize("size, with_states", [(1, True), (2, True), (2, False)], ids=["1", "2", "2-plain"])
-def test_gdn_triton_in_head_groups(size, with_states):
-    """`KernelConfig.gdn_heads`: the forward and backward run a group of heads at a time (three heads in groups of
-    one, or of two and one) and give what one call over every head gives (each head's arithmetic is its own),
-    packed sequences from states at odd positions, with the final state and gradients through every input; or,
-    plain, from no state and without the final state (the ops' edge-row outputs then empty stand-ins)."""
-    from polyattn.ops.triton.plan import KernelConfig, use_config
-
-    run, want = _head_group_case(with_states)
+    want = run()
     with use_config(KernelConfig(gdn_heads=size)):
         got = run()
     assert want.keys() == got.keys() and len(want) > 6
