@@ -13,6 +13,43 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     check_interpreter_bounds()
 
+    def _patch_lang_once_per_launch():
+        """The interpreter patches `triton.language` for a launch, and again at every call of a `@triton.jit`
+        function inside the kernel (`tl.sum`, `tl.cumsum` included). What a patch does depends only on the
+        modules (`tl`, `tl.core`) the function sees, and nothing undoes an inner patch before the launch's own
+        restore: a call whose modules the launch already patched skips the repeat (the same kernels, 30-40%
+        less interpreter time)."""
+        import inspect
+
+        import triton.language as tl
+        from triton.runtime import interpreter
+
+        if not all(hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
+            return  # another Triton's interpreter: its own patching, slower
+        patch_lang, run_grid = interpreter._patch_lang, interpreter.GridExecutor.__call__
+        patched = []  # per launch in progress: the ids of the modules patched during it
+
+        def patch_lang_once(fn):
+            seen = frozenset(id(m) for m in fn.__globals__.values() if inspect.ismodule(m) and m in (tl, tl.core))
+            if patched and seen and seen <= patched[-1]:
+                return interpreter._LangPatchScope()  # nothing to restore
+            scope = patch_lang(fn)
+            if patched:
+                patched[-1] |= seen
+            return scope
+
+        def run_grid_tracked(self, *args, **kwargs):
+            patched.append(frozenset())
+            try:
+                return run_grid(self, *args, **kwargs)
+            finally:
+                patched.pop()
+
+        interpreter._patch_lang = patch_lang_once
+        interpreter.GridExecutor.__call__ = run_grid_tracked
+
+    _patch_lang_once_per_launch()
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # one intra-op thread per xdist worker: the workers already fill the cores
     torch.set_num_threads(1)
