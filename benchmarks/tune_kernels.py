@@ -24,7 +24,7 @@ PRESETS = {  # the launch parameters each family's kernels read
               dict(delta_narrow_per_sm=0), dict(delta_fp32_dot="rounded"), dict(gdn_block_v=64), dict(gdn_num_warps=4),
               dict(gdn_grads_warps=4), dict(gdn_state_interval=32),
               dict(delta_split_per_sm=0), dict(delta_split_backward=True), dict(delta_grad_block_v=64),
-              dict(delta_grad_block_k=128, delta_chunk_warps=8)],
+              dict(delta_grad_block_k=128, delta_chunk_warps=8), dict(delta_out_dot="split")],
     "kata": [dict(), dict(kata_score_dot="rounded"), dict(kata_num_warps=4, kata_bwd_warps=4), dict(kata_num_stages=3),
              dict(kata_score_dot="rounded", kata_num_stages=3),
              dict(kata_score_dot="rounded", kata_num_warps=4, kata_bwd_warps=8, kata_num_stages=3),

@@ -71,6 +71,30 @@ def test_triton_varlen(dtype, fused):
         )
 
 
+@pytest.mark.parametrize("mode", ["split", "rounded"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-outputs", "output-kernel"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_output_products(dtype, fused, mode):
+    """`delta_out_dot`: the outputs' two products take their fp32 operands (the score tile, U, the entering
+    state) split in two halves or rounded to the input dtype (the default, one product each); o, the final
+    state and every gradient within the same bound either way, on packed sequences with states, the outputs
+    formed in the recurrence or by the per-chunk kernel."""
+    lengths = [1, 64, 37, 130] if not CUDA else [1, 64, 1000, 2047, 130]
+    with use_config(replace(get_config(), delta_out_dot=mode, delta_fused_outputs=fused)):
+        assert_low_precision_matches(
+            delta_rule_naive, delta_rule_chunk, delta_rule_triton, _inputs(1, sum(lengths), True, seed=24),
+            _h0(len(lengths), 25), dtype, lengths=lengths,
+        )
+
+
+def test_fp32_dot_names():
+    """`delta_fp32_dot` and `delta_out_dot` take "split" or "rounded"; another name is a ValueError before any launch."""
+    x = [t.to(torch.bfloat16) for t in _inputs(1, 65, True).values()]
+    for field in ("delta_fp32_dot", "delta_out_dot"):
+        with use_config(replace(get_config(), **{field: "tf32"})), pytest.raises(ValueError, match=field):
+            delta_rule_triton(*x, scale=K**-0.5)
+
+
 def _flat(x):
     return None if x is None else x.reshape(-1, *x.shape[2:]).contiguous()  # [B, T, H, ...] -> [B*T, H, ...]
 
@@ -155,8 +179,8 @@ def test_forward_without_backward(dtype, fused):
 
 
 def test_backward_refuses_one_pipeline_stage():
-    """`KernelConfig.num_stages = 1`: the forward runs; the backward is a ValueError, not a launch (its reverse
-    walk made an illegal memory access at one stage on an H100)."""
+    """`KernelConfig.num_stages = 1`: the forward runs; the backward is a ValueError, not a launch (at one stage
+    its reverse walk reads shared memory out of bounds on an H100: wrong gradients or an illegal access)."""
     leaves = [t.float().clone().requires_grad_() for t in _inputs(1, 70, True, seed=23).values()]
     with use_config(replace(get_config(), num_stages=1)):
         o, _ = delta_rule_triton(*leaves, scale=K**-0.5)

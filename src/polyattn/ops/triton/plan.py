@@ -61,7 +61,12 @@ class KernelConfig:
     tests' error bound; "rounded" trades accuracy for fewer tensor-core products and is there to be measured:
     at the GPU test shape dg's error is 1.9x its bound, 2026-12-06-h100/delta-precision-call8.json. A third mode, one
     tf32 product, was slower at 8K on an H100 (fwd+bwd 12.05 against 11.85 ms: tune-delta-bv16-tf32-call7.txt) and
-    gave a non-finite dk at that shape (delta-precision-call8.json), so it was taken out); delta_fused_outputs whether the recurrence forms the outputs (None: when its
+    gave a non-finite dk at that shape (delta-precision-call8.json), so it was taken out); delta_out_dot the same
+    choice for the two products that form the outputs alone (score tile times U, queries times the entering state;
+    off the recurrence's dependent path, and nothing of the backward reads them): "rounded" by default, as the linear
+    forward's decay_update_dot, since o is rounded to the input dtype anyway (at the GPU test shape o's error 2.6e-3
+    against 2.0e-3 split, bound 6.3e-3, every other tensor unchanged; on an H100 the forward took 2.18 ms against
+    2.43 at 8K, 3.08 against 3.57 at 32K: 2026-12-07-h100/delta-precision-call51.txt, tune-delta-outdot-call51.txt); delta_fused_outputs whether the recurrence forms the outputs (None: when its
     programs outnumber the multiprocessors; on the H200 fused took 2.95 / 2.94 ms against 3.29 / 3.26 at
     2K / 8K tokens per sequence, 4.10 / 13.9 against 4.07 / 11.8 at 32K / 128K with 128 / 64 walks:
     tune-delta-fused-outputs-call29.json; on an H100 at 32K with 256 walks of 16 columns, 3.64 ms and 0.50 GiB fused
@@ -157,6 +162,7 @@ class KernelConfig:
     delta_grad_block_v: int = 32
     delta_grad_block_k: int = 64
     delta_fp32_dot: str = "split"
+    delta_out_dot: str = "rounded"
     delta_fused_outputs: bool | None = None
     delta_split_per_sm: int = 4
     delta_split_fill: float = 0.5

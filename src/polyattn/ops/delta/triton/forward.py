@@ -12,9 +12,10 @@ entering the chunk (ops/delta/README.md, "Chunk form"):
 with the state on chip (three products per chunk on its dependent path), and forms O as it goes
 or stores h entering every chunk (`hs: [NC, H, K, V]`) and U (`us: [N_tok, H, V]`), both fp32,
 for `delta_outputs_kernel`, which forms O for every chunk in parallel (function.fused_outputs
-picks; the backward reads hs and us either way). Every fp32 operand (state, R, U, the score
-tile) enters the tensor cores split in input-dtype halves, exact to ~2^-16
-(`KernelConfig.delta_fp32_dot` picks other modes). `delta_forward_ref` is the PyTorch twin of both.
+picks; the backward reads hs and us either way). Every fp32 operand of the recurrence (state, R,
+U) enters the tensor cores split in input-dtype halves, exact to ~2^-16 (`KernelConfig.delta_fp32_dot`
+picks other modes); the two products that only form O take theirs (the score tile, U, h) rounded
+(`KernelConfig.delta_out_dot`). `delta_forward_ref` is the PyTorch twin of both.
 """
 import torch
 import triton
@@ -95,12 +96,17 @@ def value_rows(x, t, H, i_h, V, o_v, m_tv, LEAD: tl.constexpr):
 
 
 @triton.jit
-def chunk_outputs(b_q, b_k, b_g, b_gc, b_last, b_u, b_h, first, scale, F32: tl.constexpr, FP32_DOT: tl.constexpr):
+def chunk_outputs(b_q, b_k, b_g, b_gc, b_last, b_u, b_h, first, scale, F32: tl.constexpr, OUT_DOT: tl.constexpr):
     """`O = A_qk U + diag(exp(gc)) (scale Q) h` [C, BV] of one chunk and value tile from U [C, BV] and the
-    entering state h [BK, BV] (both fp32); the rows from the chunk's first non-finite token `first` on are NaN."""
+    entering state h [BK, BV] (both fp32); the rows from the chunk's first non-finite token `first` on are NaN.
+    OUT_DOT (`FP32_DOTS`, `KernelConfig.delta_out_dot`): 0 the fp32 operands split, 2 rounded (one product each)."""
     b_att = chunk_scores(b_q, b_k, b_g, b_gc, b_last, scale, F32)  # [C, C]
-    b_o = mma_fp32(b_att, b_u, b_q.dtype, F32, FP32_DOT)  # [C, C] @ [C, BV] -> [C, BV]
-    b_o += mma_right_fp32(b_q, b_h, F32) * (tl.exp2(b_gc) * scale)[:, None]  # [C, BK] @ [BK, BV] -> [C, BV]
+    b_o = mma_fp32(b_att, b_u, b_q.dtype, F32, OUT_DOT)  # [C, C] @ [C, BV] -> [C, BV]
+    if OUT_DOT == 0:
+        b_qh = mma_right_fp32(b_q, b_h, F32)  # [C, BK] @ [BK, BV] -> [C, BV]
+    else:
+        b_qh = mma(b_q, to_output(b_h, b_q.dtype, F32), F32)  # [C, BK] @ [BK, BV], h rounded
+    b_o += b_qh * (tl.exp2(b_gc) * scale)[:, None]  # [C, BV]
     return nan_rows_from(b_o, first)  # [C, BV]
 
 
@@ -109,7 +115,7 @@ def delta_states_kernel(
     q, k, v, beta, g, t_inv, firsts, seqs, cu_chunks, h0, ht, hs, us, out, scale, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr,
     STORE_HT: tl.constexpr, SAVE: tl.constexpr, OUT: tl.constexpr, F32: tl.constexpr, FP32_DOT: tl.constexpr,
-    LEAD: tl.constexpr,
+    OUT_DOT: tl.constexpr, LEAD: tl.constexpr,
 ):
     """grid: (cdiv(V, BV), N, H). The fp32 state tile [BK, BV] stays in registers for the whole
     sequence; per chunk three products on the dependent path, `K h`, `Tinv R` and `K^T U`. With SAVE
@@ -146,7 +152,7 @@ def delta_states_kernel(
             tl.store(us + row_v, b_u, mask=m_tv)
         if OUT:
             b_q = tl.load(q + row_k, mask=m_tk, other=0.0)  # [C, BK]
-            b_o = chunk_outputs(b_q, b_k, b_g, b_gc, b_last, b_u, b_h, first, scale, F32, FP32_DOT)  # [C, BV]
+            b_o = chunk_outputs(b_q, b_k, b_g, b_gc, b_last, b_u, b_h, first, scale, F32, OUT_DOT)  # [C, BV]
             tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
         b_s = tl.exp2(chunk_suffix(b_g, b_gc, b_last, F32))  # [C]: exp(gc_last - gc)
         b_h = mma_right_acc(tl.trans(b_k), b_u * b_s[:, None], b_h * tl.exp2(b_last), F32, SPLIT)  # [BK, C] @ [C, BV]
@@ -159,7 +165,7 @@ def delta_states_kernel(
 def delta_outputs_kernel(
     q, k, v, g, us, hs, firsts, out, chunks, scale, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, F32: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    OUT_DOT: tl.constexpr,
 ):
     """grid: (cdiv(V, BV) * num_chunks, H) (`chunk_tile_program`). `O = A_qk U + diag(exp(gc)) (scale Q) h` for
     one chunk, head and value tile, from the stored U and entering state h: every chunk in parallel; the rows
@@ -179,7 +185,7 @@ def delta_outputs_kernel(
     b_u = tl.load(us + row_v, mask=m_tv, other=0.0)  # [C, BV] fp32
     b_h = tl.load(hs + (i_ch * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
     first = tl.minimum(tl.load(firsts + i_ch * H + i_h), first_nonfinite_row(tl.load(v + row_v, mask=m_tv, other=0.0)))
-    b_o = chunk_outputs(b_q, b_k, b_g, b_gc, b_last, b_u, b_h, first, scale, F32, FP32_DOT)  # [C, BV]
+    b_o = chunk_outputs(b_q, b_k, b_g, b_gc, b_last, b_u, b_h, first, scale, F32, OUT_DOT)  # [C, BV]
     tl.store(out + row_v, to_output(b_o, out.dtype.element_ty, F32), mask=m_tv)  # downcast: output dtype
 
 

@@ -172,7 +172,7 @@ def entering_states(kf, vf, bf, gf, t_inv, firsts, h0, plan: dict, *, C: int, BV
     delta_states_kernel[(triton.cdiv(W, BV), P, H)](
         kf, kf, vf, bf, gf, t_inv, firsts, plan["pre"], plan["pre_chunks"], start, Mb, none, none, none, 1.0, H, K, W,
         C=C, BK=block(K), BV=BV, USE_G=gf is not None, USE_H0=True, STORE_HT=True, SAVE=False, OUT=False,
-        F32=dot_f32(kf.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"), LEAD=K,
+        F32=dot_f32(kf.dtype), FP32_DOT=fp32_dot_mode(config, "delta_fp32_dot"), OUT_DOT=0, LEAD=K,  # no outputs
         num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
     return chain(Mb, h0, plan["heads"], plan["steps"], plan["walks"].shape[0])
@@ -200,6 +200,8 @@ def delta_rule_forward(
     store_ht and hs, us without save are empty [0] tensors."""
     config, (B, T, H, K, V, C, N), (qf, kf, vf, bf, gf), seq_lens, chunks, seqs = _flatten(q, k, v, beta, g, seq_lens)
     h0 = h0.float().contiguous() if h0 is not None else None
+    F32, FP32_DOT, USE_G = dot_f32(q.dtype), fp32_dot_mode(config, "delta_fp32_dot"), gf is not None
+    OUT_DOT = fp32_dot_mode(config, "delta_out_dot")
     t_inv, firsts = wy_solve(kf, bf, gf, chunk_size=C, chunks=chunks, num_warps=config.num_warps)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if store_ht else no_output(q)
     BK, BV = block(K), min(block(V), config.delta_block_v)
@@ -217,11 +219,10 @@ def delta_rule_forward(
     hs = torch.empty(chunks[2], H, K, V, dtype=torch.float32, device=q.device) if keep else no_output(q)
     us = torch.empty(B * T, H, V, dtype=torch.float32, device=q.device) if keep else no_output(q)
     o = torch.empty_like(vf)
-    F32, FP32_DOT, USE_G = dot_f32(q.dtype), fp32_dot_mode(config, "delta_fp32_dot"), gf is not None
     delta_states_kernel[(triton.cdiv(V, BV), n_walks, H)](
         qf, kf, vf, bf, gf, t_inv, firsts, walks, walk_chunks, walk_h0, walk_ht, hs, us, o, scale, H, K, V,
         C=C, BK=BK, BV=BV, USE_G=USE_G, USE_H0=walk_h0 is not None, STORE_HT=store_ht, SAVE=keep, OUT=fused,
-        F32=F32, FP32_DOT=FP32_DOT, LEAD=0, num_warps=config.delta_num_warps, num_stages=config.num_stages,
+        F32=F32, FP32_DOT=FP32_DOT, OUT_DOT=OUT_DOT, LEAD=0, num_warps=config.delta_num_warps, num_stages=config.num_stages,
     )
     if plan is not None and store_ht:
         ht = walk_ht[plan["ends"]]  # [S, H, K, V] -> [N, H, K, V]: the last segment's leaving state
@@ -229,7 +230,7 @@ def delta_rule_forward(
         BVO = min(block(V), config.delta_out_block_v)
         delta_outputs_kernel[(triton.cdiv(V, BVO) * chunks[2], H)](
             qf, kf, vf, gf, us, hs, firsts, o, chunks[0], scale, H, K, V,
-            C=C, BK=BK, BV=BVO, USE_G=USE_G, F32=F32, FP32_DOT=FP32_DOT,
+            C=C, BK=BK, BV=BVO, USE_G=USE_G, F32=F32, OUT_DOT=OUT_DOT,
             num_warps=config.delta_chunk_warps, num_stages=config.num_stages,
         )
     if not save:
@@ -258,8 +259,8 @@ def delta_rule_backward(
     [0] tensors when not wanted."""
     config, (B, T, H, K, V, C, N), (qf, kf, vf, bf, gf), seq_lens, chunks, seqs = _flatten(q, k, v, beta, g, seq_lens)
     if config.num_stages < 2:  # ops/delta/README.md, "Triton kernels"
-        raise ValueError("delta_rule's backward needs KernelConfig.num_stages >= 2: at 1 its reverse walk made an "
-                         "illegal memory access on an H100 (Triton 3.6)")
+        raise ValueError("delta_rule's backward needs KernelConfig.num_stages >= 2: at 1 Triton 3.6 lowers its reverse "
+                         "walk with out-of-bounds shared-memory reads (wrong gradients, or an illegal memory access)")
     dof = do.reshape(B * T, H, V).contiguous()  # [B, T, H, V] -> [B*T, H, V]
     dht = dht.float().contiguous() if dht is not None else None
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=qf.device) if want_dh0 else None
