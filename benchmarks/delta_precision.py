@@ -1,9 +1,12 @@
 """Accuracy of the Triton delta rule for each way of running its fp32 x fp32 products.
 
 python benchmarks/delta_precision.py [--out FILE]
-For every `KernelConfig.delta_fp32_dot` mode, bf16 inputs at the GPU test shape (B = 2, T = 1000,
-H = 16, K = 128, V = 96, with decay): the relative error of o, the final state and every gradient
-against the float64 spec, beside the test bound (2x the PyTorch chunk form's error, or one bf16 ulp).
+With every product split, with the outputs' products rounded (`delta_out_dot`, the default) and with every
+fp32 x fp32 product rounded (`delta_fp32_dot` too), bf16 inputs at the GPU test shape (B = 2, T = 1000,
+H = 16, K = 128, V = 96, with decay): the relative error of o, the final state and every gradient against the float64 spec, beside the test bound (2x the PyTorch chunk form's error, or one bf16 ulp).
+With fla importable, also the forward alone (o and the final state, no gradients: fla's gated backward
+needs Triton >= 3.7.1) of every mode and of fla's `chunk_gated_delta_rule`, against the same bound: the
+precision at which the anchor of the delta rule's speed targets runs.
 """
 import argparse
 import json
@@ -11,10 +14,10 @@ from dataclasses import replace
 
 import torch
 
+from polyattn.bench.kernels import fla_op
 from polyattn.ops.delta import delta_rule_chunk, delta_rule_naive
 from polyattn.ops.delta.triton import delta_rule_triton
 from polyattn.ops.triton.plan import get_config, use_config
-from polyattn.ops.triton.precision import FP32_DOTS
 from polyattn.testing import low_precision_errors, seeded_inputs
 
 
@@ -27,17 +30,30 @@ def main():
     inputs = {n: x[n] for n in ("q", "k", "v", "beta", "g")}
     h0 = 0.5 * torch.randn(2, 16, 128, 96, dtype=torch.float64, device="cuda")
     results = {}
-    for mode in FP32_DOTS:
+    modes = {  # KernelConfig fields: the state chain's fp32 x fp32 products, and the outputs' two products
+        "split": dict(delta_fp32_dot="split", delta_out_dot="split"),
+        "out-rounded": dict(delta_fp32_dot="split", delta_out_dot="rounded"),  # the default
+        "rounded": dict(delta_fp32_dot="rounded", delta_out_dot="rounded"),
+    }
+    forms = [(name, fields, delta_rule_triton, True) for name, fields in modes.items()]
+    fla = fla_op("chunk_gated_delta_rule")
+    if fla is not None:
+        def fla_form(q, k, v, beta, g, *, scale, initial_state, output_final_state):
+            return fla(q, k, v, g, beta, scale=scale, initial_state=initial_state.float(), output_final_state=output_final_state)
+
+        forms += [(f"{name}-fwd", fields, form, False) for name, fields, form, _ in forms]
+        forms.append(("fla-fwd", {}, fla_form, False))
+    for name, fields, form, backward in forms:
         try:
-            with use_config(replace(get_config(), delta_fp32_dot=mode)):
-                errors = low_precision_errors(delta_rule_naive, delta_rule_chunk, delta_rule_triton, inputs, h0, torch.bfloat16)
-        except AssertionError as failure:  # a mode whose outputs are not finite: said, and the others still measured
-            results[mode] = str(failure)
-            print(f"{mode:8} {failure}", flush=True)
+            with use_config(replace(get_config(), **fields)):
+                errors = low_precision_errors(delta_rule_naive, delta_rule_chunk, form, inputs, h0, torch.bfloat16, backward=backward)
+        except AssertionError as failure:  # a form whose outputs are not finite: said, and the others still measured
+            results[name] = str(failure)
+            print(f"{name:15} {failure}", flush=True)
             continue
-        results[mode] = {n: dict(err=e, bound=b) for n, (e, b) in errors.items()}
+        results[name] = {n: dict(err=e, bound=b) for n, (e, b) in errors.items()}
         cells = " ".join(f"{n}={e:.1e}{'' if e <= b else '!'}" for n, (e, b) in errors.items())
-        print(f"{mode:8} {cells}   (! = over the bound)", flush=True)
+        print(f"{name:15} {cells}   (! = over the bound)", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -87,7 +87,8 @@ def _with_levels(call):
     return make
 
 
-def _fla(name: str):
+def fla_op(name: str):
+    """fla's `fla.ops.<name>`, or None where fla is not installed."""
     try:
         return getattr(importlib.import_module("fla.ops"), name)
     except (ImportError, AttributeError):
@@ -150,9 +151,9 @@ def cases() -> list[Case]:
         Case("softmax", "sdpa-flash", _sdpa(SDPBackend.FLASH_ATTENTION)),
         Case("softmax", "sdpa-cudnn", _sdpa(SDPBackend.CUDNN_ATTENTION)),
     ]
-    chunk_linear_attn, chunk_simple_gla = _fla("chunk_linear_attn"), _fla("chunk_simple_gla")
-    chunk_gated_delta_rule = _fla("chunk_gated_delta_rule")
-    chunk_log_linear_attn = _fla("chunk_log_linear_attn")
+    chunk_linear_attn, chunk_simple_gla = fla_op("chunk_linear_attn"), fla_op("chunk_simple_gla")
+    chunk_gated_delta_rule = fla_op("chunk_gated_delta_rule")
+    chunk_log_linear_attn = fla_op("chunk_log_linear_attn")
     if chunk_linear_attn is not None:
         out.append(Case("linear_attn", "fla-chunk_linear_attn",
                         lambda q, k, v, g, b: lambda: chunk_linear_attn(q, k, v, normalize=False)[0]))
