@@ -3,7 +3,8 @@
 python benchmarks/delta_precision.py [--out FILE]
 With every product split, with the outputs' products rounded (`delta_out_dot`, the default) and with every
 fp32 x fp32 product rounded (`delta_fp32_dot` too), bf16 inputs at the GPU test shape (B = 2, T = 1000,
-H = 16, K = 128, V = 96, with decay): the relative error of o, the final state and every gradient against the float64 spec, beside the test bound (2x the PyTorch chunk form's error, or one bf16 ulp).
+H = 16, K = 128, V = 96, with decay): the relative error of o, the final state and every gradient against
+the float64 spec, beside the test bound (2x the PyTorch chunk form's error, or one bf16 ulp).
 With fla importable, also the forward alone (o and the final state, no gradients: fla's gated backward
 needs Triton >= 3.7.1) of every mode and of fla's `chunk_gated_delta_rule`, against the same bound: the
 precision at which the anchor of the delta rule's speed targets runs.
