@@ -1,12 +1,12 @@
 """One fwd+bwd of an op's Triton kernels at `KernelConfig.num_stages = STAGES`, to find lowering faults.
 
-python benchmarks/one_stage_check.py OP B T H STAGES [check]
+python benchmarks/one_stage_check.py OP B T STAGES [check]
 OP: linear | linear_decay | delta | loglinear_mamba2 | loglinear_gdn; inputs as `python -m polyattn.bench kernels`
-makes them (bf16, 16 heads: H is not used, K = V = 128), the delta rule at value tiles of 16 without segments. With
+makes them (bf16, 16 heads, K = V = 128), the delta rule at value tiles of 16 without segments. With
 `check`, every output and gradient against the same call at the default two stages (max |difference|). Run it
 under `compute-sanitizer --tool memcheck` to see a faulting access. The delta rule's backward refuses one stage
 (ops/delta/README.md): the runs in benchmarks/results/2026-12-07-h100/ (calls 50-51) lifted that refusal in the
-device's copy of the tree.
+device's copy of the tree; their README gives the arguments that earlier form of the script took.
 """
 import sys
 import torch
@@ -19,8 +19,8 @@ from polyattn.ops.loglinear import loglinear_attn
 from polyattn.ops.triton.plan import KernelConfig, use_config
 
 op = sys.argv[1]
-B, T, H, stages = map(int, sys.argv[2:6])
-check = len(sys.argv) > 6
+B, T, stages = map(int, sys.argv[2:5])
+check = len(sys.argv) > 5
 
 
 def run(stages):
@@ -44,7 +44,7 @@ def run(stages):
 
 
 a = run(stages)
-print("ran", op, B, T, H, "stages", stages, flush=True)
+print("ran", op, B, T, "stages", stages, flush=True)
 if check:
     b = run(2)
     for name, x, y in zip("o ht dq dk dv dg dbeta dlam".split(), a, b):

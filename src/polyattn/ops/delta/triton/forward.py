@@ -102,10 +102,7 @@ def chunk_outputs(b_q, b_k, b_g, b_gc, b_last, b_u, b_h, first, scale, F32: tl.c
     OUT_DOT (`FP32_DOTS`, `KernelConfig.delta_out_dot`): 0 the fp32 operands split, 2 rounded (one product each)."""
     b_att = chunk_scores(b_q, b_k, b_g, b_gc, b_last, scale, F32)  # [C, C]
     b_o = mma_fp32(b_att, b_u, b_q.dtype, F32, OUT_DOT)  # [C, C] @ [C, BV] -> [C, BV]
-    if OUT_DOT == 0:
-        b_qh = mma_right_fp32(b_q, b_h, F32)  # [C, BK] @ [BK, BV] -> [C, BV]
-    else:
-        b_qh = mma(b_q, to_output(b_h, b_q.dtype, F32), F32)  # [C, BK] @ [BK, BV], h rounded
+    b_qh = mma_right_acc(b_q, b_h, tl.zeros_like(b_u), F32, OUT_DOT)  # [C, BK] @ [BK, BV] -> [C, BV]
     b_o += b_qh * (tl.exp2(b_gc) * scale)[:, None]  # [C, BV]
     return nan_rows_from(b_o, first)  # [C, BV]
 
