@@ -1,8 +1,9 @@
 """Registers and spills of the Triton kernels for Hopper, compiled on a machine without a GPU.
 
-python benchmarks/triton_spills.py [linear guard delta gdn kata]
+python benchmarks/triton_spills.py [linear guard delta levels gdn kata]
 Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel`) and the delta rule's
 (`wy_kernel`, `wy_factors_kernel`, the two recurrences (the forward's with and without its outputs and stores), the per-chunk output and two gradient kernels) and log-linear
+log-linear Mamba-2's `level_pass_kernel` (its four passes) and log-linear
 Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_chain_kernel`, `gdn_levels_grads_kernel`, the chunk gradients' three stages) and
 KATA's chunked form's (`kata_states_kernel` both ways, `kata_read_kernel`, `kata_lift_grad_kernel` with and without
 its read, at K = V = 64 with the default tiles) and DeltaKATA's walks and state recompute (`deltakata_walk_kernel`, `deltakata_walk_grad_kernel`, `deltakata_states_kernel`) for sm_90a with the installed Triton (or the families named) and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
@@ -34,6 +35,7 @@ from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
 from polyattn.ops.linear.triton.launch import state_rows
 from polyattn.ops.loglinear.triton.gdn import gdn_chunk_kernel, gdn_levels_chain_kernel, gdn_levels_grads_kernel, gdn_levels_kernel
+from polyattn.ops.loglinear.triton.level_pass import level_pass_kernel
 from polyattn.ops.loglinear.triton.gdn_grads import gdn_chunk_key_grads_kernel, gdn_chunk_score_grads_kernel, gdn_chunk_value_grads_kernel
 from polyattn.ops.triton.plan import KernelConfig, kata_state_chunk
 from polyattn.ops.triton.precision import UPDATE_DOTS
@@ -88,7 +90,7 @@ def resources(fn, constexprs: dict, warps: int, stages: int, pointers: dict | No
 
 def main() -> None:
     warnings.filterwarnings("ignore")
-    families = sys.argv[1:] or ["linear", "delta", "gdn", "kata"]
+    families = sys.argv[1:] or ["linear", "delta", "levels", "gdn", "kata"]
     print(f"triton {triton.__version__}, {ptxas().name}, sm_90a, bf16")
     if "linear" in families:
         linear()
@@ -98,6 +100,8 @@ def main() -> None:
         compile_times()
     if "delta" in families:
         delta_rule()
+    if "levels" in families:
+        loglinear_levels()
     if "gdn" in families:
         loglinear_gdn()
     if "kata" in families:
@@ -174,6 +178,22 @@ def delta_rule() -> None:
                   f"{resources(delta_state_grad_kernel, dict(rec, USE_DHT=True, STORE_DH0=False, SAVE=True, LEAD=0), warps, 2, halves)}")
             print(f"delta score grads BV{BV} warps{warps}: {resources(delta_score_grads_kernel, dict(rec, BK=64), warps, 2)}")
             print(f"delta grads BK64 BV{BV} warps{warps}: {resources(delta_grads_kernel, dict(rec, BK=64), warps, 2)}")
+
+
+LEVEL_PASSES = {  # name: (REVERSE, ROWDOT, DLAM, GUARD), as function.py launches them
+    "forward": (False, False, False, True), "dq": (False, True, True, False),
+    "dv": (True, False, False, False), "dk": (True, True, False, False),
+}
+
+
+def loglinear_levels() -> None:
+    print("log-linear Mamba-2 level_pass_kernel: BA = 128 (K = 128), C = 64, with decay")
+    for name, (reverse, rowdot, dlam, guard) in LEVEL_PASSES.items():
+        for BC, warps, stages in ((64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 1), (64, 8, 3)):
+            constexprs = dict(C=64, LOG_C=6, BA=128, BC=BC, BL=8, REVERSE=reverse, USE_G=True, USE_H0=False, ROWDOT=rowdot,
+                              DLAM=dlam, F32=False, GUARD=guard)
+            print(f"level pass {name:7} BC{BC} warps{warps} stages{stages}: {resources(level_pass_kernel, constexprs, warps, stages)}",
+                  flush=True)
 
 
 def loglinear_gdn() -> None:

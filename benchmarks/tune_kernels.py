@@ -19,7 +19,7 @@ from polyattn.ops.triton.plan import KernelConfig, use_config
 PRESETS = {  # the launch parameters each family's kernels read
     "linear": [dict(), dict(num_warps=8), dict(num_stages=1), dict(num_stages=3), dict(block_c=128, num_warps=8),
                dict(block_c=32), dict(programs_per_sm=2), dict(programs_per_sm=4), dict(chunk_size=128, num_warps=8),
-               dict(chunk_size=32), dict(decay_update_dot="split"), dict(states_block_c=64)],
+               dict(chunk_size=32), dict(decay_update_dot="split"), dict(states_block_c=64), dict(level_wide_warps=4), dict(level_programs_per_sm=4)],
     "delta": [dict(), dict(delta_block_v=64), dict(delta_num_warps=8), dict(delta_chunk_warps=4), dict(delta_out_block_v=32),
               dict(delta_narrow_per_sm=0), dict(delta_fp32_dot="rounded"), dict(gdn_block_v=64), dict(gdn_num_warps=4),
               dict(gdn_grads_warps=4), dict(gdn_state_interval=32),

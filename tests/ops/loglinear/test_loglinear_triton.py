@@ -12,6 +12,8 @@ with CUDA the same tests run at real shapes with the default chunks of 64.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -31,11 +33,15 @@ if CUDA:
     B, H, K, V = 2, 16, 128, 96
     LONG_T = 4096
     CONFIG = get_config()
+    # these few sequences x heads narrow the level pass's value tiles (run at num_warps); "wide" keeps 64 columns
+    # at level_wide_warps, as the benchmark's many sequences do
+    TILES = {"narrowed": CONFIG, "wide": dataclasses.replace(CONFIG, level_programs_per_sm=0)}
     SPLIT_T, SPLITS = 300, [63, 64, 65, 129]
 else:
     B, H, K, V = 2, 2, 8, 12
     LONG_T = 1000
     CONFIG = KernelConfig(chunk_size=16, block_c=16)
+    TILES = {"interpreter": CONFIG}
     SPLIT_T, SPLITS = 50, [15, 16, 17, 33]  # around the chunk size 2^k, and past two chunks
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -57,16 +63,20 @@ def _state(positions, L, seed=1):
 NAIVE, CHUNK = loglinear_occupied_only(loglinear_attn_naive), loglinear_occupied_only(loglinear_attn_chunk)
 
 
-def _triton(*tensors, **kwargs):
-    with use_config(CONFIG):
-        return loglinear_attn_triton(*tensors, **kwargs)
+def _triton_with(config):
+    def run(*tensors, **kwargs):
+        with use_config(config):
+            return loglinear_attn_triton(*tensors, **kwargs)
+
+    run.native_varlen = True
+    return run
 
 
-_triton.native_varlen = True
+_triton = _triton_with(CONFIG)
 
 
-def _check(x, state, dtype, lengths=None):
-    assert_low_precision_matches(NAIVE, CHUNK, _triton, x, state, dtype, lengths=lengths)
+def _check(x, state, dtype, lengths=None, config=CONFIG):
+    assert_low_precision_matches(NAIVE, CHUNK, _triton_with(config), x, state, dtype, lengths=lengths)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -82,21 +92,23 @@ def test_triton_without_decay(dtype):
     _check(x, _state([0, 17], x["lam"].shape[-1], seed=3), dtype)
 
 
-def test_triton_long_sequence():
+@pytest.mark.parametrize("tiles", list(TILES))
+def test_triton_long_sequence(tiles):
     """Many chunks and chunk-levels, from a state off the chunk grid."""
     x = _inputs(1, LONG_T, seed=4)
-    with use_config(CONFIG if CUDA else KernelConfig()):  # the interpreter affords 1000 tokens in chunks of 64
+    with use_config(TILES[tiles] if CUDA else KernelConfig()):  # the interpreter affords 1000 tokens in chunks of 64
         assert_low_precision_matches(NAIVE, CHUNK, loglinear_attn_triton, x, _state([33], x["lam"].shape[-1], seed=5), torch.bfloat16)
 
 
+@pytest.mark.parametrize("tiles", list(TILES))
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=dtype_id)
-def test_triton_varlen_from_states_at_odd_positions(dtype):
+def test_triton_varlen_from_states_at_odd_positions(dtype, tiles):
     """Packed sequences, each continuing a state at its own position: 2^k - 1, 2^k, 2^k + 1 around a
     chunk boundary (16) and inside a chunk (7, 9), and a fresh one."""
     lengths = [1, 64, 37, 20, 50, 3] if not CUDA else [1, 64, 1000, 37, 4095, 130]
     positions = [15, 16, 17, 0, 7, 9] if not CUDA else [63, 64, 65, 0, 127, 129]
     x = _inputs(1, sum(lengths), seed=6)
-    _check(x, _state(positions, x["lam"].shape[-1], seed=7), dtype, lengths=lengths)
+    _check(x, _state(positions, x["lam"].shape[-1], seed=7), dtype, lengths=lengths, config=TILES[tiles])
 
 
 def test_triton_reset_gates():

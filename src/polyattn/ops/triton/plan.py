@@ -42,7 +42,12 @@ class KernelConfig:
     H100 (8 warps: 5.18 / 9.76; the forwards within 3%: benchmarks/results/2026-12-07-h100/tune-states-call43.txt); ptxas
     counts 251 registers and no spills at 4 warps (benchmarks/results/triton-spills-sm90a.txt). level_programs_per_sm:
     log-linear attention's level pass narrows its value tiles while its programs number fewer than this many per
-    multiprocessor.
+    multiprocessor; level_wide_warps are the warps of its 64-column (or wider) tiles, narrower ones run num_warps
+    (ptxas for sm_90a at K = 128 and 64-column tiles: 724 / 1,152 / 852 / 860 bytes of spills a thread for the
+    forward / dq / dv / dk passes at 4 warps, 60 / 316 / 84 / 84 at 8: benchmarks/results/triton-spills-sm90a.txt;
+    on an H100 a forward + backward of log-linear Mamba-2 took 23.95 / 30.41 / 45.25 / 140.0 ms at 2K / 8K / 32K /
+    128K against 26.33 / 36.27 / 44.76 / 139.7 at 4 warps and four programs per multiprocessor, while 8 warps on the
+    narrowed tiles took 58.76 at 8K and 70.46 at 32K: benchmarks/results/2026-12-07-h100/tune-levels-call5{5,6}.txt).
     decay_update_dot is how the forward of `linear_attn` with decay, when no final state is asked for, feeds its
     state update `keys^T @ (values * decay)` to the tensor cores on bf16/fp16 inputs (`precision.UPDATE_DOTS`,
     chunk_states.update_dot; every other pass splits):
@@ -151,7 +156,8 @@ class KernelConfig:
     programs_per_sm: int = 8
     states_block_c: int | None = 128
     states_warps: int | None = None
-    level_programs_per_sm: int = 4
+    level_programs_per_sm: int = 1
+    level_wide_warps: int = 8
     split_fill: float = 1.0
     decay_update_dot: str = "rounded"
     min_segment_chunks: int = 4

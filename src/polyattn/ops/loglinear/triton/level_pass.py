@@ -264,7 +264,7 @@ def level_pass(
         C=C, LOG_C=LOG_C, BA=BA, BC=BC, BL=triton.next_power_of_2(NLC),
         REVERSE=reverse, USE_G=g is not None, USE_H0=initial_state is not None,
         ROWDOT=dot_x is not None, DLAM=want_dlam, F32=F32, GUARD=guard,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.level_wide_warps if BC >= 64 else config.num_warps, num_stages=config.num_stages,
     )
     if rowdot is not None:
         rowdot = rowdot.sum(0)  # [n_c, N_tok, H] -> [N_tok, H]
