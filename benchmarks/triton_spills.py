@@ -180,18 +180,18 @@ def delta_rule() -> None:
             print(f"delta grads BK64 BV{BV} warps{warps}: {resources(delta_grads_kernel, dict(rec, BK=64), warps, 2)}")
 
 
-LEVEL_PASSES = {  # name: (REVERSE, ROWDOT, DLAM, GUARD), as function.py launches them
-    "forward": (False, False, False, True), "dq": (False, True, True, False),
-    "dv": (True, False, False, False), "dk": (True, True, False, False),
+LEVEL_PASSES = {  # name: (REVERSE, ROWDOT, DLAM, GUARD, UPDATE_DOT), as function.py launches them (a training forward rounds its adds)
+    "forward": (False, False, False, True, UPDATE_DOTS["rounded"]), "dq": (False, True, True, False, UPDATE_DOTS["split"]),
+    "dv": (True, False, False, False, UPDATE_DOTS["split"]), "dk": (True, True, False, False, UPDATE_DOTS["split"]),
 }
 
 
 def loglinear_levels() -> None:
     print("log-linear Mamba-2 level_pass_kernel: BA = 128 (K = 128), C = 64, with decay")
-    for name, (reverse, rowdot, dlam, guard) in LEVEL_PASSES.items():
+    for name, (reverse, rowdot, dlam, guard, update_dot) in LEVEL_PASSES.items():
         for BC, warps, stages in ((64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 1), (64, 8, 3)):
             constexprs = dict(C=64, LOG_C=6, BA=128, BC=BC, BL=8, REVERSE=reverse, USE_G=True, USE_H0=False, ROWDOT=rowdot,
-                              DLAM=dlam, F32=False, GUARD=guard)
+                              DLAM=dlam, F32=False, GUARD=guard, UPDATE_DOT=update_dot)
             print(f"level pass {name:7} BC{BC} warps{warps} stages{stages}: {resources(level_pass_kernel, constexprs, warps, stages)}",
                   flush=True)
 

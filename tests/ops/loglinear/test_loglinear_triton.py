@@ -111,6 +111,33 @@ def test_triton_varlen_from_states_at_odd_positions(dtype, tiles):
     _check(x, _state(positions, x["lam"].shape[-1], seed=7), dtype, lengths=lengths, config=TILES[tiles])
 
 
+@pytest.mark.parametrize("lengths", [None, "packed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_triton_training_call(dtype, lengths):
+    """A call without initial or final state, as training makes: the forward's level adds take their decayed values
+    rounded (`KernelConfig.decay_update_dot`, the default); o and every gradient within the same bound."""
+    lengths = ([1, 64, 1000, 37, 4095, 130] if CUDA else [1, 64, 37, 20, 50, 3]) if lengths else None
+    Bx, T = (1, sum(lengths)) if lengths else (B, LONG_T if CUDA else 200)
+    assert_low_precision_matches(NAIVE, CHUNK, _triton, _inputs(Bx, T, seed=12), None, dtype, lengths=lengths, final_state=False)
+
+
+def test_training_forward_modes():
+    """`decay_update_dot` reaches the forward without a final state: "split" and "rounded" give different bf16
+    outputs (both finite), a final state asked for gives the split's, and another name is a ValueError."""
+    x = {n: t.to(torch.bfloat16) if n in ("q", "k", "v") else t.float() for n, t in _inputs(1, 150, seed=13).items()}
+    runs = {}
+    for mode in ("split", "rounded"):
+        with use_config(dataclasses.replace(CONFIG, decay_update_dot=mode)):
+            runs[mode] = loglinear_attn_triton(**x, scale=0.3)[0]
+            if mode == "rounded":
+                with_state = loglinear_attn_triton(**x, scale=0.3, output_final_state=True)[0]
+    assert all(torch.isfinite(o).all() for o in runs.values())
+    assert not torch.equal(runs["split"], runs["rounded"])
+    assert torch.equal(with_state, runs["split"])
+    with use_config(dataclasses.replace(CONFIG, decay_update_dot="tf32")), pytest.raises(ValueError, match="decay_update_dot"):
+        loglinear_attn_triton(**x, scale=0.3)
+
+
 def test_triton_reset_gates():
     """A very negative log-decay empties every level (the chunk decay takes its exact path)."""
     x = _inputs(B, 65, seed=8)

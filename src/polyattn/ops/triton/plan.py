@@ -43,8 +43,8 @@ class KernelConfig:
     counts 251 registers and no spills at 4 warps (benchmarks/results/triton-spills-sm90a.txt). level_programs_per_sm:
     log-linear attention's level pass narrows its value tiles while its programs number fewer than this many per
     multiprocessor; level_wide_warps are the warps of its 64-column (or wider) tiles, narrower ones run num_warps
-    (ptxas for sm_90a at K = 128 and 64-column tiles: 724 / 1,152 / 852 / 860 bytes of spills a thread for the
-    forward / dq / dv / dk passes at 4 warps, 60 / 316 / 84 / 84 at 8: benchmarks/results/triton-spills-sm90a.txt;
+    (ptxas for sm_90a at K = 128 and 64-column tiles: 768 / 1,152 / 852 / 860 bytes of spills a thread for the
+    forward / dq / dv / dk passes at 4 warps, 64 / 316 / 84 / 84 at 8: benchmarks/results/triton-spills-sm90a.txt;
     on an H100 a forward + backward of log-linear Mamba-2 took 23.95 / 30.41 / 45.25 / 140.0 ms at 2K / 8K / 32K /
     128K against 26.33 / 36.27 / 44.76 / 139.7 at 4 warps and four programs per multiprocessor, while 8 warps on the
     narrowed tiles took 58.76 at 8K and 70.46 at 32K: benchmarks/results/2026-12-07-h100/tune-levels-call5{5,6}.txt).
@@ -53,7 +53,10 @@ class KernelConfig:
     chunk_states.update_dot; every other pass splits):
     "rounded", the default, one product of the decayed values rounded to the input dtype (o's error at most 1.3x the
     split's, under the interpreter at the tests' CPU shapes, six seeds); "split" two products of their halves (on the H200 at 8K tokens the forward took 0.85 ms
-    split, 0.72 rounded: benchmarks/results/2026-12-04-h200/tune-update-dot-call10.json). The delta rule's kernels hold more fp32 tiles
+    split, 0.72 rounded: benchmarks/results/2026-12-04-h200/tune-update-dot-call10.json). Log-linear Mamba-2's forward
+    level pass, when no final state is asked for, takes its adds so too (its reads of the level states stay split); on
+    an H100 the forward took 4.93 / 6.40 / 9.32 / 31.44 ms at 2K / 8K / 32K / 128K against 5.26 / 6.68 / 9.84 / 33.46
+    split (benchmarks/results/2026-12-07-h100/tune-levels-adds-call58.txt). The delta rule's kernels hold more fp32 tiles
     per program (the solve matrix, the pseudo-values, their split halves): delta_block_v is the value tile of their two recurrences,
     delta_num_warps their warps (the H200 profile: value tile 32 beat 64 by 1.25x at 4 warps),
     delta_out_block_v the value tile of the per-chunk output kernel and delta_chunk_warps the warps

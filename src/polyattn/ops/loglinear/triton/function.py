@@ -84,7 +84,7 @@ def loglinear_attn_forward(
     layout = _layout(position, seq_lens, C, q.device)
     o, R, _, _ = level_pass(
         qf, kf, vf, gf, lamf, position, tuple(seq_lens), scale=scale, reverse=False, initial_state=r0,
-        out_dtype=torch.float32 if low is not None else None, chunk_size=C, guard=True,
+        out_dtype=torch.float32 if low is not None else None, chunk_size=C, guard=True, rounded=not store_final,
     )
     if low is not None:
         rows, real = layout.first

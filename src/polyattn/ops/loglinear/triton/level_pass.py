@@ -41,11 +41,11 @@ import triton
 import triton.language as tl
 
 from polyattn.ops.common.fenwick import level_table
-from polyattn.ops.linear.triton.chunk_states import add_keys_times_values
+from polyattn.ops.linear.triton.chunk_states import add_keys_times_values, update_dot
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays, select_scores
 from polyattn.ops.triton.plan import KernelConfig, block, get_config, narrow_block, num_sms, segment_table, state_tile
 from polyattn.ops.triton.precision import (
-    SPLIT, dot_f32, first_nonfinite_row, mma, mma_left_fp32, mma_right_acc, mma_right_fp32, nan_rows_from, to_output,
+    dot_f32, first_nonfinite_row, mma, mma_left_fp32, mma_right_acc, mma_right_fp32, nan_rows_from, to_output,
     zero_rows_from,
 )
 
@@ -78,7 +78,7 @@ def level_pass_kernel(
     scale, N_tok, H, DA, DC, L, NLC,
     C: tl.constexpr, LOG_C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr,
     REVERSE: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr, ROWDOT: tl.constexpr,
-    DLAM: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr,
+    DLAM: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr, UPDATE_DOT: tl.constexpr,
 ):
     """One sequence, one head, one DC tile.
 
@@ -93,6 +93,8 @@ def level_pass_kernel(
     (its cost was within noise on the H200), as in the linear kernel's guarded loop
     (ops/linear/triton/chunk_outputs.py): masked scores selected to 0, the intra product on c with the
     rows from the first such token zeroed, the outputs from it on NaN.
+    UPDATE_DOT (`precision.UPDATE_DOTS`): how the adds' fp32 operand (the decayed c) enters the tensor cores on
+    bf16/fp16 inputs, split (0) or rounded (2, `level_pass`'s `rounded`); the reads' states always split.
     """
     i_c, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(seg + i_n * 4).to(tl.int64)
@@ -183,11 +185,11 @@ def level_pass_kernel(
                 if REVERSE:
                     b_lam = tl.load(lam + row_l + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
                     b_wv = b_v.to(tl.float32) * (tl.exp2(b_wk) * b_lam)[:, None]  # [C, BC]
-                    b_add = mma_right_acc(tl.trans(b_b), b_wv, tl.zeros([BA, BC], dtype=tl.float32), F32, SPLIT)
+                    b_add = mma_right_acc(tl.trans(b_b), b_wv, tl.zeros([BA, BC], dtype=tl.float32), F32, UPDATE_DOT)
                 else:  # formed per add, not once before the loop: a product held live across this loop's
                     # products miscompiles on the H200 (Triton 3.6: wrong outputs, illegal addresses)
                     b_zero = tl.zeros([BA, BC], dtype=tl.float32)
-                    b_add = add_keys_times_values(b_zero, b_b, b_v, b_wk, USE_G, F32, SPLIT)  # [BA, C] @ [C, BC] -> [BA, BC]
+                    b_add = add_keys_times_values(b_zero, b_b, b_v, b_wk, USE_G, F32, UPDATE_DOT)  # [BA, C] @ [C, BC] -> [BA, BC]
                 if p_ell > float("-inf"):
                     b_add += tl.load(p_s, mask=m_s, other=0.0) * tl.exp2(p_ell + b_last)
                 tl.store(p_s, b_add, mask=m_s)
@@ -224,7 +226,7 @@ def level_pass(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, g: torch.Tensor | None, lam: torch.Tensor,
     position: torch.Tensor, seq_lens: tuple, *, scale: float, reverse: bool,
     initial_state: torch.Tensor | None = None, dot_x: torch.Tensor | None = None, want_dlam: bool = False,
-    out_dtype: torch.dtype | None = None, chunk_size: int | None = None, guard: bool = False,
+    out_dtype: torch.dtype | None = None, chunk_size: int | None = None, guard: bool = False, rounded: bool = False,
     config: KernelConfig | None = None,
 ):
     """Run one level pass over flattened tokens.
@@ -235,6 +237,10 @@ def level_pass(
     the first chunk's start, or the anticausal ones at the last chunk's end), NLC = max(L - c - 1, 1).
     chunk_size: default the config's. out_dtype: default c's dtype (fp32 when more terms are added to `out` before one rounding).
     guard: keep a non-finite row of b or c out of every earlier output (the causal forward pass).
+    rounded: the adds' decayed c may enter the tensor cores rounded to the input dtype (`chunk_states.update_dot`,
+    `KernelConfig.decay_update_dot`): for a forward whose leaving states nobody reads. The reads' states stay split:
+    rounded too, o's error at fp16 rose to 1.7x the split's (0.86 of the tests' bound) under the interpreter at
+    T = 200, against 1.04x with the adds alone rounded.
     Returns `(out [N_tok, H, DC] in out_dtype, state [N, H, NLC, DA, DC] fp32 (the states leaving
     the pass), rowdot [N_tok, H] fp32 or None, dlam [N_tok, H, L] fp32 or None)`.
     """
@@ -263,7 +269,7 @@ def level_pass(
         scale, N_tok, H, DA, DC, L, NLC,
         C=C, LOG_C=LOG_C, BA=BA, BC=BC, BL=triton.next_power_of_2(NLC),
         REVERSE=reverse, USE_G=g is not None, USE_H0=initial_state is not None,
-        ROWDOT=dot_x is not None, DLAM=want_dlam, F32=F32, GUARD=guard,
+        ROWDOT=dot_x is not None, DLAM=want_dlam, F32=F32, GUARD=guard, UPDATE_DOT=update_dot(config, rounded),
         num_warps=config.level_wide_warps if BC >= 64 else config.num_warps, num_stages=config.num_stages,
     )
     if rowdot is not None:
