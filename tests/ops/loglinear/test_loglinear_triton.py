@@ -129,8 +129,8 @@ def test_training_forward_modes():
     for mode in ("split", "rounded"):
         with use_config(dataclasses.replace(CONFIG, decay_update_dot=mode)):
             runs[mode] = loglinear_attn_triton(**x, scale=0.3)[0]
-            if mode == "rounded":
-                with_state = loglinear_attn_triton(**x, scale=0.3, output_final_state=True)[0]
+    with use_config(dataclasses.replace(CONFIG, decay_update_dot="rounded")):
+        with_state = loglinear_attn_triton(**x, scale=0.3, output_final_state=True)[0]
     assert all(torch.isfinite(o).all() for o in runs.values())
     assert not torch.equal(runs["split"], runs["rounded"])
     assert torch.equal(with_state, runs["split"])
