@@ -21,9 +21,13 @@ one state per chunk-level suffices (ops/loglinear/README.md, "Triton kernels"):
     R[ell] = sum of the contributions of the chunks of the current block's first half seen so far
 
 Causal walk, chunk `n`: for every `ell` with bit `ell` of `n` set, read `R[ell]` (weighted by
-`lam[t, c+1+ell]`); for every other `ell`, add the chunk's contribution `b^T (decayed c)` (the same
-product for all of them: the weight sits on the reader); at the end of a block (`n mod 2^(ell+1) =
-2^(ell+1) - 1`) `R[ell]` empties. Anticausal walk (chunks from last to first; levels are symmetric,
+`lam[t, c+1+ell]`). Where bit `ell` is set, `R[ell]` is a whole aligned block of `2^ell` chunks, and the weight
+sits on the reader, so the causal walk keeps only those: a binary counter over the chunk index. Moving to
+`n + 1`, the chunk's contribution `b^T (decayed c)` and the blocks of `n`'s trailing set bits merge into the
+block of its lowest unset bit `j` (one product and about one state load per chunk, instead of a product per unset
+bit); the levels below `j` empty. The carry is formed inside the level loop, at `ell = j` after the reads below it,
+as the anticausal adds are: formed after the loop, its product read shared memory out of bounds at 16-column tiles
+on an H100 (Triton 3.6), which passed under the interpreter. Anticausal walk (chunks from last to first; levels are symmetric,
 `level(t, s) = bit_length(t ^ s)`): read where bit `ell` is 0, add where it is 1 (weighted by
 `lam[t, c+1+ell]` of the adding rows, one product per level), empty after the block's first chunk.
 
@@ -33,7 +37,10 @@ touches every level once (a read or an add), and Triton cannot index a register 
 Decay is lazy: a level that is only read keeps a pending log2-decay `p[ell]` (a register vector)
 instead of being rescaled, an add materialises it; `p = -inf` marks an empty level. The buffer
 enters holding the initial per-level states (or nothing) and leaves holding the states after the
-last chunk (no reset there), decayed to the sequence's end: the pass's final state.
+last chunk (no reset there), decayed to the sequence's end: the pass's final state. A causal walk reads only
+what entered at the first chunk's set bits and at its carry's target `j0`, which holds (function.py,
+`fenwick_to_blocks`) the blocks of the lower set bits and the chunk's keys before the sequence's start, so that
+first carry merges `j0` alone; it leaves the blocks of the last chunk's set bits (the other levels empty).
 """
 import torch
 import torch.nn.functional as F
@@ -109,10 +116,12 @@ def level_pass_kernel(
     o_l = tl.arange(0, BL)
     lut = intra_levels(C, LOG_C, 0)  # [C, C]
     p_base = state + ((i_n * H + i_h) * NLC * DA).to(tl.int64) * DC + o_a[:, None] * DC + o_c[None, :]  # [BA, BC]
-    if USE_H0:
-        b_p = tl.zeros([BL], dtype=tl.float32)
-    else:
-        b_p = tl.full([BL], float("-inf"), dtype=tl.float32)
+    b_p = tl.full([BL], float("-inf"), dtype=tl.float32)
+    if USE_H0:  # anticausal: every level holds what entered; causal: the first chunk's set bits and its carry's target
+        live = o_l < NLC
+        if not REVERSE:
+            live = live & ((((n0 >> o_l) & 1) == 1) | (o_l == bit_length(n0 ^ (n0 + 1)) - 1))
+        b_p = tl.where(live, 0.0, b_p)
     n_chunks = n1 - n0 + 1
     for i in range(0, n_chunks):
         if REVERSE:
@@ -159,8 +168,14 @@ def level_pass_kernel(
             for lv in tl.static_range(LOG_C + 1):
                 tl.store(p_dl + lv, tl.sum(tl.where(lut == lv, b_xc, 0.0), axis=1), mask=m_t & (o_t * 0 + lv < L))
 
-        # inter-chunk: one read or one add per chunk-level
+        # inter-chunk: causal, a read per set bit of n; anticausal, a read or an add per chunk-level
         b_wa = tl.exp2(b_wq) * scale  # [C]
+        b_added = tl.zeros([BL], dtype=tl.int32)  # the levels the chunk added to, current at its end
+        # causal: the carry to n + 1 at level j, n's lowest unset bit; at the walk's first chunk what entered at j
+        # already holds the blocks below it (and the chunk's keys before the sequence's start: function.py,
+        # fenwick_to_blocks)
+        j = bit_length(n ^ (n + 1)) - 1
+        lo = tl.where(i == 0, j, 0)
         for ell in range(0, NL):
             bit = (n >> ell) & 1
             p_ell = tl.sum(tl.where(o_l == ell, b_p, 0.0), axis=0)
@@ -180,29 +195,30 @@ def level_pass_kernel(
                         b_o += b_r * b_lam[:, None]
                         if DLAM:
                             tl.store(p_dl + (LOG_C + 1 + ell), tl.sum(b_x.to(tl.float32) * b_r, axis=1), mask=m_t)
-                p_new = p_ell + b_last
-            else:
                 if REVERSE:
-                    b_lam = tl.load(lam + row_l + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
-                    b_wv = b_v.to(tl.float32) * (tl.exp2(b_wk) * b_lam)[:, None]  # [C, BC]
-                    b_add = mma_right_acc(tl.trans(b_b), b_wv, tl.zeros([BA, BC], dtype=tl.float32), F32, UPDATE_DOT)
-                else:  # formed per add, not once before the loop: a product held live across this loop's
-                    # products miscompiles on the H200 (Triton 3.6: wrong outputs, illegal addresses)
-                    b_zero = tl.zeros([BA, BC], dtype=tl.float32)
-                    b_add = add_keys_times_values(b_zero, b_b, b_v, b_wk, USE_G, F32, UPDATE_DOT)  # [BA, C] @ [C, BC] -> [BA, BC]
+                    if (n % (2 << ell) == 0) & inner:  # the level's block starts here, walked last: the level empties
+                        p_ell = tl.full([], float("-inf"), tl.float32)
+            elif REVERSE:  # the weight is the adding rows': one product per chunk-level
+                b_lam = tl.load(lam + row_l + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
+                b_wv = b_v.to(tl.float32) * (tl.exp2(b_wk) * b_lam)[:, None]  # [C, BC]
+                b_add = mma_right_acc(tl.trans(b_b), b_wv, tl.zeros([BA, BC], dtype=tl.float32), F32, UPDATE_DOT)
                 if p_ell > float("-inf"):
                     b_add += tl.load(p_s, mask=m_s, other=0.0) * tl.exp2(p_ell + b_last)
                 tl.store(p_s, b_add, mask=m_s)
-                p_new = tl.full([], 0.0, tl.float32)
-            period = 2 << ell
-            if REVERSE:
-                ends = n % period == 0
-            else:
-                ends = n % period == period - 1
-            if ends & inner:
-                p_new = tl.full([], float("-inf"), tl.float32)
-            b_p = tl.where(o_l == ell, p_new, b_p)
-        b_p = tl.where(o_l >= NL, b_p + b_last, b_p)  # levels no chunk of this sequence reaches only decay
+                p_ell = tl.full([], 0.0, tl.float32)
+                b_added = tl.where(o_l == ell, 1, b_added)
+            elif inner & (ell == j):  # the carry: the chunk and the blocks of n's trailing set bits (read above)
+                b_zero = tl.zeros([BA, BC], dtype=tl.float32)  # become the block of level j
+                b_add = add_keys_times_values(b_zero, b_b, b_v, b_wk, USE_G, F32, UPDATE_DOT)  # [BA, C] @ [C, BC] -> [BA, BC]
+                for e in range(lo, ell + 1):
+                    p_e = tl.sum(tl.where(o_l == e, b_p, 0.0), axis=0)
+                    if p_e > float("-inf"):
+                        b_add += tl.load(p_base + e * DA * DC, mask=m_s, other=0.0) * tl.exp2(p_e + b_last)
+                tl.store(p_s, b_add, mask=m_s)
+                p_ell = tl.full([], 0.0, tl.float32)
+                b_added = tl.where(o_l == ell, 1, b_added)
+            b_p = tl.where(o_l == ell, p_ell, b_p)
+        b_p = tl.where(b_added == 1, b_p, b_p + b_last)  # the other states decay through the chunk (empty ones stay empty)
 
         if GUARD:
             b_o = nan_rows_from(b_o, first)  # [C, BC]
@@ -211,6 +227,10 @@ def level_pass_kernel(
             if not DLAM:
                 b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0)  # [C, BC]
             tl.store(rowdot + (i_c * N_tok + t) * H + i_h, tl.sum(b_x.to(tl.float32) * b_o, axis=1), mask=m_t)
+
+        if not REVERSE:
+            if inner:  # the levels below the carry's target empty
+                b_p = tl.where(o_l < j, float("-inf"), b_p)
 
     # the final state: every level decayed to the sequence's end, zero where empty
     for ell in range(0, NLC):
@@ -280,7 +300,7 @@ def level_pass(
 
 
 def level_pass_ref(a, b, c, g, lam, position, seq_lens, *, scale, reverse, chunk_size, initial_state=None):
-    """Twin of `level_pass` (`out` and the leaving states) in float64: the same walk with explicit
+    """Twin of `level_pass` (`out` and the leaving states) in float64: the same walks with explicit
     decays, one [H, DA, DC] state per chunk-level and the level table of `ops.common.fenwick`."""
     C = chunk_size
     c_bits = C.bit_length() - 1
@@ -306,6 +326,10 @@ def level_pass_ref(a, b, c, g, lam, position, seq_lens, *, scale, reverse, chunk
         n0, n1 = P // C, (E - 1) // C
         R = states[i]  # [H, NLC, DA, DC]
         walk = range(n1, n0 - 1, -1) if reverse else range(n0, n1 + 1)
+        if not reverse:  # the causal walk keeps the blocks of n0's set bits and what enters at its carry's target
+            j0 = (n0 ^ (n0 + 1)).bit_length() - 1
+            kept = [(n0 >> ell) & 1 == 1 or ell == j0 for ell in range(NLC)]
+            R[:, [not x for x in kept]] = 0.0
         for n in walk:
             apos = n * C + o_t
             real = (apos >= P) & (apos < E)  # [C]
@@ -328,15 +352,19 @@ def level_pass_ref(a, b, c, g, lam, position, seq_lens, *, scale, reverse, chunk
                     r = scale * torch.einsum("ihd,hdc->ihc", A, R[:, ell]) * wq[..., None]  # [C, H, DC]
                     o = o + (r if reverse else r * lc[:, :, c_bits + 1 + ell, None])
             R.mul_(torch.exp(total)[:, None, None, None])
-            for ell in range(n1.bit_length()):
-                bit = (n >> ell) & 1
-                if bit == (1 if reverse else 0):
-                    w = wk * lc[:, :, c_bits + 1 + ell] if reverse else wk  # [C, H]
-                    R[:, ell] += torch.einsum("ihd,ihc->hdc", Bm * w[..., None], Cm)
-                period = 2 << ell
-                ends = n % period == 0 if reverse else n % period == period - 1
-                if ends and n != walk[-1]:
-                    R[:, ell] = 0.0
+            if reverse:  # a weighted add per level where bit ell is 1; a level empties after its block's first chunk
+                for ell in range(n1.bit_length()):
+                    if (n >> ell) & 1 == 1:
+                        R[:, ell] += torch.einsum("ihd,ihc->hdc", Bm * (wk * lc[:, :, c_bits + 1 + ell])[..., None], Cm)
+                    if n % (2 << ell) == 0 and n != walk[-1]:
+                        R[:, ell] = 0.0
+            elif n != walk[-1]:  # the carry: the chunk and n's trailing set bits' blocks become the block of its lowest
+                j = (n ^ (n + 1)).bit_length() - 1  # unset bit j (at the first chunk, what entered at j holds those blocks)
+                lo = j if n == n0 else 0
+                merged = R[:, lo : j + 1].sum(1) + torch.einsum("ihd,ihc->hdc", Bm * wk[..., None], Cm)  # [H, DA, DC]
+                R[:, : j + 1] = 0.0
+                if j < NLC:
+                    R[:, j] = merged
             out[idx[real]] = o[real]
         bos += n_len
     return out, states
