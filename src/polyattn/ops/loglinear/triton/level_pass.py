@@ -171,11 +171,11 @@ def level_pass_kernel(
         # inter-chunk: causal, a read per set bit of n; anticausal, a read or an add per chunk-level
         b_wa = tl.exp2(b_wq) * scale  # [C]
         b_added = tl.zeros([BL], dtype=tl.int32)  # the levels the chunk added to, current at its end
-        # causal: the carry to n + 1 at level j, n's lowest unset bit; at the walk's first chunk what entered at j
-        # already holds the blocks below it (and the chunk's keys before the sequence's start: function.py,
-        # fenwick_to_blocks)
-        j = bit_length(n ^ (n + 1)) - 1
-        lo = tl.where(i == 0, j, 0)
+        if not REVERSE:  # the carry to n + 1 at level j, n's lowest unset bit; at the walk's first chunk what entered
+            # at j already holds the blocks below it (and the chunk's keys before the sequence's start: function.py,
+            # fenwick_to_blocks)
+            j = bit_length(n ^ (n + 1)) - 1
+            lo = tl.where(i == 0, j, 0)
         for ell in range(0, NL):
             bit = (n >> ell) & 1
             p_ell = tl.sum(tl.where(o_l == ell, b_p, 0.0), axis=0)
