@@ -3,7 +3,7 @@
 python benchmarks/triton_spills.py [linear guard delta levels gdn kata]
 Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel`) and the delta rule's
 (`wy_kernel`, `wy_factors_kernel`, the two recurrences (the forward's with and without its outputs and stores), the per-chunk output and two gradient kernels) and log-linear
-log-linear Mamba-2's `level_pass_kernel` (its four passes) and log-linear
+log-linear Mamba-2's `level_pass_kernel` (its three passes) and log-linear
 Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_chain_kernel`, `gdn_levels_grads_kernel`, the chunk gradients' three stages) and
 KATA's chunked form's (`kata_states_kernel` both ways, `kata_read_kernel`, `kata_lift_grad_kernel` with and without
 its read, at K = V = 64 with the default tiles) and DeltaKATA's walks and state recompute (`deltakata_walk_kernel`, `deltakata_walk_grad_kernel`, `deltakata_states_kernel`) for sm_90a with the installed Triton (or the families named) and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
@@ -41,7 +41,7 @@ from polyattn.ops.triton.plan import KernelConfig, kata_state_chunk
 from polyattn.ops.triton.precision import UPDATE_DOTS
 
 POINTERS = {
-    "a": "*bf16", "b": "*bf16", "c": "*bf16", "g": "*fp32", "out": "*bf16", "seg": "*i32", "s_in": "*fp32",
+    "a": "*bf16", "b": "*bf16", "c": "*bf16", "a2": "*bf16", "out2": "*fp32", "g": "*fp32", "out": "*bf16", "seg": "*i32", "s_in": "*fp32",
     "h0": "*fp32", "ht": "*fp32", "dot_x": "*bf16", "rowdot": "*fp32", "states": "*fp32", "seg_decay": "*fp32",
     "q": "*bf16", "k": "*bf16", "v": "*bf16", "do": "*bf16", "dq": "*bf16", "dk": "*bf16", "dv": "*bf16",
     "beta": "*bf16", "chunks": "*i32", "nonfinite": "*i32", "seqs": "*i32", "cu_chunks": "*i32", "pos": "*i64",
@@ -182,7 +182,7 @@ def delta_rule() -> None:
 
 LEVEL_PASSES = {  # name: (REVERSE, ROWDOT, DLAM, GUARD, UPDATE_DOT), as function.py launches them (a training forward rounds its adds)
     "forward": (False, False, False, True, UPDATE_DOTS["rounded"]), "dq": (False, True, True, False, UPDATE_DOTS["split"]),
-    "dv": (True, False, False, False, UPDATE_DOTS["split"]), "dk": (True, True, False, False, UPDATE_DOTS["split"]),
+    "dv, dk": (True, True, False, False, UPDATE_DOTS["split"]),
 }
 
 
@@ -191,7 +191,7 @@ def loglinear_levels() -> None:
     for name, (reverse, rowdot, dlam, guard, update_dot) in LEVEL_PASSES.items():
         for BC, warps, stages in ((64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 1), (64, 8, 3)):
             constexprs = dict(C=64, LOG_C=6, BA=128, BC=BC, BL=8, REVERSE=reverse, USE_G=True, USE_H0=False, ROWDOT=rowdot,
-                              DLAM=dlam, F32=False, GUARD=guard, UPDATE_DOT=update_dot)
+                              DLAM=dlam, F32=False, GUARD=guard, UPDATE_DOT=update_dot, ATOMIC=reverse)
             print(f"level pass {name:7} BC{BC} warps{warps} stages{stages}: {resources(level_pass_kernel, constexprs, warps, stages)}",
                   flush=True)
 

@@ -165,7 +165,9 @@ def test_triton_continues_exactly(split):
 @pytest.mark.parametrize("reverse", [False, True], ids=["causal", "anticausal"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["fresh", "state"])
 def test_level_pass_matches_its_twin(reverse, with_state):
-    from polyattn.ops.loglinear.triton.level_pass import level_pass, level_pass_ref
+    """The causal pass, and the anticausal pair (its second pass on the transposed states, added over value tiles),
+    against their float64 twins."""
+    from polyattn.ops.loglinear.triton.level_pass import anticausal_pair, anticausal_pair_ref, level_pass, level_pass_ref
 
     gen = torch.Generator().manual_seed(11)
     lengths, positions = (50, 1, 70), [0, 5, 37]
@@ -174,14 +176,23 @@ def test_level_pass_matches_its_twin(reverse, with_state):
     C = CONFIG.chunk_size
     NLC = max(L - C.bit_length(), 1)
     a, b = (torch.randn(N_tok, H, K, generator=gen).to(DEVICE) for _ in range(2))
-    c = torch.randn(N_tok, H, DC, generator=gen).to(DEVICE)
+    c, a2 = (torch.randn(N_tok, H, DC, generator=gen).to(DEVICE) for _ in range(2))
     g = (-0.3 * torch.rand(N_tok, H, generator=gen)).to(DEVICE)
     lam = torch.rand(N_tok, H, L, generator=gen).to(DEVICE)
     h0 = torch.randn(len(lengths), H, NLC, K, DC, generator=gen).to(DEVICE) if with_state else None
     position = torch.tensor(positions, device=DEVICE)
-    with use_config(CONFIG):
-        out, state, _, _ = level_pass(a, b, c, g, lam, position, lengths, scale=0.5, reverse=reverse, initial_state=h0)
-    out_ref, state_ref = level_pass_ref(a, b, c, g, lam, position, lengths, scale=0.5, reverse=reverse, chunk_size=C, initial_state=h0)
+    kw = dict(scale=0.5, initial_state=h0)
+    if reverse:
+        with use_config(CONFIG):
+            out, out2, state, rowdot = anticausal_pair(a, b, c, a2, g, lam, position, lengths, dot_x=a, **kw)
+        out_ref, out2_ref, state_ref = anticausal_pair_ref(a, b, c, a2, g, lam, position, lengths, chunk_size=C, **kw)
+        assert rel_err(out2, out2_ref) <= 1e-5, f"out2: {rel_err(out2, out2_ref):.2e}"
+        rowdot_ref = (a.double() * out2_ref).sum(-1)  # [N_tok, H]
+        assert rel_err(rowdot, rowdot_ref) <= 1e-5, f"rowdot: {rel_err(rowdot, rowdot_ref):.2e}"
+    else:
+        with use_config(CONFIG):
+            out, state, _, _ = level_pass(a, b, c, g, lam, position, lengths, **kw)
+        out_ref, state_ref = level_pass_ref(a, b, c, g, lam, position, lengths, reverse=False, chunk_size=C, **kw)
     assert rel_err(out, out_ref) <= 1e-5, f"out: {rel_err(out, out_ref):.2e}"
     assert rel_err(state, state_ref) <= 1e-5, f"state: {rel_err(state, state_ref):.2e}"
 

@@ -166,6 +166,15 @@ def mma_halves(x_hi, x_lo, y, F32: tl.constexpr, MODE: tl.constexpr):
 
 
 @triton.jit
+def mma_right_halves(x, y_hi, y_lo, F32: tl.constexpr):
+    """`x @ y` for an input-dtype `x` and an fp32 `y` held as its halves (`split_halves`): `mma_right_fp32`'s two
+    products, for a `y` that several products read. An fp32 `y_hi` is y itself (fp32 inputs: one IEEE product)."""
+    if y_hi.dtype == tl.float32:
+        return tl.dot(x, y_hi, input_precision="ieee")
+    return mma(x, y_hi, F32) + mma(x, y_lo, F32)
+
+
+@triton.jit
 def split_halves(x, dtype: tl.constexpr, F32: tl.constexpr):
     """fp32 `x` as two `dtype` values, `(hi, lo)`: hi = x rounded to nearest, lo = its rounding error rounded."""
     x_hi = to_output(x, dtype, F32)  # downcast: high part, nearest even

@@ -12,7 +12,7 @@ add the O(C) tokens per sequence that sit next to an initial state's keys inside
 
     dq = causal     pass(a=do, b=v,  c=k;  entering R^T)      + dlam (its per-level row dots with q)
     dv = anticausal pass(a=k,  b=q,  c=do; entering dR / scale) -> dR0 = scale * leaving state
-    dk = anticausal pass(a=v,  b=do, c=q;  entering dR^T / scale)
+    dk = anticausal pass(a=v,  b=do, c=q;  entering dR^T / scale)   (one walk with dv: `anticausal_pair`)
     dg = reverse_cumsum_within_sequence(q . dq - k . dk) + <dR, R> + <dF, F> at the last token
 
 (dq, dk, dv, dlam with the edge terms' gradients added.) One token without gradients runs the fused
@@ -34,7 +34,7 @@ from polyattn.ops.triton.precision import check_kernel_inputs
 
 from .gdn import ChunkLocals, gdn_forward, gdn_levels_backward, kernel_heads
 from .gdn_grads import gdn_chunk_backward
-from .level_pass import level_pass
+from .level_pass import anticausal_pair, level_pass
 from .step import loglinear_attn_step_inplace
 
 
@@ -83,7 +83,7 @@ def loglinear_attn_forward(
     qf, kf, vf, lamf, gf = _flatten((q, k, v, lam, g), B, T)
     layout = _layout(position, seq_lens, C, q.device)
     o, R, _, _ = level_pass(
-        qf, kf, vf, gf, lamf, position, tuple(seq_lens), scale=scale, reverse=False, initial_state=r0,
+        qf, kf, vf, gf, lamf, position, tuple(seq_lens), scale=scale, initial_state=r0,
         out_dtype=torch.float32 if low is not None else None, chunk_size=C, guard=True, rounded=not store_final,
     )
     if low is not None:
@@ -151,17 +151,12 @@ def loglinear_attn_backward(
     f32 = torch.float32
     dRs = dR / scale if dR is not None else None  # the reverse states' units
     dq, _, q_dq, dlam = level_pass(
-        dof, vf, kf, gf, lamf, position, seq_lens, scale=scale, reverse=False,
+        dof, vf, kf, gf, lamf, position, seq_lens, scale=scale,
         initial_state=r0.transpose(-1, -2) if r0 is not None else None, dot_x=qf, want_dlam=True,
         out_dtype=f32 if low is not None else None, chunk_size=C,
     )
-    dv, dR0, _, _ = level_pass(
-        kf, qf, dof, gf, lamf, position, seq_lens, scale=scale, reverse=True, initial_state=dRs,
-        out_dtype=f32 if dF is not None else None, chunk_size=C,
-    )
-    dk, _, k_dk, _ = level_pass(
-        vf, dof, qf, gf, lamf, position, seq_lens, scale=scale, reverse=True,
-        initial_state=dRs.transpose(-1, -2) if dRs is not None else None, dot_x=kf if want_dg else None,
+    dv, dk, dR0, k_dk = anticausal_pair(
+        kf, qf, dof, vf, gf, lamf, position, seq_lens, scale=scale, initial_state=dRs, dot_x=kf if want_dg else None,
         out_dtype=f32 if dF is not None else None, chunk_size=C,
     )
     edge = _edge_grads(qf, kf, vf, lamf, gf, low, position, layout, dof, dF, scale=scale, C=C)

@@ -10,7 +10,7 @@ weights `lam: [N_tok, H, L]`, at absolute positions `P + j` (`P` = the sequence'
 The weight always belongs to the later position `t` (the query of the forward): on the output row
 of a causal pass, on the input row of an anticausal one. The forward is the causal pass
 `(q, k, v)`, dq the causal pass `(do, v, k)`, dv and dk the anticausal passes `(k, q, do)` and
-`(v, do, q)` (function.py).
+`(v, do, q)`, walked as one (`anticausal_pair`: the second's states are the first's transposed; function.py).
 
 Chunks of `C = 2^c` tokens sit on the absolute grid. Inside a chunk the level is `bit_length(i ^ j)`
 of the in-chunk offsets (levels `0..c`); between chunks `n > m` it is `c + 1 + ell` with
@@ -52,8 +52,8 @@ from polyattn.ops.linear.triton.chunk_states import add_keys_times_values, updat
 from polyattn.ops.triton.decay import chunk_decay, chunk_segsum, chunk_side_decays, select_scores
 from polyattn.ops.triton.plan import KernelConfig, block, get_config, narrow_block, num_sms, segment_table, state_tile
 from polyattn.ops.triton.precision import (
-    dot_f32, first_nonfinite_row, mma, mma_left_fp32, mma_right_acc, mma_right_fp32, nan_rows_from, to_output,
-    zero_rows_from,
+    dot_f32, first_nonfinite_row, mma, mma_left_fp32, mma_right_acc, mma_right_fp32, mma_right_halves, nan_rows_from,
+    split_halves, to_output, zero_rows_from,
 )
 
 
@@ -81,19 +81,24 @@ def intra_levels(C: tl.constexpr, LOG_C: tl.constexpr, off):
 
 @triton.jit(do_not_specialize=["N_tok"])
 def level_pass_kernel(
-    a, b, c, g, lam, out, seg, pos, state, dot_x, rowdot, dlam,
+    a, b, c, a2, g, lam, out, out2, seg, pos, state, dot_x, rowdot, dlam,
     scale, N_tok, H, DA, DC, L, NLC,
     C: tl.constexpr, LOG_C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr,
     REVERSE: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr, ROWDOT: tl.constexpr,
-    DLAM: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr, UPDATE_DOT: tl.constexpr,
+    DLAM: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr, UPDATE_DOT: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     """One sequence, one head, one DC tile.
 
     grid: (cdiv(DC, BC), N, H). Tiling: a, b rows of the full DA (padded to BA); c / out columns
     [BC]; per chunk the products `[C, BA] @ [BA, C]` (scores), `[C, C] @ [C, BC]` (intra),
     `[C, BA] @ [BA, BC]` per level read and `[BA, C] @ [C, BC]` per add.
+    REVERSE runs the anticausal pair: besides `out` (the pass `(a, b, c)`), `out2 [N_tok, H, DA]` = the pass
+    `(a2, c, b)` (`a2: [N_tok, H, DC]`), whose states are the transposes of these: the same loads and adds serve
+    both, each state read once more as `[C, BC] @ [BC, BA]`. A program holds only its DC tile of the contraction, so
+    with several tiles (ATOMIC) it adds its part of out2 to an fp32 `out2` that enters zeroed.
     `seg` rows are the sequences' `(bos, eos, ., .)`, `pos [N]` their start positions. ROWDOT:
-    `rowdot[i_c, t] = sum(dot_x * out, -1)` per tile (the log-decay gradient's term); DLAM (causal
+    `rowdot[i_c, t] = sum(dot_x * out, -1)` per tile (the log-decay gradient's term; REVERSE: `dot_x [N_tok, H, DA]`
+    against out2); DLAM (causal
     only): `dlam[i_c, t, l]` = the tile's part of the unweighted level-l share of `out_t` dotted with
     `dot_x_t`, for the reads, and for levels `0..c` `sum_s [level = l] att_ts (dot_x_t . c_s)`.
     GUARD (the forward pass): a NaN or Inf in a row of b or c changes no earlier output, inline here
@@ -161,6 +166,10 @@ def level_pass_kernel(
             m_w = m_t[:, None] & (lut < L)
         b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)  # [C, C] gathered from the chunk's lam rows
         b_o = mma_left_fp32(b_att * b_w, b_vi, F32)  # [C, C] @ [C, BC] -> [C, BC]
+        if REVERSE:  # the transposed pass: scores (a2 . c) over the tile's columns (a part of them), on b's rows
+            b_a2 = tl.load(a2 + row_c, mask=m_tc, other=0.0)  # [C, BC]
+            b_att2 = mma(b_a2, tl.trans(b_v), F32) * (tl.exp2(b_d) * scale) * b_w  # [C, BC] @ [BC, C] -> [C, C]
+            b_o2 = mma_left_fp32(b_att2, b_b, F32)  # [C, C] @ [C, BA] -> [C, BA]
         if DLAM:
             b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0)  # [C, BC]
             b_xc = mma(b_x, tl.trans(b_v), F32) * b_att  # [C, BC] @ [BC, C] -> [C, C]
@@ -187,10 +196,13 @@ def level_pass_kernel(
             if reads:
                 if p_ell > float("-inf"):
                     b_s = tl.load(p_s, mask=m_s, other=0.0)  # [BA, BC]
-                    b_r = mma_right_fp32(b_a, b_s, F32) * (b_wa * tl.exp2(p_ell))[:, None]  # [C, BA] @ [BA, BC] -> [C, BC]
-                    if REVERSE:
-                        b_o += b_r
+                    b_wr = (b_wa * tl.exp2(p_ell))[:, None]  # [C, 1]
+                    if REVERSE:  # one split of the state for both reads
+                        b_hi, b_lo = split_halves(b_s, b_a.dtype, F32)  # [BA, BC] x 2
+                        b_o += mma_right_halves(b_a, b_hi, b_lo, F32) * b_wr  # [C, BA] @ [BA, BC] -> [C, BC]
+                        b_o2 += mma_right_halves(b_a2, tl.trans(b_hi), tl.trans(b_lo), F32) * b_wr  # [C, BC] @ [BC, BA] -> [C, BA]
                     else:
+                        b_r = mma_right_fp32(b_a, b_s, F32) * b_wr  # [C, BA] @ [BA, BC] -> [C, BC]
                         b_lam = tl.load(lam + row_l + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
                         b_o += b_r * b_lam[:, None]
                         if DLAM:
@@ -223,10 +235,19 @@ def level_pass_kernel(
         if GUARD:
             b_o = nan_rows_from(b_o, first)  # [C, BC]
         tl.store(out + row_c, to_output(b_o, out.dtype.element_ty, F32), mask=m_tc)  # downcast: output dtype
+        if REVERSE:
+            if ATOMIC:  # the tile's part of out2
+                tl.atomic_add(out2 + row_a, b_o2, mask=m_ta, sem="relaxed")
+            else:
+                tl.store(out2 + row_a, to_output(b_o2, out2.dtype.element_ty, F32), mask=m_ta)  # downcast: output dtype
         if ROWDOT:
-            if not DLAM:
-                b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0)  # [C, BC]
-            tl.store(rowdot + (i_c * N_tok + t) * H + i_h, tl.sum(b_x.to(tl.float32) * b_o, axis=1), mask=m_t)
+            if REVERSE:
+                b_x2 = tl.load(dot_x + row_a, mask=m_ta, other=0.0)  # [C, BA]
+                tl.store(rowdot + (i_c * N_tok + t) * H + i_h, tl.sum(b_x2.to(tl.float32) * b_o2, axis=1), mask=m_t)
+            else:
+                if not DLAM:
+                    b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0)  # [C, BC]
+                tl.store(rowdot + (i_c * N_tok + t) * H + i_h, tl.sum(b_x.to(tl.float32) * b_o, axis=1), mask=m_t)
 
         if not REVERSE:
             if inner:  # the levels below the carry's target empty
@@ -242,28 +263,10 @@ def level_pass_kernel(
             tl.store(p_s, tl.load(p_s, mask=m_s, other=0.0) * tl.exp2(p_ell), mask=m_s)
 
 
-def level_pass(
-    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, g: torch.Tensor | None, lam: torch.Tensor,
-    position: torch.Tensor, seq_lens: tuple, *, scale: float, reverse: bool,
-    initial_state: torch.Tensor | None = None, dot_x: torch.Tensor | None = None, want_dlam: bool = False,
-    out_dtype: torch.dtype | None = None, chunk_size: int | None = None, guard: bool = False, rounded: bool = False,
-    config: KernelConfig | None = None,
-):
-    """Run one level pass over flattened tokens.
-
-    a, b: [N_tok, H, DA]; c, dot_x: [N_tok, H, DC]; g: [N_tok, H] or None; lam: [N_tok, H, L]; all
-    contiguous. position: [N] int64 start positions; seq_lens: host lengths (each >= 1).
-    initial_state: [N, H, NLC, DA, DC] fp32 per-level states entering the pass (the causal states at
-    the first chunk's start, or the anticausal ones at the last chunk's end), NLC = max(L - c - 1, 1).
-    chunk_size: default the config's. out_dtype: default c's dtype (fp32 when more terms are added to `out` before one rounding).
-    guard: keep a non-finite row of b or c out of every earlier output (the causal forward pass).
-    rounded: the adds' decayed c may enter the tensor cores rounded to the input dtype (`chunk_states.update_dot`,
-    `KernelConfig.decay_update_dot`): for a forward whose leaving states nobody reads. The reads' states stay split:
-    rounded too, o's error at fp16 rose to 1.7x the split's (0.86 of the tests' bound) under the interpreter at
-    T = 200, against 1.04x with the adds alone rounded.
-    Returns `(out [N_tok, H, DC] in out_dtype, state [N, H, NLC, DA, DC] fp32 (the states leaving
-    the pass), rowdot [N_tok, H] fp32 or None, dlam [N_tok, H, L] fp32 or None)`.
-    """
+def _launch(a, b, c, a2, g, lam, position, seq_lens, *, scale, reverse, initial_state, dot_x, want_dlam, out_dtype,
+            chunk_size, guard, rounded, config):
+    """Launch `level_pass_kernel` (the arguments of `level_pass` and `anticausal_pair`): `(out, out2 or None, state,
+    rowdot or None, dlam or None)`."""
     config = config or get_config()
     N_tok, H, DA = a.shape
     DC, L = c.shape[-1], lam.shape[-1]
@@ -282,26 +285,82 @@ def level_pass(
     else:
         state = torch.empty(N, H, NLC, DA, DC, dtype=torch.float32, device=a.device)
     out = torch.empty_like(c, dtype=out_dtype or c.dtype)
+    out2 = None
+    if reverse:  # the tiles' parts of out2 are summed in fp32
+        out2 = torch.zeros_like(b, dtype=torch.float32) if n_c > 1 else torch.empty_like(b, dtype=out_dtype or b.dtype)
     rowdot = torch.empty(n_c, N_tok, H, dtype=torch.float32, device=a.device) if dot_x is not None else None
+    # the pair holds out2's [C, DA] fp32 sum beside its tile at every width (ptxas, sm_90a, 32 columns: 1,100 bytes a
+    # thread spilled at 4 warps, 196 at 8); a causal pass's narrowed tiles ran faster at 4
+    warps = config.level_wide_warps if BC >= 64 or reverse else config.num_warps
     dlam = torch.zeros(n_c, N_tok, H, L, dtype=torch.float32, device=a.device) if want_dlam else None
     level_pass_kernel[(n_c, N, H)](
-        a, b, c, g, lam, out, seg, position, state, dot_x, rowdot, dlam,
+        a, b, c, a2, g, lam, out, out2, seg, position, state, dot_x, rowdot, dlam,
         scale, N_tok, H, DA, DC, L, NLC,
         C=C, LOG_C=LOG_C, BA=BA, BC=BC, BL=triton.next_power_of_2(NLC),
         REVERSE=reverse, USE_G=g is not None, USE_H0=initial_state is not None,
         ROWDOT=dot_x is not None, DLAM=want_dlam, F32=F32, GUARD=guard, UPDATE_DOT=update_dot(config, rounded),
-        num_warps=config.level_wide_warps if BC >= 64 else config.num_warps, num_stages=config.num_stages,
+        ATOMIC=n_c > 1, num_warps=warps, num_stages=config.num_stages,
     )
     if rowdot is not None:
         rowdot = rowdot.sum(0)  # [n_c, N_tok, H] -> [N_tok, H]
     if dlam is not None:
         dlam = dlam.sum(0)  # [n_c, N_tok, H, L] -> [N_tok, H, L]
+    return out, out2, state, rowdot, dlam
+
+
+def level_pass(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, g: torch.Tensor | None, lam: torch.Tensor,
+    position: torch.Tensor, seq_lens: tuple, *, scale: float, initial_state: torch.Tensor | None = None,
+    dot_x: torch.Tensor | None = None, want_dlam: bool = False, out_dtype: torch.dtype | None = None,
+    chunk_size: int | None = None, guard: bool = False, rounded: bool = False, config: KernelConfig | None = None,
+):
+    """Run one causal level pass over flattened tokens (the forward, dq).
+
+    a, b: [N_tok, H, DA]; c, dot_x: [N_tok, H, DC]; g: [N_tok, H] or None; lam: [N_tok, H, L]; all
+    contiguous. position: [N] int64 start positions; seq_lens: host lengths (each >= 1).
+    initial_state: [N, H, NLC, DA, DC] fp32 per-level states at the first chunk's start
+    (`fenwick_to_blocks`), NLC = max(L - c - 1, 1).
+    chunk_size: default the config's. out_dtype: default c's dtype (fp32 when more terms are added to `out` before one rounding).
+    guard: keep a non-finite row of b or c out of every earlier output (the forward pass).
+    rounded: the adds' decayed c may enter the tensor cores rounded to the input dtype (`chunk_states.update_dot`,
+    `KernelConfig.decay_update_dot`): for a forward whose leaving states nobody reads. The reads' states stay split:
+    rounded too, o's error at fp16 rose to 1.7x the split's (0.86 of the tests' bound) under the interpreter at
+    T = 200, against 1.04x with the adds alone rounded.
+    Returns `(out [N_tok, H, DC] in out_dtype, state [N, H, NLC, DA, DC] fp32 (the states leaving
+    the pass), rowdot [N_tok, H] fp32 or None, dlam [N_tok, H, L] fp32 or None)`.
+    """
+    out, _, state, rowdot, dlam = _launch(
+        a, b, c, None, g, lam, position, seq_lens, scale=scale, reverse=False, initial_state=initial_state, dot_x=dot_x,
+        want_dlam=want_dlam, out_dtype=out_dtype, chunk_size=chunk_size, guard=guard, rounded=rounded, config=config,
+    )
     return out, state, rowdot, dlam
 
 
+def anticausal_pair(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a2: torch.Tensor, g: torch.Tensor | None, lam: torch.Tensor,
+    position: torch.Tensor, seq_lens: tuple, *, scale: float, initial_state: torch.Tensor | None = None,
+    dot_x: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, chunk_size: int | None = None,
+    config: KernelConfig | None = None,
+):
+    """The anticausal passes `(a, b, c)` and `(a2, c, b)` in one walk (dv and dk: `(k, q, do)` and `(v, do, q)`).
+
+    a, b, dot_x: [N_tok, H, DA]; c, a2: [N_tok, H, DC]; the rest as `level_pass`. initial_state: [N, H, NLC, DA, DC]
+    fp32, the first pass's states at the last chunk's end (the second pass's are their transposes).
+    Returns `(out [N_tok, H, DC], out2 [N_tok, H, DA] (out_dtype, or fp32 when several value tiles add their parts),
+    state [N, H, NLC, DA, DC] fp32 (the first pass's states leaving it), rowdot [N_tok, H] = sum(dot_x * out2, -1)
+    fp32 or None)`.
+    """
+    out, out2, state, rowdot, _ = _launch(
+        a, b, c, a2, g, lam, position, seq_lens, scale=scale, reverse=True, initial_state=initial_state, dot_x=dot_x,
+        want_dlam=False, out_dtype=out_dtype, chunk_size=chunk_size, guard=False, rounded=False, config=config,
+    )
+    return out, out2, state, rowdot
+
+
 def level_pass_ref(a, b, c, g, lam, position, seq_lens, *, scale, reverse, chunk_size, initial_state=None):
-    """Twin of `level_pass` (`out` and the leaving states) in float64: the same walks with explicit
-    decays, one [H, DA, DC] state per chunk-level and the level table of `ops.common.fenwick`."""
+    """Twin of `level_pass` (reverse: of one pass of `anticausal_pair`), `out` and the leaving states, in float64:
+    the same walks with explicit decays, one [H, DA, DC] state per chunk-level and the level table of
+    `ops.common.fenwick`."""
     C = chunk_size
     c_bits = C.bit_length() - 1
     N_tok, H, DA = a.shape
@@ -368,3 +427,12 @@ def level_pass_ref(a, b, c, g, lam, position, seq_lens, *, scale, reverse, chunk
             out[idx[real]] = o[real]
         bos += n_len
     return out, states
+
+
+def anticausal_pair_ref(a, b, c, a2, g, lam, position, seq_lens, *, scale, chunk_size, initial_state=None):
+    """Twin of `anticausal_pair` in float64: `(out, out2, state)`, its two passes walked one after the other."""
+    kw = dict(scale=scale, reverse=True, chunk_size=chunk_size)
+    out, state = level_pass_ref(a, b, c, g, lam, position, seq_lens, initial_state=initial_state, **kw)
+    transposed = None if initial_state is None else initial_state.transpose(-1, -2)
+    out2, _ = level_pass_ref(a2, c, b, g, lam, position, seq_lens, initial_state=transposed, **kw)
+    return out, out2, state
