@@ -136,7 +136,7 @@ def _edge_grads(qf, kf, vf, lamf, gf, low, position, layout, do, dF, *, scale, C
 def loglinear_attn_backward(
     do: torch.Tensor, dR: torch.Tensor | None, dF: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, lam: torch.Tensor, g: torch.Tensor | None, r0: torch.Tensor | None, low: torch.Tensor | None,
-    position: torch.Tensor, R: torch.Tensor, F_low: torch.Tensor, scale: float, seq_lens: list[int], chunk_size: int,
+    position: torch.Tensor, R: torch.Tensor | None, F_low: torch.Tensor, scale: float, seq_lens: list[int], chunk_size: int,
     want_dg: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The three backward passes, the edge-chunk terms and dg as a custom op: `(dq, dk, dv, dlam, dg,
@@ -199,13 +199,15 @@ def _(do, dR, dF, q, k, v, lam, g, r0, low, position, R, F_low, scale, seq_lens,
 
 def _setup_context(ctx, inputs, output):
     q, k, v, lam, g, r0, low, position, scale, seq_lens, chunk_size, store_final = inputs
-    ctx.save_for_backward(q, k, v, lam, g, r0, low, position, output[1], output[2])
+    R = output[1] if store_final else None  # without a final state nobody reads R: its gradient is zeros
+    ctx.save_for_backward(q, k, v, lam, g, r0, low, position, R, output[2])
     ctx.scale, ctx.seq_lens, ctx.chunk_size = scale, seq_lens, chunk_size
 
 
 def _backward(ctx, do, dR, dF):
     q, k, v, lam, g, r0, low, position, R, F_low = ctx.saved_tensors
     want_dg = g is not None and ctx.needs_input_grad[4]
+    dR = dR if R is not None else None  # autograd's zeros for an output nobody read: no entering states, no dg term
     dF = dF if dF is not None and dF.numel() else None
     dq, dk, dv, dlam, dg, dR0, dlow = loglinear_attn_backward(
         do.contiguous(), dR, dF, q, k, v, lam, g, r0, low, position, R, F_low, ctx.scale, ctx.seq_lens, ctx.chunk_size, want_dg,
