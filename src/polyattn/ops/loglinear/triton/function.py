@@ -605,11 +605,12 @@ def _(do, dR, dqt_first, dt_inv_last, dw_last, q, k, v, lam, g, beta, r0, positi
 def _gdn_setup_context(ctx, inputs, output):
     q, k, v, lam, g, beta, r0, position, scale, seq_lens, first_reads, store_final, dtype = inputs
     ctx.save_for_backward(q, k, v, lam, g, beta, r0, position)
-    ctx.scale, ctx.seq_lens, ctx.dtype = scale, seq_lens, dtype
+    ctx.scale, ctx.seq_lens, ctx.dtype, ctx.store_final = scale, seq_lens, dtype, store_final
 
 
 def _gdn_backward(ctx, do, dR, dqt_first, dt_inv_last, dw_last):
     q, k, v, lam, g, beta, r0, position = ctx.saved_tensors
+    dR = dR if ctx.store_final else None  # autograd's zeros for an output nobody read: no entering states
     present = lambda x: x if x is not None and x.numel() else None  # noqa: E731  (the rows' pieces may be empty)
     dq, dk, dv, dlam, dg, dbeta, dr0 = loglinear_gdn_backward(
         do.contiguous(), dR, present(dqt_first), present(dt_inv_last), present(dw_last), q, k, v, lam, g, beta, r0, position,
