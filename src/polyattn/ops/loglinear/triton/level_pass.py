@@ -289,10 +289,10 @@ def _launch(a, b, c, a2, g, lam, position, seq_lens, *, scale, reverse, initial_
     if reverse:  # the tiles' parts of out2 are summed in fp32
         out2 = torch.zeros_like(b, dtype=torch.float32) if n_c > 1 else torch.empty_like(b, dtype=out_dtype or b.dtype)
     rowdot = torch.empty(n_c, N_tok, H, dtype=torch.float32, device=a.device) if dot_x is not None else None
+    dlam = torch.zeros(n_c, N_tok, H, L, dtype=torch.float32, device=a.device) if want_dlam else None
     # the pair holds out2's [C, DA] fp32 sum beside its tile at every width (ptxas, sm_90a, 32 columns: 1,100 bytes a
     # thread spilled at 4 warps, 196 at 8); a causal pass's narrowed tiles ran faster at 4
     warps = config.level_wide_warps if BC >= 64 or reverse else config.num_warps
-    dlam = torch.zeros(n_c, N_tok, H, L, dtype=torch.float32, device=a.device) if want_dlam else None
     level_pass_kernel[(n_c, N, H)](
         a, b, c, a2, g, lam, out, out2, seg, position, state, dot_x, rowdot, dlam,
         scale, N_tok, H, DA, DC, L, NLC,
