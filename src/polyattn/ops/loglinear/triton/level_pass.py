@@ -83,7 +83,7 @@ def intra_levels(C: tl.constexpr, LOG_C: tl.constexpr, off):
 def level_pass_kernel(
     a, b, c, a2, g, lam, out, out2, seg, pos, state, dot_x, rowdot, dlam,
     scale, N_tok, H, DA, DC, L, NLC,
-    C: tl.constexpr, LOG_C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr,
+    C: tl.constexpr, LOG_C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr, BLV: tl.constexpr,
     REVERSE: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr, ROWDOT: tl.constexpr,
     DLAM: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr, UPDATE_DOT: tl.constexpr, ATOMIC: tl.constexpr,
 ):
@@ -119,6 +119,7 @@ def level_pass_kernel(
     o_a, o_c, m_a, m_c, m_s = state_tile(i_c, DA, DC, BA, BC)
     o_t = tl.arange(0, C)
     o_l = tl.arange(0, BL)
+    o_lv = tl.arange(0, BLV)  # in-chunk levels 0..c, padded
     lut = intra_levels(C, LOG_C, 0)  # [C, C]
     p_base = state + ((i_n * H + i_h) * NLC * DA).to(tl.int64) * DC + o_a[:, None] * DC + o_c[None, :]  # [BA, BC]
     b_p = tl.full([BL], float("-inf"), dtype=tl.float32)
@@ -158,13 +159,12 @@ def level_pass_kernel(
         else:
             b_att = b_att * (tl.exp2(b_d) * scale)  # [C, C]
             b_vi = b_v
-        if REVERSE:
-            p_w = lam + row_l[None, :] + lut  # [C, C]: lam of the column's row
-            m_w = m_t[None, :] & (lut < L)
+        if REVERSE:  # the chunk's in-chunk-level weights, then gathered by level
+            b_lw = tl.load(lam + row_l[None, :] + o_lv[:, None], mask=m_t[None, :] & (o_lv[:, None] < L), other=0.0)  # [BLV, C]
+            b_w = tl.gather(b_lw.to(tl.float32), lut, 0)  # [C, C]: lam[j, lut[i, j]], the column's row
         else:
-            p_w = lam + row_l[:, None] + lut
-            m_w = m_t[:, None] & (lut < L)
-        b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)  # [C, C] gathered from the chunk's lam rows
+            b_lw = tl.load(lam + row_l[:, None] + o_lv[None, :], mask=m_t[:, None] & (o_lv[None, :] < L), other=0.0)  # [C, BLV]
+            b_w = tl.gather(b_lw.to(tl.float32), lut, 1)  # [C, C]: lam[i, lut[i, j]]
         b_o = mma_left_fp32(b_att * b_w, b_vi, F32)  # [C, C] @ [C, BC] -> [C, BC]
         if REVERSE:  # the transposed pass: scores (a2 . c) over the tile's columns (a part of them), on b's rows
             b_a2 = tl.load(a2 + row_c, mask=m_tc, other=0.0)  # [C, BC]
@@ -185,6 +185,9 @@ def level_pass_kernel(
             # fenwick_to_blocks)
             j = bit_length(n ^ (n + 1)) - 1
             lo = tl.where(i == 0, j, 0)
+        else:  # the reads carry no level weight: the read states, each at its pending decay, summed for one product
+            b_rs = tl.zeros([BA, BC], dtype=tl.float32)  # [BA, BC]
+            n_rs = tl.full([], 0, tl.int32)
         for ell in range(0, NL):
             bit = (n >> ell) & 1
             p_ell = tl.sum(tl.where(o_l == ell, b_p, 0.0), axis=0)
@@ -196,13 +199,11 @@ def level_pass_kernel(
             if reads:
                 if p_ell > float("-inf"):
                     b_s = tl.load(p_s, mask=m_s, other=0.0)  # [BA, BC]
-                    b_wr = (b_wa * tl.exp2(p_ell))[:, None]  # [C, 1]
-                    if REVERSE:  # one split of the state for both reads
-                        b_hi, b_lo = split_halves(b_s, b_a.dtype, F32)  # [BA, BC] x 2
-                        b_o += mma_right_halves(b_a, b_hi, b_lo, F32) * b_wr  # [C, BA] @ [BA, BC] -> [C, BC]
-                        b_o2 += mma_right_halves(b_a2, tl.trans(b_hi), tl.trans(b_lo), F32) * b_wr  # [C, BC] @ [BC, BA] -> [C, BA]
+                    if REVERSE:
+                        b_rs += b_s * tl.exp2(p_ell)
+                        n_rs += 1
                     else:
-                        b_r = mma_right_fp32(b_a, b_s, F32) * b_wr  # [C, BA] @ [BA, BC] -> [C, BC]
+                        b_r = mma_right_fp32(b_a, b_s, F32) * (b_wa * tl.exp2(p_ell))[:, None]  # [C, BA] @ [BA, BC] -> [C, BC]
                         b_lam = tl.load(lam + row_l + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
                         b_o += b_r * b_lam[:, None]
                         if DLAM:
@@ -230,6 +231,11 @@ def level_pass_kernel(
                 p_ell = tl.full([], 0.0, tl.float32)
                 b_added = tl.where(o_l == ell, 1, b_added)
             b_p = tl.where(o_l == ell, p_ell, b_p)
+            if REVERSE:  # after the last level (inside the loop, as the causal carry: see above), the summed reads
+                if (ell == NL - 1) & (n_rs > 0):
+                    b_hi, b_lo = split_halves(b_rs, b_a.dtype, F32)  # [BA, BC] x 2: one split for both reads
+                    b_o += mma_right_halves(b_a, b_hi, b_lo, F32) * b_wa[:, None]  # [C, BA] @ [BA, BC] -> [C, BC]
+                    b_o2 += mma_right_halves(b_a2, tl.trans(b_hi), tl.trans(b_lo), F32) * b_wa[:, None]  # [C, BC] @ [BC, BA] -> [C, BA]
         b_p = tl.where(b_added == 1, b_p, b_p + b_last)  # the other states decay through the chunk (empty ones stay empty)
 
         if GUARD:
@@ -296,7 +302,7 @@ def _launch(a, b, c, a2, g, lam, position, seq_lens, *, scale, reverse, initial_
     level_pass_kernel[(n_c, N, H)](
         a, b, c, a2, g, lam, out, out2, seg, position, state, dot_x, rowdot, dlam,
         scale, N_tok, H, DA, DC, L, NLC,
-        C=C, LOG_C=LOG_C, BA=BA, BC=BC, BL=triton.next_power_of_2(NLC),
+        C=C, LOG_C=LOG_C, BA=BA, BC=BC, BL=triton.next_power_of_2(NLC), BLV=triton.next_power_of_2(LOG_C + 1),
         REVERSE=reverse, USE_G=g is not None, USE_H0=initial_state is not None,
         ROWDOT=dot_x is not None, DLAM=want_dlam, F32=F32, GUARD=guard, UPDATE_DOT=update_dot(config, rounded),
         ATOMIC=n_c > 1, num_warps=warps, num_stages=config.num_stages,
