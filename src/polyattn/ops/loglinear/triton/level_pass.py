@@ -94,7 +94,8 @@ def level_pass_kernel(
     `[C, BA] @ [BA, BC]` per level read and `[BA, C] @ [C, BC]` per add.
     REVERSE runs the anticausal pair: besides `out` (the pass `(a, b, c)`), `out2 [N_tok, H, DA]` = the pass
     `(a2, c, b)` (`a2: [N_tok, H, DC]`), whose states are the transposes of these: the same loads and adds serve
-    both, each state read once more as `[C, BC] @ [BC, BA]`. A program holds only its DC tile of the contraction, so
+    both, and the chunk's reads (unweighted) are summed into one state read once per output, the second as
+    `[C, BC] @ [BC, BA]`. A program holds only its DC tile of the contraction, so
     with several tiles (ATOMIC) it adds its part of out2 to an fp32 `out2` that enters zeroed.
     `seg` rows are the sequences' `(bos, eos, ., .)`, `pos [N]` their start positions. ROWDOT:
     `rowdot[i_c, t] = sum(dot_x * out, -1)` per tile (the log-decay gradient's term; REVERSE: `dot_x [N_tok, H, DA]`
@@ -296,8 +297,8 @@ def _launch(a, b, c, a2, g, lam, position, seq_lens, *, scale, reverse, initial_
         out2 = torch.zeros_like(b, dtype=torch.float32) if n_c > 1 else torch.empty_like(b, dtype=out_dtype or b.dtype)
     rowdot = torch.empty(n_c, N_tok, H, dtype=torch.float32, device=a.device) if dot_x is not None else None
     dlam = torch.zeros(n_c, N_tok, H, L, dtype=torch.float32, device=a.device) if want_dlam else None
-    # the pair holds out2's [C, DA] fp32 sum beside its tile at every width (ptxas, sm_90a, 32 columns: 1,100 bytes a
-    # thread spilled at 4 warps, 196 at 8); a causal pass's narrowed tiles ran faster at 4
+    # the pair holds out2's [C, DA] fp32 sum beside its tile at every width (ptxas, sm_90a, 32 columns: 732 bytes a
+    # thread spilled at 4 warps, 104 at 8); a causal pass's narrowed tiles ran faster at 4
     warps = config.level_wide_warps if BC >= 64 or reverse else config.num_warps
     level_pass_kernel[(n_c, N, H)](
         a, b, c, a2, g, lam, out, out2, seg, position, state, dot_x, rowdot, dlam,
