@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_map
 
 from polyattn import ops
 from polyattn.layers import build_mixer
+from polyattn.ops.common import num_levels
 from polyattn.ops.kata.feature_maps import make_feature_map
 from polyattn.ops.kata.state import KataState
 from polyattn.ops.loglinear import LogLinearState
@@ -61,7 +62,7 @@ def test_triton_forms_compile_as_one_graph(op):
         assert_close_rel(a, b, 1e-6, f"{op} gradient {i}")
 
 
-@pytest.mark.parametrize("op", ["delta_rule", "kata", "deltakata"])
+@pytest.mark.parametrize("op", ["delta_rule", "kata", "deltakata", "loglinear_mamba2", "loglinear_gdn"])
 def test_gradient_through_the_final_state_alone(op):
     """A loss of the final state alone, o unused: autograd hands the custom op no output cotangent (the ops
     turn off materialized zeros, so their saved intermediates cost no zero fill) and every gradient equals
@@ -69,11 +70,17 @@ def test_gradient_through_the_final_state_alone(op):
     K = 16 if op == "deltakata" else 8  # DeltaKATA's chunked kernels take key groups of 16 or more
     x = seeded_inputs(1, 70, 2, K, 12, decay=True, beta=True, seed=5, device=DEVICE, dtype=torch.float32)
     x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
-    names = ("q", "k", "v", "g") + (("beta",) if op != "kata" else ())
-    P = K if op == "delta_rule" else make_feature_map("psd", K, 1, "concat").dim()  # the state's rows
-    weight = torch.randn(1, 2, P, 12, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    names = ("q", "k", "v", "g") + (("beta",) if op not in ("kata", "loglinear_mamba2") else ())
+    P = K if op in ("delta_rule", "loglinear_mamba2", "loglinear_gdn") else make_feature_map("psd", K, 1, "concat").dim()
+    L = num_levels(70)  # the log-linear states' levels
+    weight = torch.randn(1, 2, *((L,) if op.startswith("loglinear") else ()), P, 12, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    lam = torch.rand(1, 70, 2, L, generator=torch.Generator().manual_seed(7)).to(DEVICE)
 
     def loss(impl, *tensors):
+        if op.startswith("loglinear"):
+            q, k, v, g, *beta = tensors
+            _, s = ops.loglinear_attn(q, k, v, lam, g, beta=beta[0] if beta else None, impl=impl, output_final_state=True)
+            return (s.levels * weight).sum()
         if op == "kata":
             _, s = ops.kata(*tensors, impl=impl, output_final_state=True)
             return (s.S * weight).sum() + s.z.square().sum()
@@ -85,7 +92,7 @@ def test_gradient_through_the_final_state_alone(op):
         return (state * weight).sum()
 
     leaves = [x[n].clone().requires_grad_() for n in names]
-    fast = "triton" if op == "delta_rule" else "triton_chunk"
+    fast = "triton" if op == "delta_rule" or op.startswith("loglinear") else "triton_chunk"
     got = torch.autograd.grad(loss(fast, *leaves), leaves, allow_unused=True, materialize_grads=True)
     want = torch.autograd.grad(loss("chunk", *leaves), leaves, allow_unused=True, materialize_grads=True)
     for name, a, b in zip(names, got, want):

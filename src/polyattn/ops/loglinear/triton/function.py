@@ -202,12 +202,14 @@ def _setup_context(ctx, inputs, output):
     R = output[1] if store_final else None  # without a final state nobody reads R: its gradient is zeros
     ctx.save_for_backward(q, k, v, lam, g, r0, low, position, R, output[2])
     ctx.scale, ctx.seq_lens, ctx.chunk_size = scale, seq_lens, chunk_size
+    ctx.set_materialize_grads(False)  # no zeros filled for R's gradient when nobody read it (0.05 ms at 2K x 32 on an H100)
 
 
 def _backward(ctx, do, dR, dF):
     q, k, v, lam, g, r0, low, position, R, F_low = ctx.saved_tensors
     want_dg = g is not None and ctx.needs_input_grad[4]
-    dR = dR if R is not None else None  # autograd's zeros for an output nobody read: no entering states, no dg term
+    do = torch.zeros_like(v) if do is None else do  # o unused: only the final state carries a gradient
+    dR = dR if R is not None else None  # R's gradient where nobody read it (None, or zeros): no entering states, no dg term
     dF = dF if dF is not None and dF.numel() else None
     dq, dk, dv, dlam, dg, dR0, dlow = loglinear_attn_backward(
         do.contiguous(), dR, dF, q, k, v, lam, g, r0, low, position, R, F_low, ctx.scale, ctx.seq_lens, ctx.chunk_size, want_dg,
@@ -606,11 +608,13 @@ def _gdn_setup_context(ctx, inputs, output):
     q, k, v, lam, g, beta, r0, position, scale, seq_lens, first_reads, store_final, dtype = inputs
     ctx.save_for_backward(q, k, v, lam, g, beta, r0, position)
     ctx.scale, ctx.seq_lens, ctx.dtype, ctx.store_final = scale, seq_lens, dtype, store_final
+    ctx.set_materialize_grads(False)  # no zeros filled for the gradients of outputs nobody read
 
 
 def _gdn_backward(ctx, do, dR, dqt_first, dt_inv_last, dw_last):
     q, k, v, lam, g, beta, r0, position = ctx.saved_tensors
-    dR = dR if ctx.store_final else None  # autograd's zeros for an output nobody read: no entering states
+    do = torch.zeros_like(v) if do is None else do  # o unused: only the final state carries a gradient
+    dR = dR if ctx.store_final else None  # R's gradient where nobody read it (None, or zeros): no entering states
     present = lambda x: x if x is not None and x.numel() else None  # noqa: E731  (the rows' pieces may be empty)
     dq, dk, dv, dlam, dg, dbeta, dr0 = loglinear_gdn_backward(
         do.contiguous(), dR, present(dqt_first), present(dt_inv_last), present(dw_last), q, k, v, lam, g, beta, r0, position,
