@@ -70,14 +70,16 @@ def test_gradient_through_the_final_state_alone(op):
     K = 16 if op == "deltakata" else 8  # DeltaKATA's chunked kernels take key groups of 16 or more
     x = seeded_inputs(1, 70, 2, K, 12, decay=True, beta=True, seed=5, device=DEVICE, dtype=torch.float32)
     x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
+    loglinear = op.startswith("loglinear")
     names = ("q", "k", "v", "g") + (("beta",) if op not in ("kata", "loglinear_mamba2") else ())
-    P = K if op in ("delta_rule", "loglinear_mamba2", "loglinear_gdn") else make_feature_map("psd", K, 1, "concat").dim()
+    P = make_feature_map("psd", K, 1, "concat").dim() if op in ("kata", "deltakata") else K  # the state's rows
     L = num_levels(70)  # the log-linear states' levels
-    weight = torch.randn(1, 2, *((L,) if op.startswith("loglinear") else ()), P, 12, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    levels = (L,) if loglinear else ()
+    weight = torch.randn(1, 2, *levels, P, 12, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     lam = torch.rand(1, 70, 2, L, generator=torch.Generator().manual_seed(7)).to(DEVICE)
 
     def loss(impl, *tensors):
-        if op.startswith("loglinear"):
+        if loglinear:
             q, k, v, g, *beta = tensors
             _, s = ops.loglinear_attn(q, k, v, lam, g, beta=beta[0] if beta else None, impl=impl, output_final_state=True)
             return (s.levels * weight).sum()
@@ -92,7 +94,7 @@ def test_gradient_through_the_final_state_alone(op):
         return (state * weight).sum()
 
     leaves = [x[n].clone().requires_grad_() for n in names]
-    fast = "triton" if op == "delta_rule" or op.startswith("loglinear") else "triton_chunk"
+    fast = "triton" if op == "delta_rule" or loglinear else "triton_chunk"
     got = torch.autograd.grad(loss(fast, *leaves), leaves, allow_unused=True, materialize_grads=True)
     want = torch.autograd.grad(loss("chunk", *leaves), leaves, allow_unused=True, materialize_grads=True)
     for name, a, b in zip(names, got, want):
