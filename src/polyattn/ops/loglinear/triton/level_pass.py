@@ -81,11 +81,12 @@ def intra_levels(C: tl.constexpr, LOG_C: tl.constexpr, off):
 
 @triton.jit(do_not_specialize=["N_tok"])
 def level_pass_kernel(
-    a, b, c, a2, g, lam, out, out2, seg, pos, state, dot_x, rowdot, dlam,
+    a, b, c, a2, g, lam, out, out2, sums, counts, seg, pos, state, dot_x, rowdot, dlam,
     scale, N_tok, H, DA, DC, L, NLC,
     C: tl.constexpr, LOG_C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr, BLV: tl.constexpr,
     REVERSE: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr, ROWDOT: tl.constexpr,
-    DLAM: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr, UPDATE_DOT: tl.constexpr, ATOMIC: tl.constexpr,
+    DLAM: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr, UPDATE_DOT: tl.constexpr, SUMS: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     """One sequence, one head, one DC tile.
 
@@ -96,7 +97,12 @@ def level_pass_kernel(
     `(a2, c, b)` (`a2: [N_tok, H, DC]`), whose states are the transposes of these: the same loads and adds serve
     both, and the chunk's reads (unweighted) are summed into one state read once per output, the second as
     `[C, BC] @ [BC, BA]`. A program holds only its DC tile of the contraction, so
-    with several tiles (ATOMIC) it adds its part of out2 to an fp32 `out2` that enters zeroed.
+    with several tiles (SUMS) it adds its part of out2 to fp32 `sums [N_tok, H, DA]` that enter zeroed; with COUNT
+    it then counts the chunk's arrived tiles in `counts [N_tok, H]` (int32, entering zeroed; the chunk's counter sits
+    at its first token row), and the last to arrive reads the whole sums back, rounds them into `out2` and dots them
+    for rowdot (no separate rounding pass over the fp32 sums, no per-tile rowdot). Without COUNT `out2` is `sums`.
+    A causal pass with SUMS zeroes `sums [N_tok, H, DC]` (and with COUNT `counts`) at the rows it walks, for a pair
+    after it: the zero fill rides on its stores (`pair_sums`).
     `seg` rows are the sequences' `(bos, eos, ., .)`, `pos [N]` their start positions. ROWDOT:
     `rowdot[i_c, t] = sum(dot_x * out, -1)` per tile (the log-decay gradient's term; REVERSE: `dot_x [N_tok, H, DA]`
     against out2); DLAM (causal
@@ -150,6 +156,10 @@ def level_pass_kernel(
         b_a = tl.load(a + row_a, mask=m_ta, other=0.0)  # [C, BA]
         b_b = tl.load(b + row_a, mask=m_ta, other=0.0)  # [C, BA]
         b_v = tl.load(c + row_c, mask=m_tc, other=0.0)  # [C, BC]
+        if SUMS and not REVERSE:  # a later pair's sums (shaped as out) and counters enter zeroed
+            tl.store(sums + row_c, tl.zeros([C, BC], dtype=tl.float32), mask=m_tc)
+            if COUNT:
+                tl.store(counts + t * H + i_h, tl.zeros([C], dtype=tl.int32), mask=m_t)
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
         b_wq, b_wk = chunk_side_decays(b_g, b_gc, b_last, REVERSE, F32)  # [C], [C]
         b_d = chunk_segsum(b_g, b_gc, b_last, REVERSE, F32)  # [C, C]
@@ -225,12 +235,12 @@ def level_pass_kernel(
                 p_ell = tl.full([], 0.0, tl.float32)
                 b_added = tl.where(o_l == ell, 1, b_added)
             elif inner & (ell == j):  # the carry: the chunk and the blocks of n's trailing set bits (read above)
-                b_zero = tl.zeros([BA, BC], dtype=tl.float32)  # become the block of level j
-                b_add = add_keys_times_values(b_zero, b_b, b_v, b_wk, USE_G, F32, UPDATE_DOT)  # [BA, C] @ [C, BC] -> [BA, BC]
-                for e in range(lo, ell + 1):
+                b_add = tl.zeros([BA, BC], dtype=tl.float32)  # become the block of level j; the loaded blocks first,
+                for e in range(lo, ell + 1):  # as the product's accumulator (a separate sum spilled: ptxas, forward)
                     p_e = tl.sum(tl.where(o_l == e, b_p, 0.0), axis=0)
                     if p_e > float("-inf"):
                         b_add += tl.load((p_seq + e * DA * DC) + off_s, mask=m_s, other=0.0) * tl.exp2(p_e + b_last)
+                b_add = add_keys_times_values(b_add, b_b, b_v, b_wk, USE_G, F32, UPDATE_DOT)  # [BA, C] @ [C, BC] -> [BA, BC]
                 tl.store(p_s, b_add, mask=m_s)
                 p_ell = tl.full([], 0.0, tl.float32)
                 b_added = tl.where(o_l == ell, 1, b_added)
@@ -246,14 +256,25 @@ def level_pass_kernel(
             b_o = nan_rows_from(b_o, first)  # [C, BC]
         tl.store(out + row_c, to_output(b_o, out.dtype.element_ty, F32), mask=m_tc)  # downcast: output dtype
         if REVERSE:
-            if ATOMIC:  # the tile's part of out2
-                tl.atomic_add(out2 + row_a, b_o2, mask=m_ta, sem="relaxed")
+            whole = i_c >= 0  # b_o2 is the whole out2 rows (one tile, or the chunk's last tile to arrive)
+            i_r = i_c  # rowdot's share
+            if SUMS:  # the tile's part of out2
+                tl.atomic_add(sums + row_a, b_o2, mask=m_ta, sem="relaxed")
+                if COUNT:
+                    tl.debug_barrier()  # every thread's adds issued before the count that releases them
+                    t0 = bos + (tl.maximum(n * C, P) - P)  # the chunk's first token row: its counter
+                    whole = tl.atomic_add(counts + t0 * H + i_h, 1, sem="acq_rel") == tl.num_programs(0) - 1
+                    i_r = i_c * 0
+                    if whole:  # the other tiles' adds are acquired: the sums are whole (read from L2)
+                        b_o2 = tl.load(sums + row_a, mask=m_ta, other=0.0, cache_modifier=".cg")  # [C, BA]
+                        tl.store(out2 + row_a, to_output(b_o2, out2.dtype.element_ty, F32), mask=m_ta)  # downcast: output dtype
             else:
                 tl.store(out2 + row_a, to_output(b_o2, out2.dtype.element_ty, F32), mask=m_ta)  # downcast: output dtype
         if ROWDOT:
             if REVERSE:
-                b_x2 = tl.load(dot_x + row_a, mask=m_ta, other=0.0)  # [C, BA]
-                tl.store(rowdot + (i_c * N_tok + t) * H + i_h, tl.sum(b_x2.to(tl.float32) * b_o2, axis=1), mask=m_t)
+                if whole:
+                    b_x2 = tl.load(dot_x + row_a, mask=m_ta, other=0.0)  # [C, BA]
+                    tl.store(rowdot + (i_r * N_tok + t) * H + i_h, tl.sum(b_x2.to(tl.float32) * b_o2, axis=1), mask=m_t)
             else:
                 if not DLAM:
                     b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0)  # [C, BC]
@@ -273,8 +294,27 @@ def level_pass_kernel(
             tl.store(p_s, tl.load(p_s, mask=m_s, other=0.0) * tl.exp2(p_ell), mask=m_s)
 
 
+def value_tile(DC: int, programs: int, device, config: KernelConfig) -> int:
+    """The value tile `BC` of a level pass over `programs` sequences x heads: few of them, narrower tiles while the
+    programs number fewer than `level_programs_per_sm` per multiprocessor."""
+    target = config.level_programs_per_sm * num_sms(device)
+    return narrow_block(min(block(DC), config.block_c), DC, programs, target - 1)
+
+
+def pair_sums(b: torch.Tensor, DC: int, N: int, *, out_dtype: torch.dtype | None = None, config: KernelConfig | None = None):
+    """The fp32 sums `[N_tok, H, DA]` (b's shape) that an `anticausal_pair` over `N` sequences with `c: [N_tok, H, DC]`
+    adds its value tiles' parts of out2 into, and, where out2 is rounded (`out_dtype`, default b's dtype, not fp32), its tile counters
+    `[N_tok, H]` int32: `(sums, counts or None)`, uninitialised, for a causal `level_pass(zeroed=...)` over the same
+    rows to zero; None where one tile holds the whole contraction."""
+    config = config or get_config()
+    if triton.cdiv(DC, value_tile(DC, N * b.shape[1], b.device, config)) == 1:
+        return None
+    counts = None if (out_dtype or b.dtype) == torch.float32 else torch.empty(b.shape[:2], dtype=torch.int32, device=b.device)
+    return torch.empty_like(b, dtype=torch.float32), counts
+
+
 def _launch(a, b, c, a2, g, lam, position, seq_lens, *, scale, reverse, initial_state, dot_x, want_dlam, out_dtype,
-            chunk_size, guard, rounded, config):
+            chunk_size, guard, rounded, sums, config):
     """Launch `level_pass_kernel` (the arguments of `level_pass` and `anticausal_pair`): `(out, out2 or None, state,
     rowdot or None, dlam or None)`."""
     config = config or get_config()
@@ -285,8 +325,7 @@ def _launch(a, b, c, a2, g, lam, position, seq_lens, *, scale, reverse, initial_
     LOG_C = C.bit_length() - 1
     NLC = max(L - LOG_C - 1, 1)
     BA = block(DA)
-    target = config.level_programs_per_sm * num_sms(a.device)  # few sequences x heads: narrower value tiles while
-    BC = narrow_block(min(block(DC), config.block_c), DC, N * H, target - 1)  # the programs number fewer than this
+    BC = value_tile(DC, N * H, a.device, config)
     n_c = triton.cdiv(DC, BC)
     F32 = dot_f32(a.dtype)
     seg = segment_table(seq_lens, 1, C, a.device)[0]
@@ -295,24 +334,37 @@ def _launch(a, b, c, a2, g, lam, position, seq_lens, *, scale, reverse, initial_
     else:
         state = torch.empty(N, H, NLC, DA, DC, dtype=torch.float32, device=a.device)
     out = torch.empty_like(c, dtype=out_dtype or c.dtype)
-    out2 = None
-    if reverse:  # the tiles' parts of out2 are summed in fp32
-        out2 = torch.zeros_like(b, dtype=torch.float32) if n_c > 1 else torch.empty_like(b, dtype=out_dtype or b.dtype)
-    rowdot = torch.empty(n_c, N_tok, H, dtype=torch.float32, device=a.device) if dot_x is not None else None
+    out2, counts = None, None
+    if reverse and n_c > 1:  # the tiles' parts of out2 are summed in fp32 (counted, where out2 is rounded)
+        if sums is None:
+            sums = (torch.zeros_like(b, dtype=torch.float32),
+                    None if (out_dtype or b.dtype) == torch.float32 else torch.zeros(N_tok, H, dtype=torch.int32, device=a.device))
+        sums, counts = sums
+        out2 = sums if counts is None else torch.empty_like(b, dtype=out_dtype or b.dtype)
+    elif reverse:
+        if sums is not None:
+            raise ValueError("anticausal_pair: sums given for a pair whose one value tile holds the whole contraction")
+        out2 = torch.empty_like(b, dtype=out_dtype or b.dtype)
+    elif sums is not None:  # the causal pass zeroes a later pair's sums and counters
+        sums, counts = sums
+        if sums.shape != c.shape or sums.dtype != torch.float32:
+            raise ValueError(f"level_pass: zeroed sums must be fp32 of c's shape {tuple(c.shape)}, got {sums.dtype} {tuple(sums.shape)}")
+    shares = 1 if reverse and counts is not None else n_c  # rowdot's per-tile shares (one: the counted pair's whole)
+    rowdot = torch.empty(shares, N_tok, H, dtype=torch.float32, device=a.device) if dot_x is not None else None
     dlam = torch.zeros(n_c, N_tok, H, L, dtype=torch.float32, device=a.device) if want_dlam else None
     # the pair holds out2's [C, DA] fp32 sum beside its tile at every width (ptxas, sm_90a, 32 columns: 732 bytes a
     # thread spilled at 4 warps, 104 at 8); a causal pass's narrowed tiles ran faster at 4
     warps = config.level_wide_warps if BC >= 64 or reverse else config.num_warps
     level_pass_kernel[(n_c, N, H)](
-        a, b, c, a2, g, lam, out, out2, seg, position, state, dot_x, rowdot, dlam,
+        a, b, c, a2, g, lam, out, out2, sums, counts, seg, position, state, dot_x, rowdot, dlam,
         scale, N_tok, H, DA, DC, L, NLC,
         C=C, LOG_C=LOG_C, BA=BA, BC=BC, BL=triton.next_power_of_2(NLC), BLV=triton.next_power_of_2(LOG_C + 1),
         REVERSE=reverse, USE_G=g is not None, USE_H0=initial_state is not None,
         ROWDOT=dot_x is not None, DLAM=want_dlam, F32=F32, GUARD=guard, UPDATE_DOT=update_dot(config, rounded),
-        ATOMIC=n_c > 1, num_warps=warps, num_stages=config.num_stages,
+        SUMS=sums is not None, COUNT=counts is not None, num_warps=warps, num_stages=config.num_stages,
     )
     if rowdot is not None:
-        rowdot = rowdot.sum(0)  # [n_c, N_tok, H] -> [N_tok, H]
+        rowdot = rowdot[0] if shares == 1 else rowdot.sum(0)  # [shares, N_tok, H] -> [N_tok, H]
     if dlam is not None:
         dlam = dlam.sum(0)  # [n_c, N_tok, H, L] -> [N_tok, H, L]
     return out, out2, state, rowdot, dlam
@@ -322,7 +374,8 @@ def level_pass(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, g: torch.Tensor | None, lam: torch.Tensor,
     position: torch.Tensor, seq_lens: tuple, *, scale: float, initial_state: torch.Tensor | None = None,
     dot_x: torch.Tensor | None = None, want_dlam: bool = False, out_dtype: torch.dtype | None = None,
-    chunk_size: int | None = None, guard: bool = False, rounded: bool = False, config: KernelConfig | None = None,
+    chunk_size: int | None = None, guard: bool = False, rounded: bool = False, zeroed: tuple | None = None,
+    config: KernelConfig | None = None,
 ):
     """Run one causal level pass over flattened tokens (the forward, dq).
 
@@ -336,12 +389,15 @@ def level_pass(
     `KernelConfig.decay_update_dot`): for a forward whose leaving states nobody reads. The reads' states stay split:
     rounded too, o's error at fp16 rose to 1.7x the split's (0.86 of the tests' bound) under the interpreter at
     T = 200, against 1.04x with the adds alone rounded.
+    zeroed: `pair_sums` of a later `anticausal_pair` over the same sequences whose out2 has c's shape: the pass zeroes
+    them at the rows it walks.
     Returns `(out [N_tok, H, DC] in out_dtype, state [N, H, NLC, DA, DC] fp32 (the states leaving
     the pass), rowdot [N_tok, H] fp32 or None, dlam [N_tok, H, L] fp32 or None)`.
     """
     out, _, state, rowdot, dlam = _launch(
         a, b, c, None, g, lam, position, seq_lens, scale=scale, reverse=False, initial_state=initial_state, dot_x=dot_x,
-        want_dlam=want_dlam, out_dtype=out_dtype, chunk_size=chunk_size, guard=guard, rounded=rounded, config=config,
+        want_dlam=want_dlam, out_dtype=out_dtype, chunk_size=chunk_size, guard=guard, rounded=rounded, sums=zeroed,
+        config=config,
     )
     return out, state, rowdot, dlam
 
@@ -350,19 +406,21 @@ def anticausal_pair(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a2: torch.Tensor, g: torch.Tensor | None, lam: torch.Tensor,
     position: torch.Tensor, seq_lens: tuple, *, scale: float, initial_state: torch.Tensor | None = None,
     dot_x: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, chunk_size: int | None = None,
-    config: KernelConfig | None = None,
+    sums: tuple | None = None, config: KernelConfig | None = None,
 ):
     """The anticausal passes `(a, b, c)` and `(a2, c, b)` in one walk (dv and dk: `(k, q, do)` and `(v, do, q)`).
 
     a, b, dot_x: [N_tok, H, DA]; c, a2: [N_tok, H, DC]; the rest as `level_pass`. initial_state: [N, H, NLC, DA, DC]
     fp32, the first pass's states at the last chunk's end (the second pass's are their transposes).
-    Returns `(out [N_tok, H, DC], out2 [N_tok, H, DA] (out_dtype, or fp32 when several value tiles add their parts),
+    sums: `pair_sums(b, DC, N, out_dtype=out_dtype)` zeroed (by a causal `level_pass(zeroed=...)`), where several
+    value tiles add their parts of out2; default: zeros filled here.
+    Returns `(out [N_tok, H, DC], out2 [N_tok, H, DA] (out_dtype),
     state [N, H, NLC, DA, DC] fp32 (the first pass's states leaving it), rowdot [N_tok, H] = sum(dot_x * out2, -1)
     fp32 or None)`.
     """
     out, out2, state, rowdot, _ = _launch(
         a, b, c, a2, g, lam, position, seq_lens, scale=scale, reverse=True, initial_state=initial_state, dot_x=dot_x,
-        want_dlam=False, out_dtype=out_dtype, chunk_size=chunk_size, guard=False, rounded=False, config=config,
+        want_dlam=False, out_dtype=out_dtype, chunk_size=chunk_size, guard=False, rounded=False, sums=sums, config=config,
     )
     return out, out2, state, rowdot
 
