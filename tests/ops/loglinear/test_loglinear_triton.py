@@ -162,11 +162,20 @@ def test_triton_continues_exactly(split):
     assert_close_rel(s2.levels, s.levels, 1e-5, "final state")
 
 
+@pytest.fixture(params=[False, True], ids=["atomic", "shares"])
+def deterministic(request):
+    """Value tiles' parts added atomically (the default), or, under `torch.use_deterministic_algorithms`, stored as
+    shares and summed after (where more than two tiles add)."""
+    torch.use_deterministic_algorithms(request.param)
+    yield request.param
+    torch.use_deterministic_algorithms(False)
+
+
 @pytest.mark.parametrize("reverse", [False, True], ids=["causal", "anticausal"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["fresh", "state"])
-def test_level_pass_matches_its_twin(reverse, with_state):
-    """The causal pass, and the anticausal pair (its second pass on the transposed states, added over value tiles),
-    against their float64 twins."""
+def test_level_pass_matches_its_twin(reverse, with_state, deterministic):
+    """The causal pass (with its row dots and per-level dlam: `sum_l lam * dlam` is the row dot), and the anticausal
+    pair (its second pass on the transposed states, summed over value tiles), against their float64 twins."""
     from polyattn.ops.loglinear.triton.level_pass import anticausal_pair, anticausal_pair_ref, level_pass, level_pass_ref
 
     gen = torch.Generator().manual_seed(11)
@@ -191,8 +200,12 @@ def test_level_pass_matches_its_twin(reverse, with_state):
         assert rel_err(rowdot, rowdot_ref) <= 1e-5, f"rowdot: {rel_err(rowdot, rowdot_ref):.2e}"
     else:
         with use_config(CONFIG):
-            out, state, _, _ = level_pass(a, b, c, g, lam, position, lengths, **kw)
+            out, state, rowdot, dlam = level_pass(a, b, c, g, lam, position, lengths, dot_x=a2, want_dlam=True, **kw)
         out_ref, state_ref = level_pass_ref(a, b, c, g, lam, position, lengths, reverse=False, chunk_size=C, **kw)
+        rowdot_ref = (a2.double() * out_ref).sum(-1)  # [N_tok, H]
+        assert rel_err(rowdot, rowdot_ref) <= 1e-5, f"rowdot: {rel_err(rowdot, rowdot_ref):.2e}"
+        lam_dlam = (lam.double() * dlam).sum(-1)  # [N_tok, H]
+        assert rel_err(lam_dlam, rowdot_ref) <= 1e-5, f"sum(lam * dlam): {rel_err(lam_dlam, rowdot_ref):.2e}"
     assert rel_err(out, out_ref) <= 1e-5, f"out: {rel_err(out, out_ref):.2e}"
     assert rel_err(state, state_ref) <= 1e-5, f"state: {rel_err(state, state_ref):.2e}"
 
