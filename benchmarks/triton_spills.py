@@ -192,7 +192,8 @@ def loglinear_levels() -> None:
     for name, (reverse, rowdot, dlam, guard, update_dot, sums) in LEVEL_PASSES.items():
         for BC, warps, stages in ((64, 4, 2), (64, 8, 2), (32, 4, 2), (32, 8, 2), (64, 4, 1), (64, 8, 3)):
             constexprs = dict(C=64, LOG_C=6, BA=128, BC=BC, BL=8, BLV=8, REVERSE=reverse, USE_G=True, USE_H0=False, ROWDOT=rowdot,
-                              DLAM=dlam, F32=False, GUARD=guard, UPDATE_DOT=update_dot, SUMS=sums, COUNT=sums)
+                              DLAM=dlam, F32=False, GUARD=guard, UPDATE_DOT=update_dot, ADD=True, SUMS=sums, COUNT=sums,
+                              EVEN=True)
             print(f"level pass {name:7} BC{BC} warps{warps} stages{stages}: {resources(level_pass_kernel, constexprs, warps, stages)}",
                   flush=True)
 

@@ -68,6 +68,26 @@ def bit_length(x):
 
 
 @triton.jit
+def load_state(p, mask, EVEN: tl.constexpr):
+    """The `[BA, BC]` state tile at `p`, unmasked where the tiles cover the states exactly (EVEN): the mask need not
+    stay live through the walk."""
+    if EVEN:
+        x = tl.load(p)
+    else:
+        x = tl.load(p, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def store_state(p, x, mask, EVEN: tl.constexpr):
+    """`load_state`'s store."""
+    if EVEN:
+        tl.store(p, x)
+    else:
+        tl.store(p, x, mask=mask)
+
+
+@triton.jit
 def put_rows(p, x, mask, ADD: tl.constexpr):
     """`x` stored at `p`, or (ADD) added there atomically: one value tile's part of a sum over tiles."""
     if ADD:
@@ -95,7 +115,7 @@ def level_pass_kernel(
     C: tl.constexpr, LOG_C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr, BLV: tl.constexpr,
     REVERSE: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr, ROWDOT: tl.constexpr,
     DLAM: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr, UPDATE_DOT: tl.constexpr, ADD: tl.constexpr,
-    SUMS: tl.constexpr, COUNT: tl.constexpr,
+    SUMS: tl.constexpr, COUNT: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One sequence, one head, one DC tile.
 
@@ -124,6 +144,7 @@ def level_pass_kernel(
     rows from the first such token zeroed, the outputs from it on NaN.
     UPDATE_DOT (`precision.UPDATE_DOTS`): how the adds' fp32 operand (the decayed c) enters the tensor cores on
     bf16/fp16 inputs, split (0) or rounded (2, `level_pass`'s `rounded`); the reads' states always split.
+    EVEN: the state tiles cover the states exactly (`DA == BA`, `BC` divides DC): their loads and stores unmasked.
     """
     i_c, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if ADD:
@@ -226,7 +247,7 @@ def level_pass_kernel(
                 reads = bit == 1
             if reads:
                 if p_ell > float("-inf"):
-                    b_s = tl.load(p_s, mask=m_s, other=0.0)  # [BA, BC]
+                    b_s = load_state(p_s, m_s, EVEN)  # [BA, BC]
                     if REVERSE:
                         b_rs += b_s * tl.exp2(p_ell)
                         n_rs += 1
@@ -244,8 +265,8 @@ def level_pass_kernel(
                 b_wv = b_v.to(tl.float32) * (tl.exp2(b_wk) * b_lam)[:, None]  # [C, BC]
                 b_add = mma_right_acc(tl.trans(b_b), b_wv, tl.zeros([BA, BC], dtype=tl.float32), F32, UPDATE_DOT)
                 if p_ell > float("-inf"):
-                    b_add += tl.load(p_s, mask=m_s, other=0.0) * tl.exp2(p_ell + b_last)
-                tl.store(p_s, b_add, mask=m_s)
+                    b_add += load_state(p_s, m_s, EVEN) * tl.exp2(p_ell + b_last)
+                store_state(p_s, b_add, m_s, EVEN)
                 p_ell = tl.full([], 0.0, tl.float32)
                 b_added = tl.where(o_l == ell, 1, b_added)
             elif inner & (ell == j):  # the carry: the chunk and the blocks of n's trailing set bits (read above)
@@ -253,9 +274,9 @@ def level_pass_kernel(
                 for e in range(lo, ell + 1):  # as the product's accumulator (a separate sum spilled: ptxas, forward)
                     p_e = tl.sum(tl.where(o_l == e, b_p, 0.0), axis=0)
                     if p_e > float("-inf"):
-                        b_add += tl.load((p_seq + e * DA * DC) + off_s, mask=m_s, other=0.0) * tl.exp2(p_e + b_last)
+                        b_add += load_state((p_seq + e * DA * DC) + off_s, m_s, EVEN) * tl.exp2(p_e + b_last)
                 b_add = add_keys_times_values(b_add, b_b, b_v, b_wk, USE_G, F32, UPDATE_DOT)  # [BA, C] @ [C, BC] -> [BA, BC]
-                tl.store(p_s, b_add, mask=m_s)
+                store_state(p_s, b_add, m_s, EVEN)
                 p_ell = tl.full([], 0.0, tl.float32)
                 b_added = tl.where(o_l == ell, 1, b_added)
             b_p = tl.where(o_l == ell, p_ell, b_p)
@@ -306,9 +327,9 @@ def level_pass_kernel(
         p_ell = tl.sum(tl.where(o_l == ell, b_p, 0.0), axis=0)
         p_s = (p_seq + ell * DA * DC) + off_s
         if p_ell == float("-inf"):
-            tl.store(p_s, tl.zeros([BA, BC], dtype=tl.float32), mask=m_s)
+            store_state(p_s, tl.zeros([BA, BC], dtype=tl.float32), m_s, EVEN)
         elif p_ell < 0.0:
-            tl.store(p_s, tl.load(p_s, mask=m_s, other=0.0) * tl.exp2(p_ell), mask=m_s)
+            store_state(p_s, load_state(p_s, m_s, EVEN) * tl.exp2(p_ell), m_s, EVEN)
 
 
 def value_tile(DC: int, programs: int, device, config: KernelConfig) -> int:
@@ -390,7 +411,8 @@ def _launch(a, b, c, a2, g, lam, position, seq_lens, *, scale, reverse, initial_
         C=C, LOG_C=LOG_C, BA=BA, BC=BC, BL=triton.next_power_of_2(NLC), BLV=triton.next_power_of_2(LOG_C + 1),
         REVERSE=reverse, USE_G=g is not None, USE_H0=initial_state is not None,
         ROWDOT=dot_x is not None, DLAM=want_dlam, F32=F32, GUARD=guard, UPDATE_DOT=update_dot(config, rounded),
-        ADD=add, SUMS=sums is not None, COUNT=counts is not None, num_warps=warps, num_stages=config.num_stages,
+        ADD=add, SUMS=sums is not None, COUNT=counts is not None, EVEN=DA == BA and DC % BC == 0, num_warps=warps,
+        num_stages=config.num_stages,
     )
     if reverse and not add:
         out2 = out2[0] if shares == 1 else out2.sum(0).to(out_dtype)  # [shares, N_tok, H, DA] -> [N_tok, H, DA]
