@@ -41,7 +41,7 @@ from polyattn.ops.triton.plan import KernelConfig, kata_state_chunk
 from polyattn.ops.triton.precision import UPDATE_DOTS
 
 POINTERS = {
-    "a": "*bf16", "b": "*bf16", "c": "*bf16", "a2": "*bf16", "out2": "*bf16", "sums": "*fp32", "counts": "*i32", "g": "*fp32", "out": "*bf16", "seg": "*i32", "s_in": "*fp32",
+    "a": "*bf16", "b": "*bf16", "c": "*bf16", "a2": "*bf16", "out2": "*fp32", "g": "*fp32", "out": "*bf16", "seg": "*i32", "s_in": "*fp32",
     "h0": "*fp32", "ht": "*fp32", "dot_x": "*bf16", "rowdot": "*fp32", "states": "*fp32", "seg_decay": "*fp32",
     "q": "*bf16", "k": "*bf16", "v": "*bf16", "do": "*bf16", "dq": "*bf16", "dk": "*bf16", "dv": "*bf16",
     "beta": "*bf16", "chunks": "*i32", "nonfinite": "*i32", "seqs": "*i32", "cu_chunks": "*i32", "pos": "*i64",
@@ -180,20 +180,18 @@ def delta_rule() -> None:
             print(f"delta grads BK64 BV{BV} warps{warps}: {resources(delta_grads_kernel, dict(rec, BK=64), warps, 2)}")
 
 
-LEVEL_PASSES = {  # name: (REVERSE, ROWDOT, DLAM, GUARD, UPDATE_DOT, SUMS), as function.py launches them at two value tiles (a
-    # training forward rounds its adds; dq zeroes the pair's sums and counters, the pair counts its tiles)
-    "forward": (False, False, False, True, UPDATE_DOTS["rounded"], False),
-    "dq": (False, True, True, False, UPDATE_DOTS["split"], True), "dv, dk": (True, True, False, False, UPDATE_DOTS["split"], True),
+LEVEL_PASSES = {  # name: (REVERSE, ROWDOT, DLAM, GUARD, UPDATE_DOT), as function.py launches them (a training forward rounds its adds)
+    "forward": (False, False, False, True, UPDATE_DOTS["rounded"]), "dq": (False, True, True, False, UPDATE_DOTS["split"]),
+    "dv, dk": (True, True, False, False, UPDATE_DOTS["split"]),
 }
 
 
 def loglinear_levels() -> None:
     print("log-linear Mamba-2 level_pass_kernel: BA = 128 (K = 128), C = 64, with decay")
-    for name, (reverse, rowdot, dlam, guard, update_dot, sums) in LEVEL_PASSES.items():
+    for name, (reverse, rowdot, dlam, guard, update_dot) in LEVEL_PASSES.items():
         for BC, warps, stages in ((64, 4, 2), (64, 8, 2), (32, 4, 2), (32, 8, 2), (64, 4, 1), (64, 8, 3)):
             constexprs = dict(C=64, LOG_C=6, BA=128, BC=BC, BL=8, BLV=8, REVERSE=reverse, USE_G=True, USE_H0=False, ROWDOT=rowdot,
-                              DLAM=dlam, F32=False, GUARD=guard, UPDATE_DOT=update_dot, ADD=True, SUMS=sums, COUNT=sums,
-                              EVEN=True)
+                              DLAM=dlam, F32=False, GUARD=guard, UPDATE_DOT=update_dot, ATOMIC=reverse, EVEN=True)
             print(f"level pass {name:7} BC{BC} warps{warps} stages{stages}: {resources(level_pass_kernel, constexprs, warps, stages)}",
                   flush=True)
 

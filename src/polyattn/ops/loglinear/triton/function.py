@@ -34,7 +34,7 @@ from polyattn.ops.triton.precision import check_kernel_inputs
 
 from .gdn import ChunkLocals, gdn_forward, gdn_levels_backward, kernel_heads
 from .gdn_grads import gdn_chunk_backward
-from .level_pass import anticausal_pair, level_pass, pair_sums
+from .level_pass import anticausal_pair, level_pass
 from .step import loglinear_attn_step_inplace
 
 
@@ -150,16 +150,14 @@ def loglinear_attn_backward(
     layout = _layout(position, seq_lens, C, q.device)
     f32 = torch.float32
     dRs = dR / scale if dR is not None else None  # the reverse states' units
-    dk_dtype = f32 if dF is not None else None
-    sums = pair_sums(kf, V, len(seq_lens), out_dtype=dk_dtype)  # dk's fp32 sums over value tiles: zeroed by the dq pass
     dq, _, q_dq, dlam = level_pass(
         dof, vf, kf, gf, lamf, position, seq_lens, scale=scale,
         initial_state=r0.transpose(-1, -2) if r0 is not None else None, dot_x=qf, want_dlam=True,
-        out_dtype=f32 if low is not None else None, chunk_size=C, zeroed=sums,
+        out_dtype=f32 if low is not None else None, chunk_size=C,
     )
     dv, dk, dR0, k_dk = anticausal_pair(
         kf, qf, dof, vf, gf, lamf, position, seq_lens, scale=scale, initial_state=dRs, dot_x=kf if want_dg else None,
-        out_dtype=dk_dtype, chunk_size=C, sums=sums,
+        out_dtype=f32 if dF is not None else None, chunk_size=C,
     )
     edge = _edge_grads(qf, kf, vf, lamf, gf, low, position, layout, dof, dF, scale=scale, C=C)
     if "q" in edge:

@@ -88,15 +88,6 @@ def store_state(p, x, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def put_rows(p, x, mask, ADD: tl.constexpr):
-    """`x` stored at `p`, or (ADD) added there atomically: one value tile's part of a sum over tiles."""
-    if ADD:
-        tl.atomic_add(p, x, mask=mask, sem="relaxed")
-    else:
-        tl.store(p, x, mask=mask)
-
-
-@triton.jit
 def intra_levels(C: tl.constexpr, LOG_C: tl.constexpr, off):
     """The [C, C] level table of in-chunk offsets `off + i`, `bit_length((off + i) ^ (off + j))`
     (symmetric; causality is the segment-sum mask's; rows past the chunk are masked by the caller)."""
@@ -110,12 +101,12 @@ def intra_levels(C: tl.constexpr, LOG_C: tl.constexpr, off):
 
 @triton.jit(do_not_specialize=["N_tok"])
 def level_pass_kernel(
-    a, b, c, a2, g, lam, out, out2, sums, counts, seg, pos, state, dot_x, rowdot, dlam,
+    a, b, c, a2, g, lam, out, out2, seg, pos, state, dot_x, rowdot, dlam,
     scale, N_tok, H, DA, DC, L, NLC,
     C: tl.constexpr, LOG_C: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr, BLV: tl.constexpr,
     REVERSE: tl.constexpr, USE_G: tl.constexpr, USE_H0: tl.constexpr, ROWDOT: tl.constexpr,
-    DLAM: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr, UPDATE_DOT: tl.constexpr, ADD: tl.constexpr,
-    SUMS: tl.constexpr, COUNT: tl.constexpr, EVEN: tl.constexpr,
+    DLAM: tl.constexpr, F32: tl.constexpr, GUARD: tl.constexpr, UPDATE_DOT: tl.constexpr, ATOMIC: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     """One sequence, one head, one DC tile.
 
@@ -125,18 +116,12 @@ def level_pass_kernel(
     REVERSE runs the anticausal pair: besides `out` (the pass `(a, b, c)`), `out2 [N_tok, H, DA]` = the pass
     `(a2, c, b)` (`a2: [N_tok, H, DC]`), whose states are the transposes of these: the same loads and adds serve
     both, and the chunk's reads (unweighted) are summed into one state read once per output, the second as
-    `[C, BC] @ [BC, BA]`. A program holds only its DC tile of the contraction: with several tiles, out2, rowdot and
-    dlam are sums of the tiles' parts, added atomically (ADD) into fp32 buffers that enter zeroed, or (several
-    tiles, not ADD) stored as shares `[n_c, ...]` (index `i_c`) and summed after. For out2, ADD is SUMS: the parts go
-    to fp32 `sums [N_tok, H, DA]`; with COUNT the program then counts the chunk's arrived tiles in `counts [N_tok,
-    H]` (int32, entering zeroed; the chunk's counter sits at its first token row), and the last to arrive reads the
-    whole sums back, rounds them into `out2` and dots them for rowdot (no rounding pass over the fp32 sums after,
-    no partial rowdot). Without COUNT `out2` is `sums`. A causal pass with SUMS zeroes `sums [N_tok, H, DC]` (and
-    with COUNT `counts`) at the rows it walks, for a pair after it: the zero fill rides on its stores (`pair_sums`).
+    `[C, BC] @ [BC, BA]`. A program holds only its DC tile of the contraction, so
+    with several tiles (ATOMIC) it adds its part of out2 to an fp32 `out2` that enters zeroed.
     `seg` rows are the sequences' `(bos, eos, ., .)`, `pos [N]` their start positions. ROWDOT:
-    `rowdot[t] = sum(dot_x * out, -1)` (the log-decay gradient's term; REVERSE: `dot_x [N_tok, H, DA]`
+    `rowdot[i_c, t] = sum(dot_x * out, -1)` per tile (the log-decay gradient's term; REVERSE: `dot_x [N_tok, H, DA]`
     against out2); DLAM (causal
-    only): `dlam[t, l]` = the unweighted level-l share of `out_t` dotted with
+    only): `dlam[i_c, t, l]` = the tile's part of the unweighted level-l share of `out_t` dotted with
     `dot_x_t`, for the reads, and for levels `0..c` `sum_s [level = l] att_ts (dot_x_t . c_s)`.
     GUARD (the forward pass): a NaN or Inf in a row of b or c changes no earlier output, inline here
     (its cost was within noise on the H200), as in the linear kernel's guarded loop
@@ -147,10 +132,6 @@ def level_pass_kernel(
     EVEN: the state tiles cover the states exactly (`DA == BA`, `BC` divides DC): their loads and stores unmasked.
     """
     i_c, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if ADD:
-        i_s = i_c * 0  # the program's share of rowdot and dlam: one, added into
-    else:
-        i_s = i_c
     bos = tl.load(seg + i_n * 4).to(tl.int64)
     eos = tl.load(seg + i_n * 4 + 1).to(tl.int64)
     P = tl.load(pos + i_n).to(tl.int64)
@@ -191,10 +172,6 @@ def level_pass_kernel(
         b_a = tl.load(a + row_a, mask=m_ta, other=0.0)  # [C, BA]
         b_b = tl.load(b + row_a, mask=m_ta, other=0.0)  # [C, BA]
         b_v = tl.load(c + row_c, mask=m_tc, other=0.0)  # [C, BC]
-        if SUMS and not REVERSE:  # a later pair's sums (shaped as out) and counters enter zeroed
-            tl.store(sums + row_c, tl.zeros([C, BC], dtype=tl.float32), mask=m_tc)
-            if COUNT:
-                tl.store(counts + t * H + i_h, tl.zeros([C], dtype=tl.int32), mask=m_t)
         b_g, b_gc, b_last = chunk_decay(g, t, m_t, H, i_h, USE_G)  # [C], [C], scalar
         b_wq, b_wk = chunk_side_decays(b_g, b_gc, b_last, REVERSE, F32)  # [C], [C]
         b_d = chunk_segsum(b_g, b_gc, b_last, REVERSE, F32)  # [C, C]
@@ -222,9 +199,9 @@ def level_pass_kernel(
         if DLAM:
             b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0)  # [C, BC]
             b_xc = mma(b_x, tl.trans(b_v), F32) * b_att  # [C, BC] @ [BC, C] -> [C, C]
-            p_dl = dlam + (i_s * N_tok + t) * H * L + i_h * L  # [C]
+            p_dl = dlam + (i_c * N_tok + t) * H * L + i_h * L  # [C]
             for lv in tl.static_range(LOG_C + 1):
-                put_rows(p_dl + lv, tl.sum(tl.where(lut == lv, b_xc, 0.0), axis=1), m_t & (o_t * 0 + lv < L), ADD)
+                tl.store(p_dl + lv, tl.sum(tl.where(lut == lv, b_xc, 0.0), axis=1), mask=m_t & (o_t * 0 + lv < L))
 
         # inter-chunk: causal, a read per set bit of n; anticausal, a read or an add per chunk-level
         b_wa = tl.exp2(b_wq) * scale  # [C]
@@ -256,7 +233,7 @@ def level_pass_kernel(
                         b_lam = tl.load(lam + row_l + (LOG_C + 1 + ell), mask=m_t, other=0.0).to(tl.float32)  # [C]
                         b_o += b_r * b_lam[:, None]
                         if DLAM:
-                            put_rows(p_dl + (LOG_C + 1 + ell), tl.sum(b_x.to(tl.float32) * b_r, axis=1), m_t, ADD)
+                            tl.store(p_dl + (LOG_C + 1 + ell), tl.sum(b_x.to(tl.float32) * b_r, axis=1), mask=m_t)
                 if REVERSE:
                     if (n % (2 << ell) == 0) & inner:  # the level's block starts here, walked last: the level empties
                         p_ell = tl.full([], float("-inf"), tl.float32)
@@ -291,32 +268,18 @@ def level_pass_kernel(
             b_o = nan_rows_from(b_o, first)  # [C, BC]
         tl.store(out + row_c, to_output(b_o, out.dtype.element_ty, F32), mask=m_tc)  # downcast: output dtype
         if REVERSE:
-            whole = i_c >= 0  # b_o2 is the whole out2 rows (the chunk's last tile to arrive, under COUNT)
-            if SUMS:  # the tile's part of out2
-                put_rows(sums + row_a, b_o2, m_ta, True)
-                if COUNT:
-                    tl.debug_barrier()  # every thread's adds issued before the count that releases them
-                    t0 = bos + (tl.maximum(n * C, P) - P)  # the chunk's first token row: its counter
-                    whole = tl.atomic_add(counts + t0 * H + i_h, 1, sem="acq_rel") == tl.num_programs(0) - 1
-                    if whole:  # the other tiles' adds are acquired: the sums are whole (read from L2)
-                        b_o2 = tl.load(sums + row_a, mask=m_ta, other=0.0, cache_modifier=".cg")  # [C, BA]
-                        tl.store(out2 + row_a, to_output(b_o2, out2.dtype.element_ty, F32), mask=m_ta)  # downcast: output dtype
-            else:  # one tile: out2 in the output dtype; several: the tile's fp32 share
-                p_o2 = out2 + (i_c * N_tok).to(tl.int64) * H * DA + row_a  # [C, BA]
-                tl.store(p_o2, to_output(b_o2, out2.dtype.element_ty, F32), mask=m_ta)  # downcast: output dtype
+            if ATOMIC:  # the tile's part of out2
+                tl.atomic_add(out2 + row_a, b_o2, mask=m_ta, sem="relaxed")
+            else:
+                tl.store(out2 + row_a, to_output(b_o2, out2.dtype.element_ty, F32), mask=m_ta)  # downcast: output dtype
         if ROWDOT:
             if REVERSE:
-                if whole:
-                    b_x2 = tl.load(dot_x + row_a, mask=m_ta, other=0.0)  # [C, BA]
-                    b_rd = tl.sum(b_x2.to(tl.float32) * b_o2, axis=1)  # [C]
-                    if COUNT:  # whole: stored once
-                        tl.store(rowdot + t * H + i_h, b_rd, mask=m_t)
-                    else:
-                        put_rows(rowdot + (i_s * N_tok + t) * H + i_h, b_rd, m_t, ADD)
+                b_x2 = tl.load(dot_x + row_a, mask=m_ta, other=0.0)  # [C, BA]
+                tl.store(rowdot + (i_c * N_tok + t) * H + i_h, tl.sum(b_x2.to(tl.float32) * b_o2, axis=1), mask=m_t)
             else:
                 if not DLAM:
                     b_x = tl.load(dot_x + row_c, mask=m_tc, other=0.0)  # [C, BC]
-                put_rows(rowdot + (i_s * N_tok + t) * H + i_h, tl.sum(b_x.to(tl.float32) * b_o, axis=1), m_t, ADD)
+                tl.store(rowdot + (i_c * N_tok + t) * H + i_h, tl.sum(b_x.to(tl.float32) * b_o, axis=1), mask=m_t)
 
         if not REVERSE:
             if inner:  # the levels below the carry's target empty
@@ -332,34 +295,8 @@ def level_pass_kernel(
             store_state(p_s, load_state(p_s, m_s, EVEN) * tl.exp2(p_ell), m_s, EVEN)
 
 
-def value_tile(DC: int, programs: int, device, config: KernelConfig) -> int:
-    """The value tile `BC` of a level pass over `programs` sequences x heads: few of them, narrower tiles while the
-    programs number fewer than `level_programs_per_sm` per multiprocessor."""
-    target = config.level_programs_per_sm * num_sms(device)
-    return narrow_block(min(block(DC), config.block_c), DC, programs, target - 1)
-
-
-def tiles_add(n_c: int) -> bool:
-    """Whether `n_c` value tiles add their parts of a sum atomically into one zeroed fp32 buffer (else each stores
-    its share, summed after). Atomic adds land in any order: under `torch.use_deterministic_algorithms(True)` only
-    two tiles add (onto zero, two addends commute exactly)."""
-    return n_c == 2 or (n_c > 2 and not torch.are_deterministic_algorithms_enabled())
-
-
-def pair_sums(b: torch.Tensor, DC: int, N: int, *, out_dtype: torch.dtype | None = None, config: KernelConfig | None = None):
-    """The fp32 sums `[N_tok, H, DA]` (b's shape) that an `anticausal_pair` over `N` sequences with `c: [N_tok, H, DC]`
-    adds its value tiles' parts of out2 into, and, where out2 is rounded (`out_dtype`, default b's dtype, not fp32), its tile counters
-    `[N_tok, H]` int32: `(sums, counts or None)`, uninitialised, for a causal `level_pass(zeroed=...)` over the same
-    rows to zero; None where one tile holds the whole contraction or the tiles store shares (`tiles_add`)."""
-    config = config or get_config()
-    if not tiles_add(triton.cdiv(DC, value_tile(DC, N * b.shape[1], b.device, config))):
-        return None
-    counts = None if (out_dtype or b.dtype) == torch.float32 else torch.empty(b.shape[:2], dtype=torch.int32, device=b.device)
-    return torch.empty_like(b, dtype=torch.float32), counts
-
-
 def _launch(a, b, c, a2, g, lam, position, seq_lens, *, scale, reverse, initial_state, dot_x, want_dlam, out_dtype,
-            chunk_size, guard, rounded, sums, config):
+            chunk_size, guard, rounded, config):
     """Launch `level_pass_kernel` (the arguments of `level_pass` and `anticausal_pair`): `(out, out2 or None, state,
     rowdot or None, dlam or None)`."""
     config = config or get_config()
@@ -370,7 +307,8 @@ def _launch(a, b, c, a2, g, lam, position, seq_lens, *, scale, reverse, initial_
     LOG_C = C.bit_length() - 1
     NLC = max(L - LOG_C - 1, 1)
     BA = block(DA)
-    BC = value_tile(DC, N * H, a.device, config)
+    target = config.level_programs_per_sm * num_sms(a.device)  # few sequences x heads: narrower value tiles while
+    BC = narrow_block(min(block(DC), config.block_c), DC, N * H, target - 1)  # the programs number fewer than this
     n_c = triton.cdiv(DC, BC)
     F32 = dot_f32(a.dtype)
     seg = segment_table(seq_lens, 1, C, a.device)[0]
@@ -378,48 +316,27 @@ def _launch(a, b, c, a2, g, lam, position, seq_lens, *, scale, reverse, initial_
         state = initial_state.to(torch.float32, copy=True).contiguous()
     else:
         state = torch.empty(N, H, NLC, DA, DC, dtype=torch.float32, device=a.device)
-    add = tiles_add(n_c)
-    shares = 1 if add else n_c  # the tiles' parts of rowdot, dlam (and out2) stored apart, summed after
     out = torch.empty_like(c, dtype=out_dtype or c.dtype)
-    out_dtype = out_dtype or b.dtype  # out2's
-    out2, counts = None, None
-    if reverse and add:  # the parts of out2 added in fp32 (counted, where out2 is rounded)
-        if sums is None:
-            sums = (torch.zeros_like(b, dtype=torch.float32),
-                    None if out_dtype == torch.float32 else torch.zeros(N_tok, H, dtype=torch.int32, device=a.device))
-        sums, counts = sums
-        out2 = sums if counts is None else torch.empty_like(b, dtype=out_dtype)
-    elif reverse:
-        if sums is not None:
-            raise ValueError(f"anticausal_pair: sums given where the {n_c} value tiles add nothing (tiles_add)")
-        out2 = torch.empty(shares, *b.shape, dtype=out_dtype if shares == 1 else torch.float32, device=a.device)
-    elif sums is not None:  # the causal pass zeroes a later pair's sums and counters
-        sums, counts = sums
-        if sums.shape != c.shape or sums.dtype != torch.float32:
-            raise ValueError(f"level_pass: zeroed sums must be fp32 of c's shape {tuple(c.shape)}, got {sums.dtype} {tuple(sums.shape)}")
-    counted = reverse and counts is not None  # the counted pair's rowdot: whole, stored once
-    rowdot = None
-    if dot_x is not None:
-        rowdot = (torch.empty if counted or not add else torch.zeros)(shares, N_tok, H, dtype=torch.float32, device=a.device)
-    dlam = torch.zeros(shares, N_tok, H, L, dtype=torch.float32, device=a.device) if want_dlam else None
+    out2 = None
+    if reverse:  # the tiles' parts of out2 are summed in fp32
+        out2 = torch.zeros_like(b, dtype=torch.float32) if n_c > 1 else torch.empty_like(b, dtype=out_dtype or b.dtype)
+    rowdot = torch.empty(n_c, N_tok, H, dtype=torch.float32, device=a.device) if dot_x is not None else None
+    dlam = torch.zeros(n_c, N_tok, H, L, dtype=torch.float32, device=a.device) if want_dlam else None
     # the pair holds out2's [C, DA] fp32 sum beside its tile at every width (ptxas, sm_90a, 32 columns: 732 bytes a
     # thread spilled at 4 warps, 104 at 8); a causal pass's narrowed tiles ran faster at 4
     warps = config.level_wide_warps if BC >= 64 or reverse else config.num_warps
     level_pass_kernel[(n_c, N, H)](
-        a, b, c, a2, g, lam, out, out2, sums, counts, seg, position, state, dot_x, rowdot, dlam,
+        a, b, c, a2, g, lam, out, out2, seg, position, state, dot_x, rowdot, dlam,
         scale, N_tok, H, DA, DC, L, NLC,
         C=C, LOG_C=LOG_C, BA=BA, BC=BC, BL=triton.next_power_of_2(NLC), BLV=triton.next_power_of_2(LOG_C + 1),
         REVERSE=reverse, USE_G=g is not None, USE_H0=initial_state is not None,
         ROWDOT=dot_x is not None, DLAM=want_dlam, F32=F32, GUARD=guard, UPDATE_DOT=update_dot(config, rounded),
-        ADD=add, SUMS=sums is not None, COUNT=counts is not None, EVEN=DA == BA and DC % BC == 0, num_warps=warps,
-        num_stages=config.num_stages,
+        ATOMIC=n_c > 1, EVEN=DA == BA and DC % BC == 0, num_warps=warps, num_stages=config.num_stages,
     )
-    if reverse and not add:
-        out2 = out2[0] if shares == 1 else out2.sum(0).to(out_dtype)  # [shares, N_tok, H, DA] -> [N_tok, H, DA]
     if rowdot is not None:
-        rowdot = rowdot[0] if shares == 1 else rowdot.sum(0)  # [shares, N_tok, H] -> [N_tok, H]
+        rowdot = rowdot.sum(0)  # [n_c, N_tok, H] -> [N_tok, H]
     if dlam is not None:
-        dlam = dlam[0] if shares == 1 else dlam.sum(0)  # [shares, N_tok, H, L] -> [N_tok, H, L]
+        dlam = dlam.sum(0)  # [n_c, N_tok, H, L] -> [N_tok, H, L]
     return out, out2, state, rowdot, dlam
 
 
@@ -427,8 +344,7 @@ def level_pass(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, g: torch.Tensor | None, lam: torch.Tensor,
     position: torch.Tensor, seq_lens: tuple, *, scale: float, initial_state: torch.Tensor | None = None,
     dot_x: torch.Tensor | None = None, want_dlam: bool = False, out_dtype: torch.dtype | None = None,
-    chunk_size: int | None = None, guard: bool = False, rounded: bool = False, zeroed: tuple | None = None,
-    config: KernelConfig | None = None,
+    chunk_size: int | None = None, guard: bool = False, rounded: bool = False, config: KernelConfig | None = None,
 ):
     """Run one causal level pass over flattened tokens (the forward, dq).
 
@@ -442,15 +358,12 @@ def level_pass(
     `KernelConfig.decay_update_dot`): for a forward whose leaving states nobody reads. The reads' states stay split:
     rounded too, o's error at fp16 rose to 1.7x the split's (0.86 of the tests' bound) under the interpreter at
     T = 200, against 1.04x with the adds alone rounded.
-    zeroed: `pair_sums` of a later `anticausal_pair` over the same sequences whose out2 has c's shape: the pass zeroes
-    them at the rows it walks.
     Returns `(out [N_tok, H, DC] in out_dtype, state [N, H, NLC, DA, DC] fp32 (the states leaving
     the pass), rowdot [N_tok, H] fp32 or None, dlam [N_tok, H, L] fp32 or None)`.
     """
     out, _, state, rowdot, dlam = _launch(
         a, b, c, None, g, lam, position, seq_lens, scale=scale, reverse=False, initial_state=initial_state, dot_x=dot_x,
-        want_dlam=want_dlam, out_dtype=out_dtype, chunk_size=chunk_size, guard=guard, rounded=rounded, sums=zeroed,
-        config=config,
+        want_dlam=want_dlam, out_dtype=out_dtype, chunk_size=chunk_size, guard=guard, rounded=rounded, config=config,
     )
     return out, state, rowdot, dlam
 
@@ -459,21 +372,19 @@ def anticausal_pair(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a2: torch.Tensor, g: torch.Tensor | None, lam: torch.Tensor,
     position: torch.Tensor, seq_lens: tuple, *, scale: float, initial_state: torch.Tensor | None = None,
     dot_x: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, chunk_size: int | None = None,
-    sums: tuple | None = None, config: KernelConfig | None = None,
+    config: KernelConfig | None = None,
 ):
     """The anticausal passes `(a, b, c)` and `(a2, c, b)` in one walk (dv and dk: `(k, q, do)` and `(v, do, q)`).
 
     a, b, dot_x: [N_tok, H, DA]; c, a2: [N_tok, H, DC]; the rest as `level_pass`. initial_state: [N, H, NLC, DA, DC]
     fp32, the first pass's states at the last chunk's end (the second pass's are their transposes).
-    sums: `pair_sums(b, DC, N, out_dtype=out_dtype)` zeroed (by a causal `level_pass(zeroed=...)`), where several
-    value tiles add their parts of out2; default: zeros filled here.
-    Returns `(out [N_tok, H, DC], out2 [N_tok, H, DA] (out_dtype),
+    Returns `(out [N_tok, H, DC], out2 [N_tok, H, DA] (out_dtype, or fp32 when several value tiles add their parts),
     state [N, H, NLC, DA, DC] fp32 (the first pass's states leaving it), rowdot [N_tok, H] = sum(dot_x * out2, -1)
     fp32 or None)`.
     """
     out, out2, state, rowdot, _ = _launch(
         a, b, c, a2, g, lam, position, seq_lens, scale=scale, reverse=True, initial_state=initial_state, dot_x=dot_x,
-        want_dlam=False, out_dtype=out_dtype, chunk_size=chunk_size, guard=False, rounded=False, sums=sums, config=config,
+        want_dlam=False, out_dtype=out_dtype, chunk_size=chunk_size, guard=False, rounded=False, config=config,
     )
     return out, out2, state, rowdot
 
