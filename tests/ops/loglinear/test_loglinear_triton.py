@@ -167,12 +167,15 @@ def test_triton_continues_exactly(split):
 TWIN_SHAPES = {"ragged": (120, 100), "even": (128, 96)} if CUDA else {"ragged": (8, 40), "even": (16, 32)}
 
 
-@pytest.mark.parametrize("reverse", [False, True], ids=["causal", "anticausal"])
+@pytest.mark.parametrize(("reverse", "deterministic"), [(False, False), (True, False), (True, True)],
+                         ids=["causal", "anticausal", "anticausal-deterministic"])
 @pytest.mark.parametrize("with_state", [False, True], ids=["fresh", "state"])
 @pytest.mark.parametrize("shape", TWIN_SHAPES)
-def test_level_pass_matches_its_twin(reverse, with_state, shape):
+def test_level_pass_matches_its_twin(reverse, deterministic, with_state, shape):
     """The causal pass (with its row dots and per-level dlam: `sum_l lam * dlam` is the row dot), and the anticausal
-    pair (its second pass on the transposed states, summed over value tiles), against their float64 twins."""
+    pair (its second pass on the transposed states, summed over value tiles: added atomically, or under
+    `torch.use_deterministic_algorithms` stored per tile and summed after, the same bits on a second run), against
+    their float64 twins."""
     from polyattn.ops.loglinear.triton.level_pass import anticausal_pair, anticausal_pair_ref, level_pass, level_pass_ref
 
     gen = torch.Generator().manual_seed(11)
@@ -189,8 +192,16 @@ def test_level_pass_matches_its_twin(reverse, with_state, shape):
     position = torch.tensor(positions, device=DEVICE)
     kw = dict(scale=0.5, initial_state=h0)
     if reverse:
-        with use_config(CONFIG):
-            out, out2, state, rowdot = anticausal_pair(a, b, c, a2, g, lam, position, lengths, dot_x=a, **kw)
+        was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            with use_config(CONFIG):
+                out, out2, state, rowdot = anticausal_pair(a, b, c, a2, g, lam, position, lengths, dot_x=a, **kw)
+                if deterministic:
+                    again = anticausal_pair(a, b, c, a2, g, lam, position, lengths, dot_x=a, **kw)[1]
+                    assert torch.equal(out2, again), "out2 differs between two runs under deterministic algorithms"
+        finally:
+            torch.use_deterministic_algorithms(was)
         out_ref, out2_ref, state_ref = anticausal_pair_ref(a, b, c, a2, g, lam, position, lengths, chunk_size=C, **kw)
         assert rel_err(out2, out2_ref) <= 1e-5, f"out2: {rel_err(out2, out2_ref):.2e}"
         rowdot_ref = (a.double() * out2_ref).sum(-1)  # [N_tok, H]

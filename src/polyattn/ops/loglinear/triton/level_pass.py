@@ -117,7 +117,8 @@ def level_pass_kernel(
     `(a2, c, b)` (`a2: [N_tok, H, DC]`), whose states are the transposes of these: the same loads and adds serve
     both, and the chunk's reads (unweighted) are summed into one state read once per output, the second as
     `[C, BC] @ [BC, BA]`. A program holds only its DC tile of the contraction, so
-    with several tiles (ATOMIC) it adds its part of out2 to an fp32 `out2` that enters zeroed.
+    with several tiles (ATOMIC) it adds its part of out2 to an fp32 `out2` that enters zeroed; without ATOMIC it
+    stores its share at `out2[i_c]` (`[n_c, N_tok, H, DA]`; one tile: the output itself).
     `seg` rows are the sequences' `(bos, eos, ., .)`, `pos [N]` their start positions. ROWDOT:
     `rowdot[i_c, t] = sum(dot_x * out, -1)` per tile (the log-decay gradient's term; REVERSE: `dot_x [N_tok, H, DA]`
     against out2); DLAM (causal
@@ -271,7 +272,8 @@ def level_pass_kernel(
             if ATOMIC:  # the tile's part of out2
                 tl.atomic_add(out2 + row_a, b_o2, mask=m_ta, sem="relaxed")
             else:
-                tl.store(out2 + row_a, to_output(b_o2, out2.dtype.element_ty, F32), mask=m_ta)  # downcast: output dtype
+                p_o2 = out2 + (i_c * N_tok).to(tl.int64) * H * DA + row_a  # [C, BA]: the tile's share
+                tl.store(p_o2, to_output(b_o2, out2.dtype.element_ty, F32), mask=m_ta)  # downcast: output dtype
         if ROWDOT:
             if REVERSE:
                 b_x2 = tl.load(dot_x + row_a, mask=m_ta, other=0.0)  # [C, BA]
@@ -317,9 +319,14 @@ def _launch(a, b, c, a2, g, lam, position, seq_lens, *, scale, reverse, initial_
     else:
         state = torch.empty(N, H, NLC, DA, DC, dtype=torch.float32, device=a.device)
     out = torch.empty_like(c, dtype=out_dtype or c.dtype)
+    # the tiles' parts of out2 meet in fp32, by atomic adds into zeros: two addends onto zero commute exactly, so two
+    # tiles give the same bits on every run; more, under torch.use_deterministic_algorithms, store shares summed after
+    atomic = n_c == 2 or (n_c > 2 and not torch.are_deterministic_algorithms_enabled())
     out2 = None
-    if reverse:  # the tiles' parts of out2 are summed in fp32
-        out2 = torch.zeros_like(b, dtype=torch.float32) if n_c > 1 else torch.empty_like(b, dtype=out_dtype or b.dtype)
+    if reverse and atomic:
+        out2 = torch.zeros_like(b, dtype=torch.float32)
+    elif reverse:
+        out2 = torch.empty(n_c, *b.shape, dtype=out_dtype or b.dtype if n_c == 1 else torch.float32, device=a.device)
     rowdot = torch.empty(n_c, N_tok, H, dtype=torch.float32, device=a.device) if dot_x is not None else None
     dlam = torch.zeros(n_c, N_tok, H, L, dtype=torch.float32, device=a.device) if want_dlam else None
     # the pair holds out2's [C, DA] fp32 sum beside its tile at every width (ptxas, sm_90a, 32 columns: 732 bytes a
@@ -331,8 +338,10 @@ def _launch(a, b, c, a2, g, lam, position, seq_lens, *, scale, reverse, initial_
         C=C, LOG_C=LOG_C, BA=BA, BC=BC, BL=triton.next_power_of_2(NLC), BLV=triton.next_power_of_2(LOG_C + 1),
         REVERSE=reverse, USE_G=g is not None, USE_H0=initial_state is not None,
         ROWDOT=dot_x is not None, DLAM=want_dlam, F32=F32, GUARD=guard, UPDATE_DOT=update_dot(config, rounded),
-        ATOMIC=n_c > 1, EVEN=DA == BA and DC % BC == 0, num_warps=warps, num_stages=config.num_stages,
+        ATOMIC=atomic, EVEN=DA == BA and DC % BC == 0, num_warps=warps, num_stages=config.num_stages,
     )
+    if reverse and not atomic:
+        out2 = out2.sum(0) if n_c > 1 else out2[0]  # [n_c, N_tok, H, DA] -> [N_tok, H, DA]
     if rowdot is not None:
         rowdot = rowdot.sum(0)  # [n_c, N_tok, H] -> [N_tok, H]
     if dlam is not None:
