@@ -73,6 +73,14 @@ def pytest_runtest_logfinish(nodeid, location):
         os._exit(3)  # after the report went out: xdist restarts the worker
 
 
+def pytest_runtest_teardown(item, nextitem):
+    if torch.cuda.is_available() and os.environ.get("PYTEST_XDIST_WORKER"):
+        # the workers share one GPU: a test's cached blocks go back to the driver, so a memory-heavy test in one
+        # worker does not leave the others out of memory (three workers beside the log-linear file's long-sequence
+        # test on an H100: CUDA out of memory, even for loading a kernel)
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _poisoned_empty():
     """With POLYATTN_POISON_EMPTY=1, every torch.empty is NaN-filled for the whole run (polyattn.testing.poisoned_empty):
