@@ -102,7 +102,7 @@ def check_parallel(config, device):
 def process_group(config, device):
     """``(device, ranks)`` of this process: a single process for ``parallel="none"``; else the group of the
     launch (``env://`` from torchrun, nccl on CUDA, gloo on CPU; created here and destroyed on exit unless the
-    caller created it), the device ``cuda:LOCAL_RANK`` on CUDA."""
+    caller created it, after a barrier when the body ended without an error), the device ``cuda:LOCAL_RANK`` on CUDA."""
     if config.parallel == "none":
         yield device, Ranks()
         return
@@ -112,10 +112,14 @@ def process_group(config, device):
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    finished = False
     try:
         yield device, Ranks(dist.get_rank(), dist.get_world_size())
+        finished = True
     finally:
         if created:
+            if finished:  # no rank takes its connections down while another still works (rank 0 writes the files)
+                dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
             dist.destroy_process_group()
 
 
