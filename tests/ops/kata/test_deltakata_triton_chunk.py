@@ -261,8 +261,11 @@ def test_custom_ops_pass_opcheck():
             torch.library.opcheck(torch.ops.polyattn.deltakata_walk.default, args,
                                   test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
             o, ht, hs, u, yk, yq = torch.ops.polyattn.deltakata_walk(*args)
-            back = (torch.randn_like(o), torch.randn_like(ht), flat[0], flat[1], *coefs, hs, u, yk, yq, lengths, 1, "concat", dtype)
-            torch.library.opcheck(torch.ops.polyattn.deltakata_walk_backward.default, back, test_utils=("test_schema", "test_faketensor"))
+            for want_dh0 in (True, False):  # q, k as the forward saves them, in dtype
+                back = (torch.randn_like(o), torch.randn_like(ht), flat[0].to(dtype), flat[1].to(dtype), *coefs, hs, u, yk, yq,
+                        lengths, 1, "concat", dtype, want_dh0)
+                torch.library.opcheck(torch.ops.polyattn.deltakata_walk_backward.default, back,
+                                      test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("p", [16, 20], ids=["chunk-start", "inside"])
@@ -283,6 +286,62 @@ def test_future_nonfinite_leaves_earlier_outputs_bit_identical(p):
             assert torch.equal(o[:, :p], o_clean[:, :p]), f"{field}={value} at {p} changed an earlier output"
             if field in ("k", "v", "g"):
                 assert not bool(torch.isfinite(o[:, p:, 0]).all()), f"{field}={value} at {p} never reached an output"
+
+
+@pytest.mark.parametrize("packing", ["batch", "varlen"])
+def test_nonfinite_token_stays_in_its_sequence(packing):
+    """A NaN or Inf in one sequence (a batch row, or a packed document) changes no output or final state of another,
+    earlier or later: the chunks past a sequence's end are padded with zeros, never with the next sequence's tokens
+    times zero (0 * NaN is NaN). Lengths 21 and 19 in chunks of 16 on the CPU: both sequences end inside a chunk."""
+    Kx = _width(1)
+    lengths = [21, 19]
+    rows = (2, 20) if packing == "batch" else (1, sum(lengths))
+    clean = {n: t for n, t in seeded_inputs(rows[0], rows[1], H, Kx, V, decay=True, beta=True, seed=15, device=DEVICE,
+                                             dtype=torch.float32).items() if n in ("q", "k", "v", "beta", "g")}
+    cu = None if packing == "batch" else torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+    run = functools.partial(deltakata_chunk_fused, groups=1, combine="concat", eps=1e-6, scale=Kx**-0.5, cu_seqlens=cu,
+                            output_final_state=True)
+    # (the poisoned sequence, its token, the other sequence's outputs): each sequence poisons the other in turn
+    cases = [(1, (1, 3), (0, slice(None))), (0, (0, 18), (1, slice(None)))] if packing == "batch" else \
+            [(1, (0, 24), (0, slice(0, 21))), (0, (0, 18), (0, slice(21, None)))]
+    with use_config(CONFIG), torch.no_grad():
+        o_clean, S_clean = run(*clean.values())
+        for field, value in [(f, v) for f in ("q", "k", "v", "beta", "g") for v in ("nan", "inf")]:
+            for bad, (row, t), (other, span) in cases:
+                x = {n: t_.clone() for n, t_ in clean.items()}
+                x[field][row, t, 0] = float(value)
+                o, S = run(*x.values())
+                where = f"{field}={value} in sequence {bad}"
+                assert torch.equal(o[other, span], o_clean[other, span]), f"{where} changed the other's outputs"
+                assert torch.equal(S[1 - bad], S_clean[1 - bad]), f"{where} changed the other's final state"
+
+
+@pytest.mark.parametrize("layout", ["transposed", "stepped", "expanded"])
+def test_strided_fp32_inputs_equal_contiguous_ones(layout):
+    """fp32 q and k that are views (heads and time transposed in memory, every other token of a longer tensor, one
+    head's row expanded over the heads) give the contiguous inputs' output, final state and gradients exactly: the
+    kernels read flat row-major copies, with an initial state (the walk reads q and k)."""
+    Kx = _width(1)
+    x = seeded_inputs(1, 40, H, Kx, V, decay=True, beta=True, seed=16, device=DEVICE, dtype=torch.float32)
+    if layout == "transposed":
+        views = {n: x[n].transpose(1, 2).contiguous().transpose(1, 2) for n in ("q", "k")}
+    elif layout == "stepped":
+        views = {n: torch.repeat_interleave(x[n], 2, dim=1)[:, ::2] for n in ("q", "k")}
+    else:
+        views = {n: x[n][:, :, :1].expand_as(x[n]) for n in ("q", "k")}
+    dense = {n: v.contiguous() for n, v in views.items()}
+    h0 = _state(1, make_feature_map("psd", Kx), 17).float()
+    run = functools.partial(deltakata_chunk_fused, groups=1, combine="concat", eps=1e-6, scale=Kx**-0.5, output_final_state=True)
+    outs = []
+    with use_config(CONFIG):
+        for qk in (views, dense):
+            leaves = [qk["q"].detach().requires_grad_(), qk["k"].detach().requires_grad_(), *(x[n].clone().requires_grad_()
+                      for n in ("v", "beta", "g"))]
+            o, S = run(*leaves, initial_state=h0)
+            outs.append((o, S, *torch.autograd.grad(o.square().sum() + S.sum(), leaves)))
+    assert not views["q"].is_contiguous()
+    for name, a, b in zip(("o", "S", "dq", "dk", "dv", "dbeta", "dg"), *outs):
+        assert torch.equal(a, b), f"{layout}: {name} differs from the contiguous inputs'"
 
 
 @pytest.mark.parametrize("value", [-1e4, float("-inf")], ids=["huge", "reset"])

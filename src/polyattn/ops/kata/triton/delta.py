@@ -308,9 +308,12 @@ def chunk_layout(table: torch.Tensor, chunk_size: int, N_tok: int):
 
 
 def to_chunks(x: torch.Tensor, idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Flat tokens `[N_tok, H, ...]` as chunks `[NC, H, C, ...]`, zero past each chunk's end."""
-    y = x[idx] * mask.view(*mask.shape, *(1,) * (x.dim() - 1)).to(x.dtype)  # [NC, C, H, ...]
-    return y.movedim(1, 2)
+    """Flat tokens `[N_tok, H, ...]` as chunks `[NC, H, C, ...]`, zero past each chunk's end: one gather into a
+    contiguous tensor (products of it copy nothing), the rows past the end (the next sequence's tokens) filled with
+    zeros in place, not multiplied by them: a non-finite token must not reach another sequence's chunk."""
+    heads = torch.arange(x.shape[1], device=x.device)[:, None]  # [H, 1]
+    y = x[idx[:, None, :], heads]  # [NC, H, C, ...]
+    return y.masked_fill_(~mask.view(mask.shape[0], 1, mask.shape[1], *(1,) * (x.dim() - 2)), 0.0)
 
 
 def from_chunks(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -596,9 +599,11 @@ def deltakata_walk_backward(
     do: torch.Tensor, dht: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, m: torch.Tensor, a: torch.Tensor,
     b: torch.Tensor, alpha: torch.Tensor, omega: torch.Tensor, rho: torch.Tensor, lam: torch.Tensor, hs: torch.Tensor,
     u: torch.Tensor, yk: torch.Tensor, yq: torch.Tensor, seq_lens: list[int], groups: int, combine: str, dtype: torch.dtype,
+    want_dh0: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor]:
-    """The walk's backward (module docstring): `(dq, dk, dM, dA, db, dα, dω, dρ, dλ, dh0)`, all fp32. The reverse
+    """The walk's backward (module docstring): `(dq, dk, dM, dA, db, dα, dω, dρ, dλ, dh0)`, all fp32 (dh0 empty
+    unless want_dh0); q, k in `dtype` (the kernels' tensor-core operands, as the forward saved them). The reverse
     kernel gives the state gradients and the rows Z, dU, Y'; the coefficients' gradients are row dots and
     chunk-local products of them; dq and dk are lift gradients of the reads (on the entering states) and of the
     write (on the state gradients). Round by round (`state_rounds`), last first: the round's entering states
@@ -608,7 +613,6 @@ def deltakata_walk_backward(
     plan = _walk_plan(seq_lens, H, K, V, groups, combine, k.device, dtype)
     P = plan["sizes"][-1]
     N = len(seq_lens)
-    qk, kk = q.to(dtype), k.to(dtype)
     m, a = m.contiguous(), a.contiguous()
     dst = torch.zeros(N, H, P, V, dtype=torch.float32, device=k.device) if dht is None else dht.float().clone()
     layout = plan["rounds"]
@@ -626,35 +630,42 @@ def deltakata_walk_backward(
     for rnd in reversed(layout["rounds"]):
         if layout["recompute"]:
             deltakata_states_kernel[(NV, N, H)](
-                kk, u, omega, lam, hs, states, plan["table"], rnd["bounds"], *plan["sizes"], **launch,
+                k, u, omega, lam, hs, states, plan["table"], rnd["bounds"], *plan["sizes"], **launch,
             )
         deltakata_walk_grad_kernel[(NV, N, H)](
-            qk, kk, m, a, do, alpha, omega, rho, lam, states, dst, ds, z, du, yg, dlam, plan["table"], rnd["bounds"],
+            q, k, m, a, do, alpha, omega, rho, lam, states, dst, ds, z, du, yg, dlam, plan["table"], rnd["bounds"],
             plan["NC"], *plan["sizes"], **launch,
         )
-        _lift_grad(qk, do, rho, states, zs, plan, rnd, dq)  # the read Yq
-        _lift_grad(kk, z, alpha, states, zs, plan, rnd, dk)  # the read Yk
-        _lift_grad(kk, u, omega, ds, zs, plan, rnd, dk)  # the write
+        _lift_grad(q, do, rho, states, zs, plan, rnd, dq)  # the read Yq
+        _lift_grad(k, z, alpha, states, zs, plan, rnd, dk)  # the read Yk
+        _lift_grad(k, u, omega, ds, zs, plan, rnd, dk)  # the write
+    del ds, states, zs  # the round buffers go before the chunk-local products below, where the peak was
+    if not want_dh0:
+        dst = no_output(k)
     idx, mask = chunk_layout(plan["table"], plan["C"], N_tok)
     rhs = b + alpha[..., None] * yk  # [N_tok, H, V]
     dm = to_chunks(du, idx, mask) @ to_chunks(rhs, idx, mask).transpose(-1, -2)  # [NC, H, C, V] @ [NC, H, V, C]
-    da = to_chunks(do.float(), idx, mask) @ to_chunks(u, idx, mask).transpose(-1, -2)
-    return (dq, dk, dm, da, z, (z * yk).sum(-1), (yg * u).sum(-1), (do.float() * yq).sum(-1), dlam.sum(0), dst)
+    del rhs
+    do = do.float()
+    da = to_chunks(do, idx, mask) @ to_chunks(u, idx, mask).transpose(-1, -2)
+    return (dq, dk, dm, da, z, (z * yk).sum(-1), (yg * u).sum(-1), (do * yq).sum(-1), dlam.sum(0), dst)
 
 
 @deltakata_walk_backward.register_fake
-def _(do, dht, q, k, m, a, b, alpha, omega, rho, lam, hs, u, yk, yq, seq_lens, groups, combine, dtype):
+def _(do, dht, q, k, m, a, b, alpha, omega, rho, lam, hs, u, yk, yq, seq_lens, groups, combine, dtype, want_dh0):
     N_tok, H, K = k.shape
     P = make_feature_map("psd", K, groups, combine).dim()
-    return (q.new_empty(q.shape), k.new_empty(k.shape), m.new_empty(m.shape), a.new_empty(a.shape), b.new_empty(b.shape),
+    dh0 = b.new_empty(len(seq_lens), H, P, b.shape[-1]) if want_dh0 else no_output(b)
+    return (b.new_empty(q.shape), b.new_empty(k.shape), m.new_empty(m.shape), a.new_empty(a.shape), b.new_empty(b.shape),
             alpha.new_empty(alpha.shape), omega.new_empty(omega.shape), rho.new_empty(rho.shape), lam.new_empty(lam.shape),
-            k.new_empty(len(seq_lens), H, P, b.shape[-1]))
+            dh0)
 
 
 def _walk_setup_context(ctx, inputs, output):
     q, k, m, a, b, alpha, omega, rho, lam, h0, seq_lens, groups, combine, dtype, store_hs = inputs
     _, _, hs, u, yk, yq = output
-    ctx.save_for_backward(q, k, m, a, b, alpha, omega, rho, lam, hs, u, yk, yq)
+    # q, k kept as the kernels read them (in dtype), not as the fp32 inputs: on bf16 half the bytes, no copy in the backward
+    ctx.save_for_backward(q.to(dtype), k.to(dtype), m, a, b, alpha, omega, rho, lam, hs, u, yk, yq)
     ctx.options = (seq_lens, groups, combine, dtype)
     ctx.store_hs = store_hs
     ctx.set_materialize_grads(False)  # no zero cotangents filled for the saved intermediates (hs: every chunk's lifted state)
@@ -666,10 +677,11 @@ def _walk_backward(ctx, do, dht, _, __, ___, ____):
     saved = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(saved[-1])
+    want_dh0 = ctx.needs_input_grad[9]
     dq, dk, dm, da, db, dalpha, domega, drho, dlam, dh0 = deltakata_walk_backward(
-        do.contiguous(), None if dht is None else dht.contiguous(), *saved, *ctx.options,
+        do.contiguous(), None if dht is None else dht.contiguous(), *saved, *ctx.options, want_dh0,
     )
-    return (dq, dk, dm, da, db, dalpha, domega, drho, dlam, dh0 if ctx.needs_input_grad[9] else None,
+    return (dq, dk, dm, da, db, dalpha, domega, drho, dlam, dh0 if want_dh0 else None,
             None, None, None, None, None)
 
 
@@ -694,7 +706,7 @@ def deltakata_chunk_fused(
     if q.numel() == 0:
         state = torch.zeros(len(seq_lens), H, fmap.dim(), V, dtype=torch.float32, device=q.device) if h0 is None else h0
         return v.new_zeros(B, T, H, V).to(q.dtype), (state.clone() if output_final_state else None)
-    flat = [None if x is None else x.reshape(B * T, H, *x.shape[3:]).float() for x in (q, k, v, beta, g)]  # [B*T, H, ...]
+    flat = [None if x is None else x.reshape(B * T, H, *x.shape[3:]).float().contiguous() for x in (q, k, v, beta, g)]  # [B*T, H, ...]
     idx, mask = chunk_layout(plan["table"], plan["C"], B * T)
     coefs = deltakata_coefficients(*flat, fmap=fmap, scale=float(scale), eps=float(eps), idx=idx, mask=mask)
     store_hs = torch.is_grad_enabled() and wants_grad((q, k, v, beta, g, initial_state))
