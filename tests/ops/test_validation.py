@@ -29,6 +29,7 @@ OPTION_ERRORS = {
     "output_final_state-int": (dict(output_final_state=1), r"output_final_state: expected a bool, got 1"),
     "scale-inf": (dict(scale=float("inf")), r"scale: expected a finite float"),
     "scale-str": (dict(scale="1"), r"scale: expected a Python float"),
+    "scale-huge-int": (dict(scale=10**400), r"scale: expected a finite float"),  # float() of it overflows
     "impl-bogus": (dict(impl="fast"), r"impl must be 'auto' or one of"),
 }
 
@@ -101,6 +102,7 @@ HLA_ERRORS = {
     "eps-negative": (dict(eps=-1.0), r"eps: expected a positive float"),
     "eps-str": (dict(eps="x"), r"eps: expected a positive float"),
     "eps-nan": (dict(eps=float("nan")), r"eps: expected a positive float"),
+    "eps-huge-int": (dict(eps=10**400), r"eps: expected a positive float"),
     "normalize-str": (dict(normalize="no"), r"normalize: expected a bool, got 'no'"),
     "normalize-int": (dict(normalize=1), r"normalize: expected a bool"),
     "asymmetric-int": (dict(asymmetric=1), r"asymmetric: expected a bool"),
@@ -120,6 +122,30 @@ def test_kata_eps_inf_rejected():
     x = _small()
     with pytest.raises(ValueError, match=r"eps: expected a positive float"):
         ops.kata(x["q"], x["k"], x["v"], eps=float("inf"))
+
+
+def test_delta_rule_without_beta_rejected():
+    x = _small()
+    for impl in ("naive", "recurrent", "chunk"):
+        with pytest.raises(ValueError, match=r"beta: expected the write strengths"):
+            ops.delta_rule(x["q"], x["k"], x["v"], None, x["g"], impl=impl)
+
+
+def test_loglinear_level_check_at_int64_limits():
+    """lam's level check holds for every L up to and past 64 (2 ** (L - 1) no longer an int64), and a position so
+    large that position + tokens wraps around int64 is refused instead of passing any check as a negative end."""
+    x = _small()
+    cu = torch.tensor([0, 2, x["q"].shape[1]])
+    for L in (64, 70):
+        lam = torch.rand(*x["lam"].shape[:3], L, dtype=x["lam"].dtype)
+        o, _ = ops.loglinear_attn(x["q"], x["k"], x["v"], lam, x["g"], cu_seqlens=cu, impl="chunk")
+        want, _ = ops.loglinear_attn(x["q"], x["k"], x["v"], lam, x["g"], cu_seqlens=cu, impl="naive")
+        torch.testing.assert_close(o, want)
+    levels = torch.zeros(1, 2, x["lam"].shape[-1], 4, 3, dtype=torch.float64)
+    for impl in ("naive", "recurrent", "chunk"):
+        with pytest.raises(ValueError, match=r"initial_state: expected position \+ tokens to fit in int64"):
+            ops.loglinear_attn(x["q"], x["k"], x["v"], x["lam"], x["g"], impl=impl,
+                               initial_state=LogLinearState(levels, torch.tensor([2**63 - 3])))
 
 
 def test_loglinear_plain_tuple_state_rejected():

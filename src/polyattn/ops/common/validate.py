@@ -156,9 +156,17 @@ def check_flag(name: str, value) -> None:
 
 def check_positive(name: str, value) -> float:
     """Check a positive, finite Python number (not a bool); return it as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < finite_float(value) < float("inf"):
         raise ValueError(f"{name}: expected a positive float (finite, not a bool), got {value!r}")
     return float(value)
+
+
+def finite_float(value: int | float) -> float:
+    """``float(value)``, or inf for a Python int too large for a float (``float(10**400)`` raises)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return float("inf")
 
 
 def resolve_scale(scale: float | None, K: int) -> float:
@@ -167,7 +175,7 @@ def resolve_scale(scale: float | None, K: int) -> float:
         return K ** -0.5
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise ValueError(f"scale: expected a Python float or None, got {type(scale).__name__}")
-    if not abs(scale) < float("inf"):
+    if not abs(finite_float(scale)) < float("inf"):
         raise ValueError(f"scale: expected a finite float, got {scale!r}")
     return float(scale)
 

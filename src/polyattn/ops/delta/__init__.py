@@ -41,6 +41,8 @@ def delta_rule(
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)``.
     """
+    if beta is None:
+        raise ValueError("beta: expected the write strengths, a [B, T, H] tensor, got None")
     d = check_inputs(q, k, v, g, cu_seqlens, output_final_state, beta=beta)
     if initial_state is not None:
         check_state("initial_state", initial_state, (d.N, d.H, d.K, d.V), q)

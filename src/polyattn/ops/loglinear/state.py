@@ -38,7 +38,8 @@ def fenwick_carry(levels: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """
     L = levels.shape[2]
     lowest = position & -position  # [N]: 2^ctz(position), 0 at position 0
-    powers = 2 ** torch.arange(L, device=position.device, dtype=torch.int64)  # [L]
+    ell = torch.arange(L, device=position.device, dtype=torch.int64)
+    powers = torch.where(ell < 63, 2 ** ell.clamp(max=62), -1)  # [L]: no int64 position has a lowest bit past 62
     at_j = lowest[:, None] == powers[None, :]  # [N, L]: True at l = j
     upto_j = at_j.flip(-1).cumsum(-1).flip(-1) > 0  # [N, L]: l <= j
     into = torch.cat([torch.zeros_like(at_j[:, :1]), at_j[:, :-1]], dim=1)  # [N, L]: l = j + 1
@@ -87,6 +88,9 @@ def check_lam_levels(L: int, state: LogLinearState | None, lengths: torch.Tensor
         ends = None
         end = lengths
     else:
+        if state is not None:  # position + tokens must not wrap around int64 (a wrapped end passes any check)
+            check_value(state.position <= torch.iinfo(torch.int64).max - lengths,
+                        "initial_state: expected position + tokens to fit in int64 for every sequence")
         ends = lengths + (0 if state is None else state.position)  # [N]
         if ends.numel() == 0:  # no sequences (B = 0)
             return
@@ -101,6 +105,8 @@ def check_lam_levels(L: int, state: LogLinearState | None, lengths: torch.Tensor
     if ends is None:
         if L < num_levels(end):
             raise ValueError(message(end))
+        return
+    if L - 1 >= 63:  # every int64 end has at most 64 levels
         return
     check_value(
         ends <= 2 ** (L - 1), f"lam: expected L >= num_levels(position + tokens) for every sequence, got L = {L}",
