@@ -121,12 +121,12 @@ def kind(rec, size, dims) -> tuple[str, int]:
     return "BYTE", nb
 
 
-def main():
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in dict(B=2, T=1024, H=2, K=16, V=32, C=64).items():
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--out", default=None, help="JSON: the peak, the live set there and the replayed peaks")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     import triton.runtime.interpreter as interpreter
 
     launch = interpreter.GridExecutor.__call__
@@ -138,6 +138,14 @@ def main():
             gc.collect()
 
     interpreter.GridExecutor.__call__ = launch_and_collect
+    try:
+        return count(a)
+    finally:
+        interpreter.GridExecutor.__call__ = launch
+
+
+def count(a) -> dict:
+    """`main` after the arguments: count, replay, print, and return what `--out` writes."""
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(a.B, a.T, a.H, a.K, generator=gen).bfloat16() for _ in range(2))
     k = F.normalize(k.float(), dim=-1).bfloat16()
@@ -177,10 +185,12 @@ def main():
         terms = " + ".join(f"{m}·{u}" if u != "BYTE" else f"{m} B" for u, m in counts[i].most_common())
         replayed[T] = dict(B=B, gib=peaks[i] / GiB, at=counter.records[i]["line"], terms=terms)
         print(f"T={T:6d} B={B:2d} (H=16, K=V=64, C=128): {peaks[i] / GiB:6.2f} GiB at {counter.records[i]['line']} = {terms}")
+    result = dict(args=vars(a), peak_bytes=counter.peak, live=[dict(counter.records[s], kind=kinds[s][0]) for s in live],
+                  replayed=replayed)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(args=vars(a), peak_bytes=counter.peak, live=[dict(counter.records[s], kind=kinds[s][0]) for s in live],
-                           replayed=replayed), f, indent=1)
+            json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":

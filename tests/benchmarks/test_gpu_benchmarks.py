@@ -1,6 +1,7 @@
 """The benchmark scripts at toy sizes (on CPU the Triton forms run under the interpreter): `train_step.py`
 finds one graph with the custom ops in it and equal losses, and reports a graph break as a failure;
-`hf_generate.py` counts the fused decoding steps and reports a mismatch as a failure."""
+`hf_generate.py` counts the fused decoding steps and reports a mismatch as a failure; `memory_peak.py` counts live
+bytes."""
 
 import importlib.util
 import json
@@ -213,3 +214,22 @@ def test_dg_identity_compares_each_way_against_the_chunk_forms_bound():
     assert set(errors) == {"chunk form", "bound", "q·dq − k·dk", "q·dq − v·dv", "do·o − k·dk", "do·o − v·dv"}
     assert all(math.isfinite(e) and e >= 0 for e in errors.values())
     assert errors["q·dq − k·dk"] <= errors["bound"]
+
+
+def test_memory_peak_counts_live_bytes():
+    """`memory_peak.py`'s counter: the peak of live storage bytes of a hand-counted sequence (the excluded input
+    never counts, a freed result stops counting); then, on the CPU (the script runs the kernels under the
+    interpreter), the script at a toy shape, whose kinds account for every byte of its peak (it asserts that) and
+    whose replay is positive at every benchmark shape."""
+    memory_peak = load("memory_peak")
+    x = torch.ones(1024)
+    with memory_peak.LiveBytes(x) as counter:
+        y = x * 2  # 4 KiB
+        z = y + 1  # 8 KiB live
+        del y
+        w = z * 3  # 8 KiB live again
+    assert counter.peak == 8192 and w.numel() == 1024
+    if DEVICE == "cpu":
+        result = memory_peak.main(["--B", "1", "--T", "40", "--H", "1", "--K", "16", "--V", "8", "--C", "16"])
+        assert result["peak_bytes"] > 0 and sorted(result["replayed"]) == [2048, 8192, 32768, 131072]
+        assert all(r["gib"] > 0 for r in result["replayed"].values())
