@@ -639,16 +639,18 @@ def deltakata_walk_backward(
         _lift_grad(q, do, rho, states, zs, plan, rnd, dq)  # the read Yq
         _lift_grad(k, z, alpha, states, zs, plan, rnd, dk)  # the read Yk
         _lift_grad(k, u, omega, ds, zs, plan, rnd, dk)  # the write
-    del ds, states, zs  # the round buffers go before the chunk-local products below, where the peak was
+    # the chunk-local products below set the peak: every buffer and row goes as soon as nothing reads it
+    del ds, states, zs
     if not want_dh0:
         dst = no_output(k)
+    dalpha, domega, drho = (z * yk).sum(-1), (yg * u).sum(-1), (do.float() * yq).sum(-1)  # [N_tok, H]
+    del yg
     idx, mask = chunk_layout(plan["table"], plan["C"], N_tok)
     rhs = b + alpha[..., None] * yk  # [N_tok, H, V]
     dm = to_chunks(du, idx, mask) @ to_chunks(rhs, idx, mask).transpose(-1, -2)  # [NC, H, C, V] @ [NC, H, V, C]
-    del rhs
-    do = do.float()
-    da = to_chunks(do, idx, mask) @ to_chunks(u, idx, mask).transpose(-1, -2)
-    return (dq, dk, dm, da, z, (z * yk).sum(-1), (yg * u).sum(-1), (do * yq).sum(-1), dlam.sum(0), dst)
+    del rhs, du
+    da = to_chunks(do, idx, mask).float() @ to_chunks(u, idx, mask).transpose(-1, -2)  # dO chunked in its dtype, then widened
+    return (dq, dk, dm, da, z, dalpha, domega, drho, dlam.sum(0), dst)
 
 
 @deltakata_walk_backward.register_fake
