@@ -345,6 +345,19 @@ def test_triton_forms_under_nonfinite_inputs(op, field, value, packed, position)
         assert not bool(torch.isfinite(o[:, position:, 0]).all()), f"{field}={value} at {position} never reached an output"
 
 
+@pytest.mark.parametrize("op, field", [(op, field) for op in NONFINITE_INPUT_CAUSAL
+                                       for field in ("k", "g") + (("beta",) if op in BETA_OPS else ())])
+def test_triton_forms_keep_packed_documents_apart(op, field):
+    """A NaN in the first of two packed documents (token 20 of [0, 40)) changes no output of the second: its
+    state does not cross the boundary, and no chunk that pads the first document's end reads it into the second's
+    (the fields that enter the state and the chunk-local products: k, g, beta)."""
+    clean = nonfinite_case_clean(op, True)
+    x = nonfinite_case_inputs()
+    x[field][:, 20, 0] = float("nan")
+    o = nonfinite_case_output(op, x, True)
+    assert torch.equal(o[:, 40:], clean[:, 40:]), f"{field}=nan in the first document changed the second's outputs"
+
+
 @pytest.mark.parametrize("position", [64, 100], ids=["chunk-start", "inside"])
 @pytest.mark.parametrize("op", ["linear_attn", "delta_rule", "hla2", "loglinear_mamba2", "loglinear_gdn", "kata_m2", "kata_m2_chunk",
                                 "kata_lorentz", "deltakata_lorentz"])
