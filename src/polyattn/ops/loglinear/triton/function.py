@@ -572,8 +572,10 @@ def _gdn_backward_heads(do, dR, dqt_first, dt_inv_last, dw_last, q, k, v, lam, g
     seq_lens = tuple(seq_lens)
     qf, kf, vf, lamf, bf, gf = _kernel_inputs((q, k, v, lam, beta, g), dtype, B, T)
     (dof,) = _flatten((do,), B, T)
-    fwd = gdn_forward(qf, kf, vf, gf, bf, lamf, seq_lens, position, scale=scale, r0=r0, store_ck=True)
+    # the rerun's leaving states are read by nobody: freed before the level backward makes its round buffers
+    fwd = gdn_forward(qf, kf, vf, gf, bf, lamf, seq_lens, position, scale=scale, r0=r0, store_ck=True)._replace(R=None)
     dqt, dw, dkt, du, dlast, dlam_levels, dr0 = gdn_levels_backward(kf, gf, lamf, fwd, dof, dR, seq_lens, position)
+    dr0 = dr0 if r0 is not None else no_output(q)  # kept through the chunk-local backward only where it is returned
     t_inv, w, chunks = fwd.t_inv, fwd.w, fwd.chunks
     del fwd  # the checkpoints
     dt_inv = None
@@ -589,11 +591,11 @@ def _gdn_backward_heads(do, dR, dqt_first, dt_inv_last, dw_last, q, k, v, lam, g
             dw = dw.index_add(0, rows[real], dw_last[real])
     grads = ChunkLocals(dof, dqt, dw, du, dkt, dt_inv, dlast)
     dq, dk, dv, dg, dbeta, dlam = gdn_chunk_backward(qf, kf, vf, gf, bf, lamf, t_inv, w, grads, chunks, scale=scale, grad_dtype=q.dtype)
-    dlam = dlam + dlam_levels
+    dlam = dlam.add_(dlam_levels)
     return (
         dq.view(q.shape), dk.view(k.shape), dv.view(v.shape),
         dlam.to(lam.dtype).view(lam.shape), dg.to(g.dtype).view(g.shape) if g is not None else no_output(q),
-        dbeta.to(beta.dtype).view(beta.shape), dr0 if r0 is not None else no_output(q),
+        dbeta.to(beta.dtype).view(beta.shape), dr0,
     )
 
 
