@@ -439,14 +439,15 @@ chunk_algebra.register_autograd(_algebra_backward, setup_context=_algebra_setup_
 
 def deltakata_coefficients(q, k, v, beta, g, *, fmap, scale: float, eps: float, idx, mask):
     """The chunk-local algebra of the walk (module docstring), from flat fp32 tokens `q, k [N_tok, H, K]`,
-    `v [N_tok, H, V]`, `beta`, `g [N_tok, H]` (g None: no decay): `(M, A [NC, H, C, C], b [N_tok, H, V],
-    α, ω, ρ [N_tok, H], λ [NC, H])`, differentiable (`chunk_algebra`'s written-out backward for the `[C, C]` part).
-    Padded rows have k = 0 and β = 0: they neither read nor write."""
-    kc, qc, vc, bc = (to_chunks(x, idx, mask) for x in (k, q, v, beta))  # [NC, H, C, ...]
+    `beta`, `g [N_tok, H]` (g None: no decay) and `v [N_tok, H, V]` (any float dtype: b = β v is formed in fp32, and
+    autograd keeps v as it came, not an fp32 copy): `(M, A [NC, H, C, C], b [N_tok, H, V], α, ω, ρ [N_tok, H],
+    λ [NC, H])`, differentiable (`chunk_algebra`'s written-out backward for the `[C, C]` part). Padded rows have
+    k = 0 and β = 0: they neither read nor write."""
+    kc, qc, bc = (to_chunks(x, idx, mask) for x in (k, q, beta))  # [NC, H, C, ...]
     gc = torch.zeros_like(bc) if g is None else to_chunks(reset_limit_ref(g), idx, mask)  # [NC, H, C]
     M, A, alpha, omega, rho, lam = chunk_algebra(kc, qc, bc, gc, fmap.groups, fmap.combine, scale, eps)
-    b, alpha, omega, rho = (from_chunks(x, mask) for x in (bc[..., None] * vc, alpha, omega, rho))
-    return M, A, b, alpha, omega, rho, lam
+    alpha, omega, rho = (from_chunks(x, mask) for x in (alpha, omega, rho))
+    return M, A, beta[..., None] * v, alpha, omega, rho, lam
 
 
 def value_tile(heads: int, V: int, device) -> int:
@@ -695,9 +696,9 @@ def deltakata_chunk_fused(
 ):
     """Triton chunked form of DeltaKATA for the PSD maps (inputs validated, scale resolved), forward and backward:
     the chunk-local coefficients in PyTorch (`chunk_algebra`'s written-out backward), the walk on the kernels. q, k
-    `[B, T, H, K]`, v `[B, T, H, V]`, beta, g `[B, T, H]`; initial_state `S [N, H, P, V]`; cu_seqlens with B == 1. Everything
-    enters in fp32 copies (one rounding of each gradient), q and k the kernels' tensor cores in their own
-    dtype. Returns `(o [B, T, H, V] in q's dtype, S [N, H, P, V] fp32 or None)`."""
+    `[B, T, H, K]`, v `[B, T, H, V]`, beta, g `[B, T, H]`; initial_state `S [N, H, P, V]`; cu_seqlens with B == 1. q, k,
+    beta and g enter in fp32 copies (one rounding of each gradient), v as it is (b = β v formed in fp32), q and k the
+    kernels' tensor cores in their own dtype. Returns `(o [B, T, H, V] in q's dtype, S [N, H, P, V] fp32 or None)`."""
     check_kernel_inputs(q)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -708,9 +709,10 @@ def deltakata_chunk_fused(
     if q.numel() == 0:
         state = torch.zeros(len(seq_lens), H, fmap.dim(), V, dtype=torch.float32, device=q.device) if h0 is None else h0
         return v.new_zeros(B, T, H, V).to(q.dtype), (state.clone() if output_final_state else None)
-    flat = [None if x is None else x.reshape(B * T, H, *x.shape[3:]).float().contiguous() for x in (q, k, v, beta, g)]  # [B*T, H, ...]
+    flat = [None if x is None else x.reshape(B * T, H, *x.shape[3:]).float().contiguous() for x in (q, k, beta, g)]  # [B*T, H, ...]
     idx, mask = chunk_layout(plan["table"], plan["C"], B * T)
-    coefs = deltakata_coefficients(*flat, fmap=fmap, scale=float(scale), eps=float(eps), idx=idx, mask=mask)
+    coefs = deltakata_coefficients(flat[0], flat[1], v.reshape(B * T, H, V), *flat[2:], fmap=fmap, scale=float(scale), eps=float(eps),
+                                   idx=idx, mask=mask)
     store_hs = torch.is_grad_enabled() and wants_grad((q, k, v, beta, g, initial_state))
     o, ht, _, _, _, _ = deltakata_walk(flat[0], flat[1], *coefs, h0, list(seq_lens), groups, combine, q.dtype, store_hs)
     return o.view(B, T, H, V), (ht if output_final_state else None)
