@@ -20,12 +20,16 @@ import torch
 
 from polyattn import ops
 from polyattn.ops.kata import deltakata_chunk, deltakata_naive, make_feature_map
+from polyattn.ops.kata.triton.algebra import chunk_algebra, chunk_algebra_ref
 from polyattn.ops.kata.triton.delta import (
     _walk_plan, chunk_layout, deltakata_chunk_fused, deltakata_coefficients, deltakata_walk, deltakata_walk_ref, state_interval,
     state_rounds,
 )
 from polyattn.ops.triton.plan import KernelConfig, get_config, use_config
-from polyattn.testing import assert_close_rel, assert_continuation, assert_low_precision_matches, dtype_id, rel_err, seeded_inputs
+from polyattn.testing import (
+    LOW_PRECISION_CEILING, LOW_PRECISION_FLOOR, assert_close_rel, assert_continuation, assert_low_precision_matches, dtype_id,
+    rel_err, seeded_inputs,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -84,7 +88,9 @@ def test_triton_chunk_matches_naive(case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_triton_chunk_varlen_matches_naive(dtype):
     """Packed sequences (one of a single token, others around the chunk size), each from its own state."""
-    lengths = [1, 16, 37, 20] if not CUDA else [1, 64, 1000, 2047, 130]
+    # on the GPU: 1025 is one past eight chunks; the float64 naive form keeps tens of MB a token at these widths, so
+    # the packed call stays under an H100's 80 GB
+    lengths = [1, 16, 37, 20] if not CUDA else [1, 64, 500, 1025, 130]
     _check(None, dtype, 1 if not CUDA else 2, "concat", True, True, lengths=lengths, seed=4)
 
 
@@ -139,8 +145,6 @@ def test_chunk_algebra_backward_passes_gradcheck(groups, combine):
     """`chunk_algebra`'s written-out backward against finite differences (float64): every output's cotangent into
     k, q, β and g, with a padded row (k = 0, β = 0: its norm clamped), a decay reset and a second chunk; and both
     custom ops' schema, fakes and autograd registration."""
-    from polyattn.ops.kata.triton.delta import chunk_algebra
-
     gen = torch.Generator().manual_seed(17)
     kc, qc = (torch.randn(2, 2, 6, 4 * groups, generator=gen, dtype=torch.float64) for _ in range(2))
     bc, gc = (torch.rand(2, 2, 6, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -155,6 +159,52 @@ def test_chunk_algebra_backward_passes_gradcheck(groups, combine):
     outs = chunk_algebra(*args)
     back = (*(torch.randn_like(x) for x in outs), *(x.detach() for x in leaves), outs[0].detach(), groups, combine, 0.3, 1e-6)
     torch.library.opcheck(torch.ops.polyattn.deltakata_algebra_backward.default, back, test_utils=("test_schema", "test_faketensor"))
+
+
+def _algebra_inputs(C, groups, seed, NC=3):
+    """Chunked fp32 keys, queries, β and log-decays `[NC, H, C, ...]` as `deltakata_coefficients` forms them: the last
+    chunk padded (zero rows past its 5th-to-last token), a reset-sized log-decay inside the second."""
+    gen = torch.Generator().manual_seed(seed)
+    Kx = _width(groups)
+    kc, qc = (torch.randn(NC, H, C, Kx, generator=gen) * Kx**-0.25 for _ in range(2))
+    bc, gc = torch.rand(NC, H, C, generator=gen), -0.3 * torch.rand(NC, H, C, generator=gen)
+    kc[-1, :, -5:], qc[-1, :, -5:], bc[-1, :, -5:], gc[-1, :, -5:] = 0.0, 0.0, 0.0, 0.0
+    gc[1, 0, C // 2 + 3] = -110.0
+    return [x.to(DEVICE) for x in (kc, qc, bc, gc)]
+
+
+ALGEBRA_CASES = [(16, 1, "concat"), (64, 1, "concat"), (64, 2, "concat"), (64, 2, "sum"), (128, 1, "concat")]
+
+
+@pytest.mark.parametrize("C, groups, combine", ALGEBRA_CASES, ids=[f"C{C}-G{G}-{c}" for C, G, c in ALGEBRA_CASES])
+def test_algebra_kernel_matches_twin(C, groups, combine):
+    """`deltakata_algebra_kernel` (M through the blocked inverse: C / 16 diagonal blocks) against its twin in float64,
+    within the fp32 bound of the Triton tests (twice the fp32 twin's error, or the floor), every output."""
+    x = _algebra_inputs(C, groups, seed=C + groups)
+    args = (groups, combine, _width(groups) ** -0.5, 1e-6)
+    got, fp32 = chunk_algebra(*x, *args), chunk_algebra_ref(*x, *args)
+    want = chunk_algebra_ref(*(t.double() for t in x), *args)
+    for name, a, b, ref in zip(("M", "A", "alpha", "omega", "rho", "lam"), got, fp32, want):
+        bound = min(max(2 * rel_err(b, ref), LOW_PRECISION_FLOOR[torch.float32]), LOW_PRECISION_CEILING[torch.float32])
+        assert rel_err(a, ref) <= bound, f"{name}: {rel_err(a, ref):.2e} > {bound:.2e}"
+    assert bool((torch.triu(got[0], 1) == 0).all()) and bool((torch.triu(got[1], 1) == 0).all())
+
+
+@pytest.mark.parametrize("field", ["k", "beta", "g"])
+def test_algebra_kernel_keeps_rows_before_a_nonfinite_token(field):
+    """A NaN or Inf at token p of a chunk (p = 37 of 64: the third diagonal block of the inverse, not its first row)
+    leaves M's and A's rows before p bit-identical, and M's and A's upper triangles exact zeros."""
+    x = _algebra_inputs(64, 1, seed=5)
+    args = (1, "concat", _width(1) ** -0.5, 1e-6)
+    clean = chunk_algebra(*x, *args)
+    for value in ("nan", "inf") if field != "g" else ("nan",):
+        bad = [t.clone() for t in x]
+        target = bad[("k", "q", "beta", "g").index(field)]
+        target[0, 1, 37] = float(value)
+        M, A, *_ = chunk_algebra(*bad, *args)
+        assert torch.equal(M[0, 1, :37], clean[0][0, 1, :37]) and torch.equal(A[0, 1, :37], clean[1][0, 1, :37]), field
+        assert bool((torch.triu(M, 1) == 0).all()) and bool((torch.triu(A, 1) == 0).all()), field
+        assert torch.equal(M[1:], clean[0][1:]) and torch.equal(M[0, 0], clean[0][0, 0]), f"{field}: another chunk changed"
 
 
 def _walk_grads(lengths, config, seed=15):

@@ -3,8 +3,9 @@
 Files by stage (on the shared core ops/triton: precision helpers, tile tables, chunk decay):
 tiles.py (grouped loads, squared group scores and their gradient, diagonal decay tiles),
 forward.py (the flash-style quadratic forward), backward.py (dq pass over key tiles, dk/dv pass
-over query tiles), chunk.py (the chunked form's lifted states, their read and the backward's reverse walk and lift gradient), function.py (custom ops, autograd, the host's state read and write), delta.py (DeltaKATA's chunked walk, its
-custom ops and chunk-local coefficients), step.py
+over query tiles), chunk.py (the chunked form's lifted states, their read and the backward's reverse walk and lift gradient), function.py (custom ops, autograd, the host's state read and write), algebra.py (DeltaKATA's chunk-local `[C, C]`
+algebra: the UT inverse, the in-chunk scores and their rows), delta.py (DeltaKATA's chunked walk, its custom ops and
+chunk-local coefficients), step.py
 (the fused one-token decoding step). Each
 kernel file holds its PyTorch twin (`*_ref`). The first-order maps need no kernel of their own:
 `kata_triton_first_order` runs them on linear attention's. Importing this package does not import

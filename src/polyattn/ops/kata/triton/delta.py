@@ -3,8 +3,8 @@ lifted features): the kernel-trick UT recurrence walked by one program per (sequ
 lifted state streamed through memory row block by row block.
 
 The chunk form (ops/kata/README.md, "Chunk form (kernel-trick UT)") splits into chunk-local algebra that
-needs no state (PyTorch, `deltakata_coefficients`; its `[C, C]` part `chunk_algebra`, a custom op whose backward
-is written out) and a walk that does. With the coefficients of chunk c (C tokens, state S entering it)
+needs no state (`deltakata_coefficients`; its `[C, C]` part `chunk_algebra`, algebra.py's kernel with a backward
+written out in PyTorch) and a walk that does. With the coefficients of chunk c (C tokens, state S entering it)
 
     M = (I + diag(β) tril(κ̂(K, K) ⊙ D, −1))⁻¹       [C, C]   the UT inverse
     A = κ(scale Q, K) ⊙ D ⊘ n                         [C, C]   the in-chunk scores, causal
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyattn.ops.common import exp_segsum, wants_grad
+from polyattn.ops.common import wants_grad
 from polyattn.ops.kata.feature_maps import make_feature_map
 from polyattn.ops.triton.decay import reset_limit_ref
 from polyattn.ops.triton.plan import block, chunk_table, get_config, no_output, sequence_lengths
@@ -46,6 +46,7 @@ from polyattn.ops.triton.precision import (
 )
 
 from . import chunk_kernels_fit
+from .algebra import chunk_algebra
 from .chunk import chunk_lengths, kata_lift_grad_kernel
 
 
@@ -321,122 +322,6 @@ def from_chunks(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x.movedim(2, 1)[mask]
 
 
-def _algebra_terms(kc, qc, gc, fmap, scale: float, eps: float) -> dict:
-    """The chunk-local algebra's shared terms from chunked fp32 keys, queries `[NC, H, C, K]` and log-decays
-    `[NC, H, C]` (no graph): the lifted keys' squared norms κ(k, k) and norms n, D, the normalised Gram κ̂(K, K),
-    e^γ and the scores before their decay, κ(scale·Q, K)."""
-    square = fmap.kernel(kc[..., None, :], kc[..., None, :])[..., 0, 0]  # κ(k_t, k_t): [NC, H, C]
-    norm = square.clamp_min(eps**2).sqrt()  # n_t
-    return dict(square=square, norm=norm, D=exp_segsum(gc), exp=torch.exp(torch.cumsum(gc, -1)), scores=fmap.kernel(scale * qc, kc),
-                gram=fmap.kernel(kc, kc).div_(norm[..., :, None]).div_(norm[..., None, :]))
-
-
-@torch.library.custom_op("polyattn::deltakata_algebra", mutates_args=())
-def chunk_algebra(
-    kc: torch.Tensor, qc: torch.Tensor, bc: torch.Tensor, gc: torch.Tensor, groups: int, combine: str, scale: float, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The `[C, C]` part of the chunk-local algebra (module docstring) as a custom op, from chunked fp32
-    `kc, qc [NC, H, C, K]`, β and the log-decays `[NC, H, C]`: `(M, A [NC, H, C, C], α, ω, ρ [NC, H, C], λ [NC, H])`.
-    Its backward (`chunk_algebra_backward`, another custom op) is written out, so that only the inputs and M are
-    kept from the forward and no `[C, C]` intermediate of autograd's:
-
-        dL = −Mᵀ dM Mᵀ (strictly lower; L = I + diag(β) tril(κ̂ ⊙ D, −1))
-        dβ_t += Σ_s dL_ts κ̂_ts D_ts,   dκ̂ = diag(β) dL ⊙ D,   dD += diag(β) dL ⊙ κ̂
-        dκ(sQ, K) = tril(dA) ⊙ D ⊘ n,   dD += tril(dA) ⊙ κ(sQ, K) ⊘ n,   dn_s −= Σ_t dA_ts A_ts / n_s
-        dκ(K, K) = dκ̂ ⊘ (n nᵀ),   dn_t −= Σ_s dκ̂_ts κ̂_ts / n_t + Σ_s dκ̂_st κ̂_st / n_t
-        dγ_t += Σ_s dD_ts D_ts − Σ_s dD_st D_st,   dg = reverse cumsum of dγ
-
-    with the rows' α = −β e^γ / n, ω = D[C, ·] / n, ρ = scale² e^γ, λ = e^Γ differentiated directly, and the keys'
-    and queries' gradients from the feature map's `kernel_vjp`."""
-    fmap = make_feature_map("psd", kc.shape[-1], groups, combine)
-    t = _algebra_terms(kc, qc, gc, fmap, scale, eps)
-    norm, D, e = t["norm"], t["D"], t["exp"]
-    eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device)
-    lower = t.pop("gram").mul_(D).tril_(diagonal=-1).mul_(bc[..., :, None]).add_(eye)  # in place: the buffers are large
-    M = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False, unitriangular=True).contiguous()
-    del lower
-    A = t.pop("scores").mul_(D).div_(norm[..., None, :]).tril_()  # exact zeros above the diagonal, even beside a NaN
-    return M, A, -bc * e / norm, D[..., -1, :] / norm, (scale * scale) * e, e[..., -1].contiguous()
-
-
-@chunk_algebra.register_fake
-def _(kc, qc, bc, gc, groups, combine, scale, eps):
-    NC, H, C, _ = kc.shape
-    return (kc.new_empty(NC, H, C, C), kc.new_empty(NC, H, C, C), bc.new_empty(bc.shape), bc.new_empty(bc.shape),
-            bc.new_empty(bc.shape), bc.new_empty(NC, H))
-
-
-@torch.library.custom_op("polyattn::deltakata_algebra_backward", mutates_args=())
-def chunk_algebra_backward(
-    dM: torch.Tensor, dA: torch.Tensor, dalpha: torch.Tensor, domega: torch.Tensor, drho: torch.Tensor, dlam: torch.Tensor,
-    kc: torch.Tensor, qc: torch.Tensor, bc: torch.Tensor, gc: torch.Tensor, M: torch.Tensor, groups: int, combine: str,
-    scale: float, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`chunk_algebra`'s backward (its docstring has the formulas): `(dk, dq, dβ, dg)` from every output's cotangent,
-    the inputs and M; the terms are recomputed and the `[C, C]` buffers reused in place."""
-    fmap = make_feature_map("psd", kc.shape[-1], groups, combine)
-    t = _algebra_terms(kc, qc, gc, fmap, scale, eps)
-    square, norm, D, gram, scores, e = t["square"], t["norm"], t["D"], t["gram"], t["scores"], t["exp"]
-    alpha = -bc * e / norm
-    dbeta = -dalpha * e / norm
-    dgam = dalpha * alpha + drho * (scale * scale) * e
-    dgam[..., -1] += dlam * e[..., -1]
-    dn = -(dalpha * alpha + domega * D[..., -1, :] / norm) / norm
-    # Every product below is taken in place in a [C, C] buffer and summed along its rows or columns (an einsum's
-    # column sums would transpose both operands into copies). E collects dD ⊙ D, all the decays need.
-    # The solve, strictly lower: dL = −Mᵀ dM Mᵀ, L_ts = β_t κ̂_ts D_ts
-    dL = torch.tril((M.mT @ dM) @ M.mT, diagonal=-1).neg_()  # [NC, H, C, C]
-    E = (dL * gram).mul_(D)  # dL ⊙ κ̂ ⊙ D
-    dbeta += E.sum(-1)
-    E.mul_(bc[..., :, None])  # E from L
-    dgram = dL.mul_(D).mul_(bc[..., :, None])  # dκ̂
-    E[..., -1, :] += domega / norm * D[..., -1, :]  # ω = D[C, ·] / n
-    # the scores, A = tril(κ(sQ, K) ⊙ D ⊘ n)
-    dscores = torch.tril(dA).div_(norm[..., None, :])
-    scores.mul_(dscores).mul_(D)  # tril(dA) ⊙ A
-    dn -= scores.sum(-2) / norm
-    E += scores
-    del scores, t
-    dscores.mul_(D)  # dκ(sQ, K)
-    # the normalised Gram, κ̂ = κ(K, K) ⊘ (n nᵀ)
-    gram.mul_(dgram)
-    dn -= (gram.sum(-1) + gram.sum(-2)) / norm
-    del gram
-    dgram.div_(norm[..., :, None]).div_(norm[..., None, :])  # dκ(K, K)
-    # the decays, D_ts = exp(γ_t − γ_s) for s <= t, γ = cumsum(g)
-    dgam += E.sum(-1) - E.sum(-2)
-    del E, D
-    dg = torch.flip(torch.cumsum(torch.flip(dgam, [-1]), -1), [-1])
-    ds = torch.where(square >= eps**2, dn / (2 * norm), 0.0)  # n = sqrt(max(κ(k, k), eps²))
-    dq, dk = fmap.kernel_vjp(scale * qc, kc, dscores)
-    del dscores
-    dk1, dk2 = fmap.kernel_vjp(kc, kc, dgram)
-    del dgram
-    dk3, dk4 = fmap.kernel_vjp(kc[..., None, :], kc[..., None, :], ds[..., None, None])
-    return dk + dk1 + dk2 + (dk3 + dk4)[..., 0, :], scale * dq, dbeta, dg
-
-
-@chunk_algebra_backward.register_fake
-def _(dM, dA, dalpha, domega, drho, dlam, kc, qc, bc, gc, M, groups, combine, scale, eps):
-    return kc.new_empty(kc.shape), qc.new_empty(qc.shape), bc.new_empty(bc.shape), gc.new_empty(gc.shape)
-
-
-def _algebra_setup_context(ctx, inputs, output):
-    kc, qc, bc, gc, groups, combine, scale, eps = inputs
-    ctx.save_for_backward(kc, qc, bc, gc, output[0])
-    ctx.options = (groups, combine, scale, eps)
-
-
-def _algebra_backward(ctx, *grads):
-    kc, qc, bc, gc, M = ctx.saved_tensors
-    outs = (M, M, bc, bc, bc, gc[..., 0])  # an unused output's cotangent may arrive as None: zeros of its shape
-    grads = [torch.zeros_like(x) if d is None else d.contiguous() for d, x in zip(grads, outs)]
-    return (*chunk_algebra_backward(*grads, kc, qc, bc, gc, M, *ctx.options), None, None, None, None)
-
-
-chunk_algebra.register_autograd(_algebra_backward, setup_context=_algebra_setup_context)
-
-
 def deltakata_coefficients(q, k, v, beta, g, *, fmap, scale: float, eps: float, idx, mask):
     """The chunk-local algebra of the walk (module docstring), from flat fp32 tokens `q, k [N_tok, H, K]`,
     `beta`, `g [N_tok, H]` (g None: no decay) and `v [N_tok, H, V]` (any float dtype: b = β v is formed in fp32, and
@@ -695,7 +580,7 @@ def deltakata_chunk_fused(
     q, k, v, beta, g=None, *, groups, combine, eps, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
 ):
     """Triton chunked form of DeltaKATA for the PSD maps (inputs validated, scale resolved), forward and backward:
-    the chunk-local coefficients in PyTorch (`chunk_algebra`'s written-out backward), the walk on the kernels. q, k
+    the chunk-local coefficients (`chunk_algebra`: a kernel, its backward written out in PyTorch), the walk on the kernels. q, k
     `[B, T, H, K]`, v `[B, T, H, V]`, beta, g `[B, T, H]`; initial_state `S [N, H, P, V]`; cu_seqlens with B == 1. q, k,
     beta and g enter in fp32 copies (one rounding of each gradient), v as it is (b = β v formed in fp32), q and k the
     kernels' tensor cores in their own dtype. Returns `(o [B, T, H, V] in q's dtype, S [N, H, P, V] fp32 or None)`."""
@@ -719,7 +604,7 @@ def deltakata_chunk_fused(
 
 
 __all__ = [
-    "checkpoint_counts", "chunk_algebra", "chunk_algebra_backward", "deltakata_chunk_fused", "deltakata_coefficients",
+    "checkpoint_counts", "deltakata_chunk_fused", "deltakata_coefficients",
     "deltakata_states_kernel", "deltakata_walk", "deltakata_walk_grad_kernel", "deltakata_walk_kernel",
     "deltakata_walk_ref", "state_interval", "state_rounds",
 ]

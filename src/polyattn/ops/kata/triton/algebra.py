@@ -1,0 +1,252 @@
+"""DeltaKATA's chunk-local algebra (delta.py's module docstring): from a chunk's keys, queries, β and log-decays
+alone, the `[C, C]` UT inverse M and in-chunk scores A, and the rows α, ω, ρ and λ the walk weights by:
+
+    L = I + diag(β) tril(κ̂(K, K) ⊙ D, −1),   M = L⁻¹,   A = tril(κ(scale·Q, K) ⊙ D ⊘ n)
+    α = −β e^γ / n,   ω = D[C, ·] / n,   ρ = scale² e^γ,   λ = e^Γ
+
+with γ the in-chunk cumsum of the log-decays, `D_ts = exp(γ_t − γ_s)` (s ≤ t, each a direct sum of the log-decays
+in between), n the lifted keys' norms `√max(κ(k, k), ε²)` and `κ̂ = κ(K, K) ⊘ (n nᵀ)`.
+
+`deltakata_algebra_kernel` runs one program per chunk and head: the two kernel matrices as fp32 products of the
+groups (IEEE precision: the algebra is as exact as PyTorch's fp32 products), L written into M's buffer, then
+the unit lower-triangular inverse in place by blocks of BS = 16 rows: each diagonal block inverted by forward
+substitution in registers, and block (i, j) below it as
+
+    M_ij = −M_ii Σ_{j ≤ k < i} L_ik M_kj
+
+block row by block row, j ascending (block (i, j) of L is read for the last time by M_ij itself), with a barrier
+between rows. A non-finite token p (in k, β or g) makes L's row p and the rows after it non-finite; the sums
+above enter M_ii's product with their non-finite entries as zeros, so that `0 · NaN` never reaches a row before
+p (which the walk reads bit for bit as without the token), while rows from p on, which the walk treats as
+non-finite anyway, come out finite but meaningless. `chunk_algebra_ref` is the PyTorch twin (a triangular
+solve); `chunk_algebra` the custom op, whose backward (`chunk_algebra_backward`) is written out in PyTorch.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from polyattn.ops.common import exp_segsum
+from polyattn.ops.kata.feature_maps import make_feature_map
+from polyattn.ops.triton.decay import exact_segsum, exact_suffix
+from polyattn.ops.triton.plan import block
+from polyattn.ops.triton.precision import mma
+
+SOLVE_BLOCK = 16  # rows of the blocked inverse's diagonal blocks
+
+
+@triton.jit
+def group_tile(x, p, i, K, E, C: tl.constexpr, BE: tl.constexpr):
+    """Group i of chunk-head p's rows of a chunked `[NC, H, C, K]` fp32 tensor: `[C, BE]`, 0 past E."""
+    o_e = tl.arange(0, BE)
+    rows = (p * C + tl.arange(0, C)).to(tl.int64)
+    return tl.load(x + rows[:, None] * K + i * E + o_e[None, :], mask=(o_e < E)[None, :], other=0.0)
+
+
+@triton.jit
+def kernel_matrix(x, y, p, K, E, scale, C: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, SUM: tl.constexpr):
+    """κ(scale·X, Y) of one chunk as an fp32 `[C, C]` tile: Σ_i (X_i Y_iᵀ)² (Mg) or Σ_{i,j} (X_i Y_jᵀ)² (Σg) over
+    the G groups of width E, one group product at a time."""
+    acc = tl.zeros([C, C], dtype=tl.float32)
+    for i in tl.static_range(G):
+        b_x = scale * group_tile(x, p, i, K, E, C, BE)
+        if SUM:
+            for j in tl.static_range(G):
+                u = mma(b_x, tl.trans(group_tile(y, p, j, K, E, C, BE)), True)
+                acc += u * u
+        else:
+            u = mma(b_x, tl.trans(group_tile(y, p, i, K, E, C, BE)), True)
+            acc += u * u
+    return acc
+
+
+@triton.jit
+def unit_lower_inverse(b_l, BS: tl.constexpr):
+    """The inverse of `I + b_l` for a strictly lower `[BS, BS]` tile, row by row (forward substitution):
+    row r is `e_r − Σ_{j<r} L_rj M_j`; a row reads only the rows before it, and the upper triangle is exact zeros
+    (a non-finite row would fill its own with NaN)."""
+    o_b = tl.arange(0, BS)
+    b_m = (o_b[:, None] == o_b[None, :]).to(tl.float32)
+    for r in range(1, BS):
+        l_r = tl.sum(tl.where(o_b[:, None] == r, b_l, 0.0), axis=0)  # [BS]: row r of L
+        row = tl.where(o_b == r, 1.0, 0.0) - tl.sum(l_r[:, None] * b_m, axis=0)  # [BS]
+        b_m = tl.where(o_b[:, None] == r, row[None, :], b_m)
+    return tl.where(o_b[:, None] >= o_b[None, :], b_m, 0.0)
+
+
+@triton.jit
+def deltakata_algebra_kernel(
+    kc, qc, bc, gc, m, a, alpha, omega, rho, lam, K, E, scale, eps,
+    C: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, SUM: tl.constexpr, BS: tl.constexpr,
+):
+    """grid: (NC·H,). Chunk-head p of chunked fp32 `kc, qc [NC, H, C, K]`, `bc, gc [NC, H, C]` (padded rows zero):
+    `m, a [NC, H, C, C]` (M, A), `alpha, omega, rho [NC, H, C]`, `lam [NC, H]` as the module docstring says."""
+    p = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, C)
+    b_g = tl.load(gc + p * C + t)  # [C]
+    b_beta = tl.load(bc + p * C + t)
+    b_d = tl.where(t[:, None] >= t[None, :], tl.exp2(exact_segsum(b_g, False)), 0.0)  # [C, C]: D
+    b_e = tl.exp(tl.cumsum(b_g, axis=0))  # [C]: e^γ
+    b_gram = kernel_matrix(kc, kc, p, K, E, 1.0, C, BE, G, SUM)  # [C, C]: κ(K, K)
+    b_norm = tl.sqrt(tl.maximum(tl.sum(tl.where(t[:, None] == t[None, :], b_gram, 0.0), axis=1), eps * eps))  # [C]: n
+    b_l = b_gram / b_norm[:, None] / b_norm[None, :] * b_d  # κ̂ ⊙ D
+    p_m = m + p * C * C + t[:, None] * C + t[None, :]
+    tl.store(p_m, tl.where(t[:, None] > t[None, :], b_l * b_beta[:, None], 0.0))  # L − I, strictly lower
+    b_s = kernel_matrix(qc, kc, p, K, E, scale, C, BE, G, SUM)  # [C, C]: κ(scale·Q, K)
+    tl.store(a + p * C * C + t[:, None] * C + t[None, :], tl.where(t[:, None] >= t[None, :], b_s * b_d / b_norm[None, :], 0.0))
+    tl.store(alpha + p * C + t, -b_beta * b_e / b_norm)
+    tl.store(omega + p * C + t, tl.exp2(exact_suffix(b_g)) / b_norm)  # D[C, s] = exp(Σ_{u > s} g_u)
+    tl.store(rho + p * C + t, scale * scale * b_e)
+    tl.store(lam + p, tl.exp(tl.sum(b_g, axis=0)))
+    tl.debug_barrier()  # the solve reads what every thread wrote
+    o_b = tl.arange(0, BS)
+    blk = m + p * C * C + o_b[:, None] * C + o_b[None, :]  # block (0, 0); block (i, j) at + (i·C + j)·BS
+    for i in tl.static_range(C // BS):
+        b_mii = unit_lower_inverse(tl.load(blk + i * BS * (C + 1)), BS)
+        for j in range(0, i):
+            acc = tl.zeros([BS, BS], dtype=tl.float32)
+            for k in range(j, i):
+                acc += mma(tl.load(blk + (i * C + k) * BS), tl.load(blk + (k * C + j) * BS), True)  # L_ik M_kj
+            acc = tl.where(acc - acc == 0, acc, 0.0)  # a later non-finite row must not reach earlier ones as 0 · NaN
+            tl.store(blk + (i * C + j) * BS, -mma(b_mii, acc, True))
+        tl.store(blk + i * BS * (C + 1), b_mii)
+        tl.debug_barrier()  # the next block row reads this one
+
+
+def _algebra_terms(kc, qc, gc, fmap, scale: float, eps: float) -> dict:
+    """The chunk-local algebra's shared terms from chunked keys, queries `[NC, H, C, K]` and log-decays
+    `[NC, H, C]` (no graph): the lifted keys' squared norms κ(k, k) and norms n, D, the normalised Gram κ̂(K, K),
+    e^γ and the scores before their decay, κ(scale·Q, K)."""
+    square = fmap.kernel(kc[..., None, :], kc[..., None, :])[..., 0, 0]  # κ(k_t, k_t): [NC, H, C]
+    norm = square.clamp_min(eps**2).sqrt()  # n_t
+    return dict(square=square, norm=norm, D=exp_segsum(gc), exp=torch.exp(torch.cumsum(gc, -1)), scores=fmap.kernel(scale * qc, kc),
+                gram=fmap.kernel(kc, kc).div_(norm[..., :, None]).div_(norm[..., None, :]))
+
+
+def chunk_algebra_ref(kc, qc, bc, gc, groups: int, combine: str, scale: float, eps: float) -> tuple:
+    """Twin of `deltakata_algebra_kernel` (any float dtype, any C): `(M, A [NC, H, C, C], α, ω, ρ [NC, H, C],
+    λ [NC, H])`, M by a triangular solve."""
+    fmap = make_feature_map("psd", kc.shape[-1], groups, combine)
+    t = _algebra_terms(kc, qc, gc, fmap, scale, eps)
+    norm, D, e = t["norm"], t["D"], t["exp"]
+    eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device)
+    lower = t.pop("gram").mul_(D).tril_(diagonal=-1).mul_(bc[..., :, None]).add_(eye)  # in place: the buffers are large
+    M = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False, unitriangular=True).contiguous()
+    del lower
+    A = t.pop("scores").mul_(D).div_(norm[..., None, :]).tril_()  # exact zeros above the diagonal, even beside a NaN
+    return M, A, -bc * e / norm, D[..., -1, :] / norm, (scale * scale) * e, e[..., -1].contiguous()
+
+
+def kernel_solves(C: int) -> bool:
+    """Chunk sizes `deltakata_algebra_kernel` takes: powers of two from SOLVE_BLOCK on."""
+    return C >= SOLVE_BLOCK and C & (C - 1) == 0
+
+
+@torch.library.custom_op("polyattn::deltakata_algebra", mutates_args=())
+def chunk_algebra(
+    kc: torch.Tensor, qc: torch.Tensor, bc: torch.Tensor, gc: torch.Tensor, groups: int, combine: str, scale: float, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `[C, C]` part of the chunk-local algebra (module docstring) as a custom op, from chunked
+    `kc, qc [NC, H, C, K]`, β and the log-decays `[NC, H, C]`: `(M, A [NC, H, C, C], α, ω, ρ [NC, H, C], λ [NC, H])`.
+    fp32 inputs with C a power of two from 16 on (the walk's) run `deltakata_algebra_kernel`; float64 ones (the
+    finite-difference test of the backward) the twin. Its backward (`chunk_algebra_backward`, another custom op) is
+    written out, so that only the inputs and M are kept from the forward and no `[C, C]` intermediate of autograd's:
+
+        dL = −Mᵀ dM Mᵀ (strictly lower; L = I + diag(β) tril(κ̂ ⊙ D, −1))
+        dβ_t += Σ_s dL_ts κ̂_ts D_ts,   dκ̂ = diag(β) dL ⊙ D,   dD += diag(β) dL ⊙ κ̂
+        dκ(sQ, K) = tril(dA) ⊙ D ⊘ n,   dD += tril(dA) ⊙ κ(sQ, K) ⊘ n,   dn_s −= Σ_t dA_ts A_ts / n_s
+        dκ(K, K) = dκ̂ ⊘ (n nᵀ),   dn_t −= Σ_s dκ̂_ts κ̂_ts / n_t + Σ_s dκ̂_st κ̂_st / n_t
+        dγ_t += Σ_s dD_ts D_ts − Σ_s dD_st D_st,   dg = reverse cumsum of dγ
+
+    with the rows' α = −β e^γ / n, ω = D[C, ·] / n, ρ = scale² e^γ, λ = e^Γ differentiated directly, and the keys'
+    and queries' gradients from the feature map's `kernel_vjp`."""
+    NC, H, C, K = kc.shape
+    if kc.dtype != torch.float32 or not kernel_solves(C):
+        return chunk_algebra_ref(kc, qc, bc, gc, groups, combine, scale, eps)
+    kc, qc, bc, gc = (x.contiguous() for x in (kc, qc, bc, gc))
+    M, A = (kc.new_empty(NC, H, C, C) for _ in range(2))
+    alpha, omega, rho = (torch.empty_like(bc) for _ in range(3))
+    lam = bc.new_empty(NC, H)
+    if NC * H:
+        deltakata_algebra_kernel[(NC * H,)](
+            kc, qc, bc, gc, M, A, alpha, omega, rho, lam, K, K // groups, scale, eps, C=C, BE=block(K // groups), G=groups,
+            SUM=combine == "sum", BS=SOLVE_BLOCK, num_warps=8,
+        )
+    return M, A, alpha, omega, rho, lam
+
+
+@chunk_algebra.register_fake
+def _(kc, qc, bc, gc, groups, combine, scale, eps):
+    NC, H, C, _ = kc.shape
+    return (kc.new_empty(NC, H, C, C), kc.new_empty(NC, H, C, C), bc.new_empty(bc.shape), bc.new_empty(bc.shape),
+            bc.new_empty(bc.shape), bc.new_empty(NC, H))
+
+
+@torch.library.custom_op("polyattn::deltakata_algebra_backward", mutates_args=())
+def chunk_algebra_backward(
+    dM: torch.Tensor, dA: torch.Tensor, dalpha: torch.Tensor, domega: torch.Tensor, drho: torch.Tensor, dlam: torch.Tensor,
+    kc: torch.Tensor, qc: torch.Tensor, bc: torch.Tensor, gc: torch.Tensor, M: torch.Tensor, groups: int, combine: str,
+    scale: float, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunk_algebra`'s backward (its docstring has the formulas): `(dk, dq, dβ, dg)` from every output's cotangent,
+    the inputs and M; the terms are recomputed and the `[C, C]` buffers reused in place."""
+    fmap = make_feature_map("psd", kc.shape[-1], groups, combine)
+    t = _algebra_terms(kc, qc, gc, fmap, scale, eps)
+    square, norm, D, gram, scores, e = t["square"], t["norm"], t["D"], t["gram"], t["scores"], t["exp"]
+    alpha = -bc * e / norm
+    dbeta = -dalpha * e / norm
+    dgam = dalpha * alpha + drho * (scale * scale) * e
+    dgam[..., -1] += dlam * e[..., -1]
+    dn = -(dalpha * alpha + domega * D[..., -1, :] / norm) / norm
+    # Every product below is taken in place in a [C, C] buffer and summed along its rows or columns (an einsum's
+    # column sums would transpose both operands into copies). E collects dD ⊙ D, all the decays need.
+    # The solve, strictly lower: dL = −Mᵀ dM Mᵀ, L_ts = β_t κ̂_ts D_ts
+    dL = torch.tril((M.mT @ dM) @ M.mT, diagonal=-1).neg_()  # [NC, H, C, C]
+    E = (dL * gram).mul_(D)  # dL ⊙ κ̂ ⊙ D
+    dbeta += E.sum(-1)
+    E.mul_(bc[..., :, None])  # E from L
+    dgram = dL.mul_(D).mul_(bc[..., :, None])  # dκ̂
+    E[..., -1, :] += domega / norm * D[..., -1, :]  # ω = D[C, ·] / n
+    # the scores, A = tril(κ(sQ, K) ⊙ D ⊘ n)
+    dscores = torch.tril(dA).div_(norm[..., None, :])
+    scores.mul_(dscores).mul_(D)  # tril(dA) ⊙ A
+    dn -= scores.sum(-2) / norm
+    E += scores
+    del scores, t
+    dscores.mul_(D)  # dκ(sQ, K)
+    # the normalised Gram, κ̂ = κ(K, K) ⊘ (n nᵀ)
+    gram.mul_(dgram)
+    dn -= (gram.sum(-1) + gram.sum(-2)) / norm
+    del gram
+    dgram.div_(norm[..., :, None]).div_(norm[..., None, :])  # dκ(K, K)
+    # the decays, D_ts = exp(γ_t − γ_s) for s <= t, γ = cumsum(g)
+    dgam += E.sum(-1) - E.sum(-2)
+    del E, D
+    dg = torch.flip(torch.cumsum(torch.flip(dgam, [-1]), -1), [-1])
+    ds = torch.where(square >= eps**2, dn / (2 * norm), 0.0)  # n = sqrt(max(κ(k, k), eps²))
+    dq, dk = fmap.kernel_vjp(scale * qc, kc, dscores)
+    del dscores
+    dk1, dk2 = fmap.kernel_vjp(kc, kc, dgram)
+    del dgram
+    dk3, dk4 = fmap.kernel_vjp(kc[..., None, :], kc[..., None, :], ds[..., None, None])
+    return dk + dk1 + dk2 + (dk3 + dk4)[..., 0, :], scale * dq, dbeta, dg
+
+
+@chunk_algebra_backward.register_fake
+def _(dM, dA, dalpha, domega, drho, dlam, kc, qc, bc, gc, M, groups, combine, scale, eps):
+    return kc.new_empty(kc.shape), qc.new_empty(qc.shape), bc.new_empty(bc.shape), gc.new_empty(gc.shape)
+
+
+def _algebra_setup_context(ctx, inputs, output):
+    kc, qc, bc, gc, groups, combine, scale, eps = inputs
+    ctx.save_for_backward(kc, qc, bc, gc, output[0])
+    ctx.options = (groups, combine, scale, eps)
+
+
+def _algebra_backward(ctx, *grads):
+    kc, qc, bc, gc, M = ctx.saved_tensors
+    outs = (M, M, bc, bc, bc, gc[..., 0])  # an unused output's cotangent may arrive as None: zeros of its shape
+    grads = [torch.zeros_like(x) if d is None else d.contiguous() for d, x in zip(grads, outs)]
+    return (*chunk_algebra_backward(*grads, kc, qc, bc, gc, M, *ctx.options), None, None, None, None)
+
+
+chunk_algebra.register_autograd(_algebra_backward, setup_context=_algebra_setup_context)
