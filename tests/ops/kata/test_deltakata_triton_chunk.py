@@ -20,7 +20,7 @@ import torch
 
 from polyattn import ops
 from polyattn.ops.kata import deltakata_chunk, deltakata_naive, make_feature_map
-from polyattn.ops.kata.triton.algebra import chunk_algebra, chunk_algebra_ref
+from polyattn.ops.kata.triton.algebra import chunk_algebra, chunk_algebra_backward, chunk_algebra_backward_ref, chunk_algebra_ref
 from polyattn.ops.kata.triton.delta import (
     _walk_plan, chunk_layout, deltakata_chunk_fused, deltakata_coefficients, deltakata_walk, deltakata_walk_ref, state_interval,
     state_rounds,
@@ -188,6 +188,23 @@ def test_algebra_kernel_matches_twin(C, groups, combine):
         bound = min(max(2 * rel_err(b, ref), LOW_PRECISION_FLOOR[torch.float32]), LOW_PRECISION_CEILING[torch.float32])
         assert rel_err(a, ref) <= bound, f"{name}: {rel_err(a, ref):.2e} > {bound:.2e}"
     assert bool((torch.triu(got[0], 1) == 0).all()) and bool((torch.triu(got[1], 1) == 0).all())
+
+
+@pytest.mark.parametrize("C, groups, combine", ALGEBRA_CASES, ids=[f"C{C}-G{G}-{c}" for C, G, c in ALGEBRA_CASES])
+def test_algebra_grad_kernel_matches_twin(C, groups, combine):
+    """`deltakata_algebra_grad_kernel` (row blocks of 32: C / 32 of them, one at C = 16) against its twin in float64,
+    within the fp32 bound of the Triton tests, for dk, dq, dβ and dg from random cotangents of every output."""
+    x = _algebra_inputs(C, groups, seed=C + groups + 1)
+    args = (groups, combine, _width(groups) ** -0.5, 1e-6)
+    M = chunk_algebra(*x, *args)[0]
+    NC = x[0].shape[0]
+    gen = torch.Generator().manual_seed(C)
+    cot = [torch.randn(shape, generator=gen).to(DEVICE) for shape in [(NC, H, C, C)] * 2 + [(NC, H, C)] * 3 + [(NC, H)]]
+    got, fp32 = chunk_algebra_backward(*cot, *x, M, *args), chunk_algebra_backward_ref(*cot, *x, M, *args)
+    want = chunk_algebra_backward_ref(*(t.double() for t in (*cot, *x, M)), *args)
+    for name, a, b, ref in zip(("dk", "dq", "dbeta", "dg"), got, fp32, want):
+        bound = min(max(2 * rel_err(b, ref), LOW_PRECISION_FLOOR[torch.float32]), LOW_PRECISION_CEILING[torch.float32])
+        assert rel_err(a, ref) <= bound, f"{name}: {rel_err(a, ref):.2e} > {bound:.2e}"
 
 
 @pytest.mark.parametrize("field", ["k", "beta", "g"])

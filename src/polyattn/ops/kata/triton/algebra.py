@@ -35,28 +35,43 @@ SOLVE_BLOCK = 16  # rows of the blocked inverse's diagonal blocks
 
 
 @triton.jit
-def group_tile(x, p, i, K, E, C: tl.constexpr, BE: tl.constexpr):
-    """Group i of chunk-head p's rows of a chunked `[NC, H, C, K]` fp32 tensor: `[C, BE]`, 0 past E."""
+def group_tile(x, p, r0, i, K, E, C: tl.constexpr, R: tl.constexpr, BE: tl.constexpr):
+    """Rows r0 .. r0 + R of group i of chunk-head p of a chunked `[NC, H, C, K]` fp32 tensor: `[R, BE]`, 0 past E."""
     o_e = tl.arange(0, BE)
-    rows = (p * C + tl.arange(0, C)).to(tl.int64)
+    rows = (p * C + r0 + tl.arange(0, R)).to(tl.int64)
     return tl.load(x + rows[:, None] * K + i * E + o_e[None, :], mask=(o_e < E)[None, :], other=0.0)
 
 
 @triton.jit
-def kernel_matrix(x, y, p, K, E, scale, C: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, SUM: tl.constexpr):
-    """κ(scale·X, Y) of one chunk as an fp32 `[C, C]` tile: Σ_i (X_i Y_iᵀ)² (Mg) or Σ_{i,j} (X_i Y_jᵀ)² (Σg) over
-    the G groups of width E, one group product at a time."""
-    acc = tl.zeros([C, C], dtype=tl.float32)
+def kernel_matrix(x, y, p, r0, K, E, scale, C: tl.constexpr, R: tl.constexpr, BE: tl.constexpr, G: tl.constexpr,
+                  SUM: tl.constexpr):
+    """κ(scale·X, Y) of rows r0 .. r0 + R of X against all C rows of Y, one chunk, as an fp32 `[R, C]` tile:
+    Σ_i (X_i Y_iᵀ)² (Mg) or Σ_{i,j} (X_i Y_jᵀ)² (Σg) over the G groups of width E, one group product at a time."""
+    acc = tl.zeros([R, C], dtype=tl.float32)
     for i in tl.static_range(G):
-        b_x = scale * group_tile(x, p, i, K, E, C, BE)
-        if SUM:
-            for j in tl.static_range(G):
-                u = mma(b_x, tl.trans(group_tile(y, p, j, K, E, C, BE)), True)
-                acc += u * u
-        else:
-            u = mma(b_x, tl.trans(group_tile(y, p, i, K, E, C, BE)), True)
+        b_x = scale * group_tile(x, p, r0, i, K, E, C, R, BE)
+        for j in tl.static_range(G if SUM else 1):
+            u = mma(b_x, tl.trans(group_tile(y, p, 0, j if SUM else i, K, E, C, C, BE)), True)
             acc += u * u
     return acc
+
+
+@triton.jit
+def self_kernel(x, p, K, E, C: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, SUM: tl.constexpr):
+    """κ(x_t, x_t) of a chunk's rows, `[C]`, from the groups' row dots."""
+    acc = tl.zeros([C], dtype=tl.float32)
+    for i in tl.static_range(G):
+        b_i = group_tile(x, p, 0, i, K, E, C, C, BE)
+        for j in tl.static_range(G if SUM else 1):
+            d = tl.sum(b_i * group_tile(x, p, 0, j if SUM else i, K, E, C, C, BE), axis=1)
+            acc += d * d
+    return acc
+
+
+@triton.jit
+def scatter_rows(v, r, t):
+    """A row block's `[R]` vector `v` (rows `r`) as a chunk's `[C]` vector (rows `t`), 0 elsewhere."""
+    return tl.sum(tl.where(r[:, None] == t[None, :], v[:, None], 0.0), axis=0)
 
 
 @triton.jit
@@ -86,12 +101,12 @@ def deltakata_algebra_kernel(
     b_beta = tl.load(bc + p * C + t)
     b_d = tl.where(t[:, None] >= t[None, :], tl.exp2(exact_segsum(b_g, False)), 0.0)  # [C, C]: D
     b_e = tl.exp(tl.cumsum(b_g, axis=0))  # [C]: e^γ
-    b_gram = kernel_matrix(kc, kc, p, K, E, 1.0, C, BE, G, SUM)  # [C, C]: κ(K, K)
+    b_gram = kernel_matrix(kc, kc, p, 0, K, E, 1.0, C, C, BE, G, SUM)  # [C, C]: κ(K, K)
     b_norm = tl.sqrt(tl.maximum(tl.sum(tl.where(t[:, None] == t[None, :], b_gram, 0.0), axis=1), eps * eps))  # [C]: n
     b_l = b_gram / b_norm[:, None] / b_norm[None, :] * b_d  # κ̂ ⊙ D
     p_m = m + p * C * C + t[:, None] * C + t[None, :]
     tl.store(p_m, tl.where(t[:, None] > t[None, :], b_l * b_beta[:, None], 0.0))  # L − I, strictly lower
-    b_s = kernel_matrix(qc, kc, p, K, E, scale, C, BE, G, SUM)  # [C, C]: κ(scale·Q, K)
+    b_s = kernel_matrix(qc, kc, p, 0, K, E, scale, C, C, BE, G, SUM)  # [C, C]: κ(scale·Q, K)
     tl.store(a + p * C * C + t[:, None] * C + t[None, :], tl.where(t[:, None] >= t[None, :], b_s * b_d / b_norm[None, :], 0.0))
     tl.store(alpha + p * C + t, -b_beta * b_e / b_norm)
     tl.store(omega + p * C + t, tl.exp2(exact_suffix(b_g)) / b_norm)  # D[C, s] = exp(Σ_{u > s} g_u)
@@ -110,6 +125,104 @@ def deltakata_algebra_kernel(
             tl.store(blk + (i * C + j) * BS, -mma(b_mii, acc, True))
         tl.store(blk + i * BS * (C + 1), b_mii)
         tl.debug_barrier()  # the next block row reads this one
+
+
+@triton.jit
+def group_vjp(x, y, w, p, r0, K, E, acc, into, scale, C: tl.constexpr, R: tl.constexpr, BE: tl.constexpr, G: tl.constexpr,
+              SUM: tl.constexpr, ROWS_TO: tl.constexpr):
+    """The gradient of `Σ w ⊙ κ(scale·X, Y)` (`w [R, C]`, X rows r0 .. r0 + R, Y all C rows, the factor 2 of the
+    square in w): the group dot products u enter as `w ⊙ u`. Y's part is added to `acc [G, C, BE]` (group-major
+    columns), X's part (times scale) stored to the rows of `into` (ROWS_TO) or added to acc too."""
+    o_g = tl.arange(0, G)
+    for i in tl.static_range(G):
+        b_x = scale * group_tile(x, p, r0, i, K, E, C, R, BE)
+        b_dx = tl.zeros([R, BE], dtype=tl.float32)
+        for j in tl.static_range(G if SUM else 1):
+            jj = j if SUM else i
+            b_y = group_tile(y, p, 0, jj, K, E, C, C, BE)
+            b_w = w * mma(b_x, tl.trans(b_y), True)  # [R, C]
+            b_dx += mma(b_w, b_y, True)  # [R, BE]
+            acc += tl.where(o_g[:, None, None] == jj, mma(tl.trans(b_w), b_x, True)[None, :, :], 0.0)  # [C, BE] into group jj
+        o_e = tl.arange(0, BE)
+        if ROWS_TO:
+            rows = (p * C + r0 + tl.arange(0, R)).to(tl.int64)
+            tl.store(into + rows[:, None] * K + i * E + o_e[None, :], scale * b_dx, mask=(o_e < E)[None, :])
+        else:
+            rows = r0 + tl.arange(0, R)
+            onto = tl.arange(0, C)[:, None] == rows[None, :]  # [C, R]: row r of the block is chunk row r0 + r
+            acc += tl.where(o_g[:, None, None] == i, mma(onto.to(tl.float32), b_dx, True)[None, :, :], 0.0)
+    return acc
+
+
+@triton.jit
+def deltakata_algebra_grad_kernel(
+    dm, da, dalpha, domega, drho, dlam, kc, qc, bc, gc, m, dk, dq, dbeta, dg, K, E, scale, eps,
+    C: tl.constexpr, R: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, SUM: tl.constexpr,
+):
+    """grid: (NC·H,). `chunk_algebra_backward` for chunk-head p: `dk, dq [NC, H, C, K]`, `dbeta, dg [NC, H, C]` (fp32)
+    from the cotangents `dm, da [NC, H, C, C]`, `dalpha, domega, drho [NC, H, C]`, `dlam [NC, H]`, the inputs and M,
+    in row blocks of R: each block's `[R, C]` rows of dL, D, κ̂ and the scores, its row sums kept, its column sums
+    summed over the blocks (the formulas: `chunk_algebra`'s docstring)."""
+    p = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, C)
+    b_g = tl.load(gc + p * C + t)  # [C]
+    b_beta = tl.load(bc + p * C + t)
+    b_e = tl.exp(tl.cumsum(b_g, axis=0))  # e^γ
+    b_sq = self_kernel(kc, p, K, E, C, BE, G, SUM)  # κ(k_t, k_t)
+    b_n = tl.sqrt(tl.maximum(b_sq, eps * eps))
+    b_dal = tl.load(dalpha + p * C + t)
+    b_dom = tl.load(domega + p * C + t)
+    b_alpha = -b_beta * b_e / b_n
+    b_last = tl.exp2(exact_suffix(b_g))  # D[C, s]
+    d_beta = -b_dal * b_e / b_n
+    d_gam = b_dal * b_alpha + tl.load(drho + p * C + t) * (scale * scale) * b_e + tl.where(t == C - 1, tl.load(dlam + p) * b_e, 0.0)
+    d_n = -(b_dal * b_alpha + b_dom * b_last / b_n) / b_n
+    base = tl.zeros([C], dtype=tl.float32)  # Σ_{s < u < r0} g_u: the decays' sums over the blocks above
+    acc = tl.zeros([G, C, BE], dtype=tl.float32)  # dk, group-major
+    p_mt = m + p * C * C + t[None, :] * C + t[:, None]  # Mᵀ
+    for i in tl.static_range(C // R):
+        r = i * R + tl.arange(0, R)
+        b_gr = tl.load(gc + p * C + r)
+        inc = tl.where(r[:, None] > t[None, :], b_gr[:, None], 0.0)  # [R, C]: g_u for u > s
+        b_d = tl.where(r[:, None] >= t[None, :], tl.exp(base[None, :] + tl.cumsum(inc, axis=0)), 0.0)  # [R, C]: D rows
+        base += tl.sum(inc, axis=0)
+        b_nr = tl.sum(tl.where(r[:, None] == t[None, :], b_n[None, :], 0.0), axis=1)  # [R]: n of the rows
+        b_br = tl.load(bc + p * C + r)
+        # the solve: dL = −tril(Mᵀ dM Mᵀ, −1), L_ts = β_t κ̂_ts D_ts
+        b_x = mma(tl.load(m + p * C * C + t[None, :] * C + r[:, None]), tl.load(dm + p * C * C + t[:, None] * C + t[None, :]), True)
+        b_dl = tl.where(r[:, None] > t[None, :], -mma(b_x, tl.load(p_mt), True), 0.0)  # [R, C]
+        b_kh = kernel_matrix(kc, kc, p, i * R, K, E, 1.0, C, R, BE, G, SUM) / b_nr[:, None] / b_n[None, :]  # κ̂ rows
+        b_ed = b_dl * b_kh * b_d  # dL ⊙ κ̂ ⊙ D
+        d_beta += scatter_rows(tl.sum(b_ed, axis=1), r, t)
+        b_ed *= b_br[:, None]  # E: dD ⊙ D
+        b_dkh = b_dl * b_d * b_br[:, None]  # dκ̂
+        b_ed += tl.where(r[:, None] == C - 1, (b_dom / b_n * b_last)[None, :], 0.0)  # ω = D[C, ·] / n
+        # the scores, A = tril(κ(sQ, K) ⊙ D ⊘ n)
+        b_ds = tl.where(r[:, None] >= t[None, :], tl.load(da + p * C * C + r[:, None] * C + t[None, :]), 0.0) / b_n[None, :]
+        b_sa = kernel_matrix(qc, kc, p, i * R, K, E, scale, C, R, BE, G, SUM) * b_ds * b_d  # tril(dA) ⊙ A
+        d_n -= tl.sum(b_sa, axis=0) / b_n
+        b_ed += b_sa
+        b_ds *= b_d  # dκ(sQ, K)
+        # the normalised Gram, κ̂ = κ(K, K) ⊘ (n nᵀ)
+        b_kk = b_kh * b_dkh
+        d_n -= (scatter_rows(tl.sum(b_kk, axis=1), r, t) + tl.sum(b_kk, axis=0)) / b_n
+        b_dkh = b_dkh / b_nr[:, None] / b_n[None, :]  # dκ(K, K)
+        d_gam += scatter_rows(tl.sum(b_ed, axis=1), r, t) - tl.sum(b_ed, axis=0)
+        acc = group_vjp(qc, kc, 2.0 * b_ds, p, i * R, K, E, acc, dq, scale, C, R, BE, G, SUM, True)
+        acc = group_vjp(kc, kc, 2.0 * b_dkh, p, i * R, K, E, acc, dq, 1.0, C, R, BE, G, SUM, False)
+    tl.store(dbeta + p * C + t, d_beta)
+    tl.store(dg + p * C + t, tl.cumsum(d_gam, axis=0, reverse=True))
+    # the norms, n = √max(κ(k, k), ε²): ∂κ(k, k)/∂k_i = 4 Σ_j (k_i·k_j) k_j over the groups j paired with i
+    b_s = tl.where(b_sq >= eps * eps, d_n / (2 * b_n), 0.0)
+    o_g = tl.arange(0, G)
+    for i in tl.static_range(G):
+        b_i = group_tile(kc, p, 0, i, K, E, C, C, BE)
+        for j in tl.static_range(G if SUM else 1):
+            b_j = group_tile(kc, p, 0, j if SUM else i, K, E, C, C, BE)
+            acc += tl.where(o_g[:, None, None] == i, (4.0 * b_s * tl.sum(b_i * b_j, axis=1))[None, :, None] * b_j[None, :, :], 0.0)
+    o_e = tl.arange(0, BE)
+    cols = (p * C + t)[None, :, None] * K + (o_g * E)[:, None, None] + o_e[None, None, :]  # [G, C, BE]
+    tl.store(dk + cols, acc, mask=(o_e < E)[None, None, :])
 
 
 def _algebra_terms(kc, qc, gc, fmap, scale: float, eps: float) -> dict:
@@ -181,14 +294,10 @@ def _(kc, qc, bc, gc, groups, combine, scale, eps):
             bc.new_empty(bc.shape), bc.new_empty(NC, H))
 
 
-@torch.library.custom_op("polyattn::deltakata_algebra_backward", mutates_args=())
-def chunk_algebra_backward(
-    dM: torch.Tensor, dA: torch.Tensor, dalpha: torch.Tensor, domega: torch.Tensor, drho: torch.Tensor, dlam: torch.Tensor,
-    kc: torch.Tensor, qc: torch.Tensor, bc: torch.Tensor, gc: torch.Tensor, M: torch.Tensor, groups: int, combine: str,
-    scale: float, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`chunk_algebra`'s backward (its docstring has the formulas): `(dk, dq, dβ, dg)` from every output's cotangent,
-    the inputs and M; the terms are recomputed and the `[C, C]` buffers reused in place."""
+def chunk_algebra_backward_ref(dM, dA, dalpha, domega, drho, dlam, kc, qc, bc, gc, M, groups: int, combine: str, scale: float,
+                               eps: float) -> tuple:
+    """Twin of `deltakata_algebra_grad_kernel` (any float dtype, any C): `(dk, dq, dβ, dg)` from every output's
+    cotangent, the inputs and M; the terms are recomputed and the `[C, C]` buffers reused in place."""
     fmap = make_feature_map("psd", kc.shape[-1], groups, combine)
     t = _algebra_terms(kc, qc, gc, fmap, scale, eps)
     square, norm, D, gram, scores, e = t["square"], t["norm"], t["D"], t["gram"], t["scores"], t["exp"]
@@ -229,6 +338,31 @@ def chunk_algebra_backward(
     del dgram
     dk3, dk4 = fmap.kernel_vjp(kc[..., None, :], kc[..., None, :], ds[..., None, None])
     return dk + dk1 + dk2 + (dk3 + dk4)[..., 0, :], scale * dq, dbeta, dg
+
+
+ALGEBRA_GRAD_ROWS = 32  # rows of a block of the backward kernel
+
+
+@torch.library.custom_op("polyattn::deltakata_algebra_backward", mutates_args=())
+def chunk_algebra_backward(
+    dM: torch.Tensor, dA: torch.Tensor, dalpha: torch.Tensor, domega: torch.Tensor, drho: torch.Tensor, dlam: torch.Tensor,
+    kc: torch.Tensor, qc: torch.Tensor, bc: torch.Tensor, gc: torch.Tensor, M: torch.Tensor, groups: int, combine: str,
+    scale: float, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunk_algebra`'s backward (its docstring has the formulas): `(dk, dq, dβ, dg)` from every output's cotangent,
+    the inputs and M; `deltakata_algebra_grad_kernel` where the forward ran its kernel, else the twin."""
+    NC, H, C, K = kc.shape
+    if kc.dtype != torch.float32 or not kernel_solves(C):
+        return chunk_algebra_backward_ref(dM, dA, dalpha, domega, drho, dlam, kc, qc, bc, gc, M, groups, combine, scale, eps)
+    args = [x.contiguous() for x in (dM, dA, dalpha, domega, drho, dlam, kc, qc, bc, gc, M)]
+    dk, dq = torch.empty_like(kc), torch.empty_like(qc)
+    dbeta, dg = torch.empty_like(bc), torch.empty_like(gc)
+    if NC * H:
+        deltakata_algebra_grad_kernel[(NC * H,)](
+            *args, dk, dq, dbeta, dg, K, K // groups, scale, eps, C=C, R=min(C, ALGEBRA_GRAD_ROWS), BE=block(K // groups),
+            G=groups, SUM=combine == "sum", num_warps=8,
+        )
+    return dk, dq, dbeta, dg
 
 
 @chunk_algebra_backward.register_fake
