@@ -42,7 +42,7 @@ from polyattn.ops.kata.feature_maps import make_feature_map
 from polyattn.ops.triton.decay import reset_limit_ref
 from polyattn.ops.triton.plan import block, chunk_table, get_config, no_output, sequence_lengths
 from polyattn.ops.triton.precision import (
-    check_kernel_inputs, dot_f32, first_nonfinite_row, mma_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
+    check_kernel_inputs, dot_f32, first_nonfinite_row, mma, mma_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
 )
 
 from . import chunk_kernels_fit
@@ -271,6 +271,31 @@ def deltakata_walk_grad_kernel(
                 b_s += block_write(b_q, slot_column(q, tok, m_t, K, E, slot, e, GS), b_wq, F32)
                 tl.store(p_st + rows, b_s, mask=m_s)
         tl.debug_barrier()
+
+
+@triton.jit
+def deltakata_chunk_grads_kernel(du, b, alpha, yk, do, u, dm, da, chunks, H, V, C: tl.constexpr, BV: tl.constexpr):
+    """grid: (NC, H). The walk's gradients of chunk i_c's `[C, C]` coefficients from its rows (flat `[N_tok, H, V]`,
+    read through the chunk table, zero past the chunk's end): `dm = dU (b + α ⊙ Yk)ᵀ`, `da = dO Uᵀ` (`[NC, H, C, C]`
+    fp32; dO in any dtype), fp32 products over value tiles of BV."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t = tl.load(chunks + i_c * 4).to(tl.int64) + tl.arange(0, C)
+    m_t = t < tl.load(chunks + i_c * 4 + 1)
+    tok = t * H + i_h
+    b_alpha = tl.load(alpha + tok, mask=m_t, other=0.0)
+    acc_m = tl.zeros([C, C], dtype=tl.float32)
+    acc_a = tl.zeros([C, C], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        rows = tok[:, None] * V + o_v[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        b_rhs = tl.load(b + rows, mask=m_tv, other=0.0) + b_alpha[:, None] * tl.load(yk + rows, mask=m_tv, other=0.0)
+        acc_m += mma(tl.load(du + rows, mask=m_tv, other=0.0), tl.trans(b_rhs), True)
+        acc_a += mma(tl.load(do + rows, mask=m_tv, other=0.0).to(tl.float32), tl.trans(tl.load(u + rows, mask=m_tv, other=0.0)), True)
+    o_c = tl.arange(0, C)
+    out = (i_c * H + i_h).to(tl.int64) * C * C + o_c[:, None] * C + o_c[None, :]
+    tl.store(dm + out, acc_m)
+    tl.store(da + out, acc_a)
 
 
 def deltakata_walk_ref(q, k, m, a, b, alpha, omega, rho, lam, h0, seq_lens: tuple, chunk_size: int, fmap):
@@ -531,11 +556,10 @@ def deltakata_walk_backward(
         dst = no_output(k)
     dalpha, domega, drho = (z * yk).sum(-1), (yg * u).sum(-1), (do.float() * yq).sum(-1)  # [N_tok, H]
     del yg
-    idx, mask = chunk_layout(plan["table"], plan["C"], N_tok)
-    rhs = b + alpha[..., None] * yk  # [N_tok, H, V]
-    dm = to_chunks(du, idx, mask) @ to_chunks(rhs, idx, mask).transpose(-1, -2)  # [NC, H, C, V] @ [NC, H, V, C]
-    del rhs, du
-    da = to_chunks(do, idx, mask).float() @ to_chunks(u, idx, mask).transpose(-1, -2)  # dO chunked in its dtype, then widened
+    C = plan["C"]
+    dm, da = (torch.empty(plan["NC"], H, C, C, dtype=torch.float32, device=k.device) for _ in range(2))
+    deltakata_chunk_grads_kernel[(plan["NC"], H)](du, b, alpha, yk, do, u, dm, da, plan["table"], H, V, C=C, BV=min(block(V), 32),
+                                                  num_warps=8)
     return (dq, dk, dm, da, z, dalpha, domega, drho, dlam.sum(0), dst)
 
 
