@@ -41,6 +41,7 @@ else:
     B, H, K, V = 2, 2, 16, 12  # the group width K / groups: 16 here, the narrowest the kernels take
     T_GRID = [1, 15, 16, 17, 50]
     CONFIG = KernelConfig(deltakata_chunk_size=16, kata_read_block=16)  # 4 chunks at T = 50
+KERNELS = dataclasses.replace(CONFIG, deltakata_algebra_kernels=True)  # the chunk-local algebra on its kernels
 
 
 def _state(N, fmap, seed):
@@ -52,7 +53,7 @@ def _width(groups):
     return K if CUDA else 16 * groups
 
 
-def _check(T, dtype, groups, combine, decay, with_state, Bx=1, seed=0, lengths=None):
+def _check(T, dtype, groups, combine, decay, with_state, Bx=1, seed=0, lengths=None, config=CONFIG):
     N = Bx if lengths is None else len(lengths)
     Kx = _width(groups)
     fmap = make_feature_map("psd", Kx, groups, combine)
@@ -62,7 +63,7 @@ def _check(T, dtype, groups, combine, decay, with_state, Bx=1, seed=0, lengths=N
     fused = functools.partial(deltakata_chunk_fused, **opts)
     fused.native_varlen = True
     forms = [functools.partial(f, feature="psd", **opts) for f in (deltakata_naive, deltakata_chunk)] + [fused]
-    with use_config(CONFIG):
+    with use_config(config):
         assert_low_precision_matches(*forms, x, _state(N, fmap, seed + 1) if with_state else None, dtype, lengths=lengths)
 
 
@@ -94,6 +95,20 @@ def test_triton_chunk_varlen_matches_naive(dtype):
     _check(None, dtype, 1 if not CUDA else 2, "concat", True, True, lengths=lengths, seed=4)
 
 
+# (T, dtype, groups, combine, lengths): the chunk-local algebra's kernels end to end, fp32 and bf16, M1 and Σ2, packed
+KERNEL_CASES = [(T_GRID[-1], torch.float32, 1, "concat", None), (T_GRID[-2], torch.bfloat16, 2, "sum", None),
+                (None, torch.float32, 1, "concat", [1, 16, 37, 20] if not CUDA else [1, 64, 500, 130])]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=[f"T{T}-{dtype_id(d)}-G{G}-{c}{'-varlen' if n else ''}"
+                                                    for T, d, G, c, n in KERNEL_CASES])
+def test_algebra_kernels_match_naive(case):
+    """With `KernelConfig.deltakata_algebra_kernels` (the chunk-local algebra, its backward and the walk's `[C, C]`
+    gradients on kernels): o, the final state and every gradient, as the default path is tested."""
+    T, dtype, groups, combine, lengths = case
+    _check(T, dtype, groups, combine, True, True, seed=6, lengths=lengths, config=KERNELS)
+
+
 @pytest.mark.parametrize("split", [1, 17] if not CUDA else [1, 15, 17, 32])
 def test_prefill_continues(split):
     """A prefill continued from its final state at a split inside or on a chunk's edge equals one call."""
@@ -117,12 +132,14 @@ def _walk_inputs(lengths, groups, combine, seed, state_seed):
     return fmap, flat, coefs, plan, _state(len(lengths), fmap, state_seed).float()
 
 
-@pytest.mark.parametrize("groups, combine", [(1, "concat"), (2, "sum")], ids=["M1", "S2"])
-def test_walk_matches_twin(groups, combine):
+@pytest.mark.parametrize("groups, combine, config", [(1, "concat", CONFIG), (2, "sum", CONFIG), (1, "concat", KERNELS)],
+                         ids=["M1", "S2", "M1-kernels"])
+def test_walk_matches_twin(groups, combine, config):
     """The walk kernel against `deltakata_walk_ref` (float64) on the same fp32 coefficients, packed sequences from
-    initial states, every stored row and state; its backward op against the twin's autograd, for every input."""
+    initial states, every stored row and state; its backward op against the twin's autograd, for every input (with
+    `deltakata_algebra_kernels`, dM and dA from their kernel)."""
     lengths = (40, 5, 17) if not CUDA else (700, 5, 170)
-    with use_config(CONFIG) as config:
+    with use_config(config) as config:
         C = config.deltakata_chunk_size
         fmap, flat, coefs, plan, h0 = _walk_inputs(lengths, groups, combine, 3, 5)
         leaves = [t.clone().requires_grad_() for t in (flat[0], flat[1], *coefs, h0)]
@@ -182,7 +199,9 @@ def test_algebra_kernel_matches_twin(C, groups, combine):
     within the fp32 bound of the Triton tests (twice the fp32 twin's error, or the floor), every output."""
     x = _algebra_inputs(C, groups, seed=C + groups)
     args = (groups, combine, _width(groups) ** -0.5, 1e-6)
-    got, fp32 = chunk_algebra(*x, *args), chunk_algebra_ref(*x, *args)
+    with use_config(KERNELS):
+        got = chunk_algebra(*x, *args)
+    fp32 = chunk_algebra_ref(*x, *args)
     want = chunk_algebra_ref(*(t.double() for t in x), *args)
     for name, a, b, ref in zip(("M", "A", "alpha", "omega", "rho", "lam"), got, fp32, want):
         bound = min(max(2 * rel_err(b, ref), LOW_PRECISION_FLOOR[torch.float32]), LOW_PRECISION_CEILING[torch.float32])
@@ -196,11 +215,13 @@ def test_algebra_grad_kernel_matches_twin(C, groups, combine):
     within the fp32 bound of the Triton tests, for dk, dq, dβ and dg from random cotangents of every output."""
     x = _algebra_inputs(C, groups, seed=C + groups + 1)
     args = (groups, combine, _width(groups) ** -0.5, 1e-6)
-    M = chunk_algebra(*x, *args)[0]
+    M = chunk_algebra_ref(*x, *args)[0]
     NC = x[0].shape[0]
     gen = torch.Generator().manual_seed(C)
     cot = [torch.randn(shape, generator=gen).to(DEVICE) for shape in [(NC, H, C, C)] * 2 + [(NC, H, C)] * 3 + [(NC, H)]]
-    got, fp32 = chunk_algebra_backward(*cot, *x, M, *args), chunk_algebra_backward_ref(*cot, *x, M, *args)
+    with use_config(KERNELS):
+        got = chunk_algebra_backward(*cot, *x, M, *args)
+    fp32 = chunk_algebra_backward_ref(*cot, *x, M, *args)
     want = chunk_algebra_backward_ref(*(t.double() for t in (*cot, *x, M)), *args)
     for name, a, b, ref in zip(("dk", "dq", "dbeta", "dg"), got, fp32, want):
         bound = min(max(2 * rel_err(b, ref), LOW_PRECISION_FLOOR[torch.float32]), LOW_PRECISION_CEILING[torch.float32])
@@ -213,12 +234,14 @@ def test_algebra_kernel_keeps_rows_before_a_nonfinite_token(field):
     leaves M's and A's rows before p bit-identical, and M's and A's upper triangles exact zeros."""
     x = _algebra_inputs(64, 1, seed=5)
     args = (1, "concat", _width(1) ** -0.5, 1e-6)
-    clean = chunk_algebra(*x, *args)
+    with use_config(KERNELS):
+        clean = chunk_algebra(*x, *args)
     for value in ("nan", "inf") if field != "g" else ("nan",):
         bad = [t.clone() for t in x]
         target = bad[("k", "q", "beta", "g").index(field)]
         target[0, 1, 37] = float(value)
-        M, A, *_ = chunk_algebra(*bad, *args)
+        with use_config(KERNELS):
+            M, A, *_ = chunk_algebra(*bad, *args)
         assert torch.equal(M[0, 1, :37], clean[0][0, 1, :37]) and torch.equal(A[0, 1, :37], clean[1][0, 1, :37]), field
         assert bool((torch.triu(M, 1) == 0).all()) and bool((torch.triu(A, 1) == 0).all()), field
         assert torch.equal(M[1:], clean[0][1:]) and torch.equal(M[0, 0], clean[0][0, 0]), f"{field}: another chunk changed"

@@ -238,11 +238,11 @@ def test_mma_left_acc_matches_twin():
 
 
 @triton.jit
-def mma_mixed_kernel(x, y, out, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, F32: tl.constexpr):
+def mma_mixed_kernel(x, y, out, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, F32: tl.constexpr, MODE: tl.constexpr):
     o_m, o_k, o_n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
     b_x = tl.load(x + o_m[:, None] * K + o_k[None, :])  # [M, K] bf16 or fp32
     b_y = tl.load(y + o_k[:, None] * N + o_n[None, :])  # [K, N] bf16 or fp32
-    tl.store(out + o_m[:, None] * N + o_n[None, :], mma_mixed(b_x, b_y, tl.bfloat16, F32, FP32_DOTS["split"]))
+    tl.store(out + o_m[:, None] * N + o_n[None, :], mma_mixed(b_x, b_y, tl.bfloat16, F32, MODE))
 
 
 @pytest.mark.parametrize("x_dtype, y_dtype", [(a, b) for a in (torch.bfloat16, torch.float32) for b in (torch.bfloat16, torch.float32)],
@@ -256,7 +256,8 @@ def test_mma_mixed_keeps_each_operand_as_it_comes(x_dtype, y_dtype):
     x = torch.randn(16, 32, generator=gen).to(DEVICE, x_dtype)
     y = torch.randn(32, 16, generator=gen).to(DEVICE, y_dtype)
     out = torch.empty(16, 16, device=DEVICE)
-    mma_mixed_kernel[(1,)](x, y, out, M=16, K=32, N=16, F32=dot_f32(torch.bfloat16))
+    mma_mixed_kernel[(1,)](x, y, out, M=16, K=32, N=16, F32=dot_f32(torch.bfloat16), MODE=FP32_DOTS["split"])  # a jit
+    # function reads no Python dict: the mode comes as a constexpr
     exact = x.double() @ y.double()
     assert rel_err(out, exact) <= (1e-6 if x_dtype == y_dtype == torch.bfloat16 else 2.0**-14)
 

@@ -121,7 +121,10 @@ class KernelConfig:
     less memory than chunks of 64 at the same speed: benchmarks/results/2026-12-03-h200/deltakata-chunk-sweep.json).
     Its forward keeps the state entering every deltakata_state_interval-th chunk of a sequence for the backward, which
     recomputes the others round by round (None: ⌈√(c / 2)⌉ for c chunks, the least memory; 1: every state kept and
-    none recomputed, the fastest backward; delta.state_interval).
+    none recomputed, the fastest backward; delta.state_interval). deltakata_algebra_kernels runs the chunk-local
+    algebra and the walk's `[C, C]` gradients as Triton kernels (ops/kata/triton/algebra.py) instead of PyTorch:
+    off, since on an H100 the algebra's forward kernel took DeltaKATA-M1's forward at 2K x 32 from 42.5 to 96.8 ms
+    (ops/kata/README.md, "The chunk-local algebra as kernels").
     gdn_block_v and gdn_num_warps are the value tile and warps of log-linear Gated DeltaNet's level
     walks, forward and backward (ops/loglinear/triton/gdn.py). 4 warps: on an H100 at 8K / 32K tokens a forward
     took 12.6 / 17.8 ms at 4 against 17.0 / 20.5 at 8, a forward + backward 104.7 / 138.6 against 114.5 / 141.8
@@ -194,6 +197,7 @@ class KernelConfig:
     deltakata_chunk_size: int = 128
     deltakata_block_v: int = 32
     deltakata_state_interval: int | None = None
+    deltakata_algebra_kernels: bool = False
     gdn_block_v: int = 32
     gdn_num_warps: int = 4
     gdn_chain_warps: int = 8

@@ -27,11 +27,20 @@ import triton.language as tl
 
 from polyattn.ops.common import exp_segsum
 from polyattn.ops.kata.feature_maps import make_feature_map
-from polyattn.ops.triton.decay import exact_segsum, exact_suffix
-from polyattn.ops.triton.plan import block
+from polyattn.ops.triton.decay import exact_suffix
+from polyattn.ops.triton.plan import block, get_config
 from polyattn.ops.triton.precision import mma
 
 SOLVE_BLOCK = 16  # rows of the blocked inverse's diagonal blocks
+ALGEBRA_ROWS = 32  # rows of the `[R, C]` blocks in which both kernels form the chunk's matrices
+
+
+@triton.jit
+def fdot(x, y):
+    """An fp32 product to about fp32 precision on the tensor cores (three TF32 products, `tf32x3`): an IEEE product
+    of these sizes runs on the CUDA cores with whole operand rows in registers (ptxas for sm_90a: 7.9 KB of spills
+    a thread in the forward kernel, none with this)."""
+    return tl.dot(x, y, input_precision="tf32x3")
 
 
 @triton.jit
@@ -51,7 +60,7 @@ def kernel_matrix(x, y, p, r0, K, E, scale, C: tl.constexpr, R: tl.constexpr, BE
     for i in tl.static_range(G):
         b_x = scale * group_tile(x, p, r0, i, K, E, C, R, BE)
         for j in tl.static_range(G if SUM else 1):
-            u = mma(b_x, tl.trans(group_tile(y, p, 0, j if SUM else i, K, E, C, C, BE)), True)
+            u = fdot(b_x, tl.trans(group_tile(y, p, 0, j if SUM else i, K, E, C, C, BE)))
             acc += u * u
     return acc
 
@@ -89,29 +98,46 @@ def unit_lower_inverse(b_l, BS: tl.constexpr):
 
 
 @triton.jit
+def row_values(v, r, t):
+    """The entries of a chunk's `[C]` vector `v` (rows `t`) at a row block's rows `r`: `[R]`."""
+    return tl.sum(tl.where(r[:, None] == t[None, :], v[None, :], 0.0), axis=1)
+
+
+@triton.jit
+def decay_rows(gc, p, r, t, base, C: tl.constexpr):
+    """Rows r of the chunk's decays D: `exp(Σ_{s<u≤r} g_u)` for s ≤ r, each a direct sum (the block's masked cumsum
+    on `base`, the sums `Σ_{s<u<r0} g_u` over the blocks above); `(D rows [R, C], base for the next block)`."""
+    inc = tl.where(r[:, None] > t[None, :], tl.load(gc + p * C + r)[:, None], 0.0)  # [R, C]: g_u for u > s
+    b_d = tl.where(r[:, None] >= t[None, :], tl.exp(base[None, :] + tl.cumsum(inc, axis=0)), 0.0)
+    return b_d, base + tl.sum(inc, axis=0)
+
+
+@triton.jit
 def deltakata_algebra_kernel(
     kc, qc, bc, gc, m, a, alpha, omega, rho, lam, K, E, scale, eps,
-    C: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, SUM: tl.constexpr, BS: tl.constexpr,
+    C: tl.constexpr, R: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, SUM: tl.constexpr, BS: tl.constexpr,
 ):
     """grid: (NC·H,). Chunk-head p of chunked fp32 `kc, qc [NC, H, C, K]`, `bc, gc [NC, H, C]` (padded rows zero):
-    `m, a [NC, H, C, C]` (M, A), `alpha, omega, rho [NC, H, C]`, `lam [NC, H]` as the module docstring says."""
+    `m, a [NC, H, C, C]` (M, A), `alpha, omega, rho [NC, H, C]`, `lam [NC, H]` as the module docstring says; L and
+    A formed in row blocks of R, then the inverse in place."""
     p = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, C)
     b_g = tl.load(gc + p * C + t)  # [C]
-    b_beta = tl.load(bc + p * C + t)
-    b_d = tl.where(t[:, None] >= t[None, :], tl.exp2(exact_segsum(b_g, False)), 0.0)  # [C, C]: D
     b_e = tl.exp(tl.cumsum(b_g, axis=0))  # [C]: e^γ
-    b_gram = kernel_matrix(kc, kc, p, 0, K, E, 1.0, C, C, BE, G, SUM)  # [C, C]: κ(K, K)
-    b_norm = tl.sqrt(tl.maximum(tl.sum(tl.where(t[:, None] == t[None, :], b_gram, 0.0), axis=1), eps * eps))  # [C]: n
-    b_l = b_gram / b_norm[:, None] / b_norm[None, :] * b_d  # κ̂ ⊙ D
-    p_m = m + p * C * C + t[:, None] * C + t[None, :]
-    tl.store(p_m, tl.where(t[:, None] > t[None, :], b_l * b_beta[:, None], 0.0))  # L − I, strictly lower
-    b_s = kernel_matrix(qc, kc, p, 0, K, E, scale, C, C, BE, G, SUM)  # [C, C]: κ(scale·Q, K)
-    tl.store(a + p * C * C + t[:, None] * C + t[None, :], tl.where(t[:, None] >= t[None, :], b_s * b_d / b_norm[None, :], 0.0))
-    tl.store(alpha + p * C + t, -b_beta * b_e / b_norm)
-    tl.store(omega + p * C + t, tl.exp2(exact_suffix(b_g)) / b_norm)  # D[C, s] = exp(Σ_{u > s} g_u)
+    b_n = tl.sqrt(tl.maximum(self_kernel(kc, p, K, E, C, BE, G, SUM), eps * eps))  # [C]: n
+    tl.store(alpha + p * C + t, -tl.load(bc + p * C + t) * b_e / b_n)
+    tl.store(omega + p * C + t, tl.exp2(exact_suffix(b_g)) / b_n)  # D[C, s] = exp(Σ_{u > s} g_u)
     tl.store(rho + p * C + t, scale * scale * b_e)
     tl.store(lam + p, tl.exp(tl.sum(b_g, axis=0)))
+    base = tl.zeros([C], dtype=tl.float32)
+    for i in tl.static_range(C // R):
+        r = i * R + tl.arange(0, R)
+        b_d, base = decay_rows(gc, p, r, t, base, C)
+        b_l = kernel_matrix(kc, kc, p, i * R, K, E, 1.0, C, R, BE, G, SUM) / row_values(b_n, r, t)[:, None] / b_n[None, :] * b_d
+        out = p * C * C + r[:, None] * C + t[None, :]
+        tl.store(m + out, tl.where(r[:, None] > t[None, :], b_l * tl.load(bc + p * C + r)[:, None], 0.0))  # L − I
+        b_s = kernel_matrix(qc, kc, p, i * R, K, E, scale, C, R, BE, G, SUM)  # κ(scale·Q, K) rows
+        tl.store(a + out, tl.where(r[:, None] >= t[None, :], b_s * b_d / b_n[None, :], 0.0))
     tl.debug_barrier()  # the solve reads what every thread wrote
     o_b = tl.arange(0, BS)
     blk = m + p * C * C + o_b[:, None] * C + o_b[None, :]  # block (0, 0); block (i, j) at + (i·C + j)·BS
@@ -129,28 +155,23 @@ def deltakata_algebra_kernel(
 
 @triton.jit
 def group_vjp(x, y, w, p, r0, K, E, acc, into, scale, C: tl.constexpr, R: tl.constexpr, BE: tl.constexpr, G: tl.constexpr,
-              SUM: tl.constexpr, ROWS_TO: tl.constexpr):
+              SUM: tl.constexpr):
     """The gradient of `Σ w ⊙ κ(scale·X, Y)` (`w [R, C]`, X rows r0 .. r0 + R, Y all C rows, the factor 2 of the
     square in w): the group dot products u enter as `w ⊙ u`. Y's part is added to `acc [G, C, BE]` (group-major
-    columns), X's part (times scale) stored to the rows of `into` (ROWS_TO) or added to acc too."""
+    columns) and returned; X's part (times scale) is stored to the block's rows of `into` (`[NC, H, C, K]`)."""
     o_g = tl.arange(0, G)
+    o_e = tl.arange(0, BE)
+    rows = (p * C + r0 + tl.arange(0, R)).to(tl.int64)
     for i in tl.static_range(G):
         b_x = scale * group_tile(x, p, r0, i, K, E, C, R, BE)
         b_dx = tl.zeros([R, BE], dtype=tl.float32)
         for j in tl.static_range(G if SUM else 1):
             jj = j if SUM else i
             b_y = group_tile(y, p, 0, jj, K, E, C, C, BE)
-            b_w = w * mma(b_x, tl.trans(b_y), True)  # [R, C]
-            b_dx += mma(b_w, b_y, True)  # [R, BE]
-            acc += tl.where(o_g[:, None, None] == jj, mma(tl.trans(b_w), b_x, True)[None, :, :], 0.0)  # [C, BE] into group jj
-        o_e = tl.arange(0, BE)
-        if ROWS_TO:
-            rows = (p * C + r0 + tl.arange(0, R)).to(tl.int64)
-            tl.store(into + rows[:, None] * K + i * E + o_e[None, :], scale * b_dx, mask=(o_e < E)[None, :])
-        else:
-            rows = r0 + tl.arange(0, R)
-            onto = tl.arange(0, C)[:, None] == rows[None, :]  # [C, R]: row r of the block is chunk row r0 + r
-            acc += tl.where(o_g[:, None, None] == i, mma(onto.to(tl.float32), b_dx, True)[None, :, :], 0.0)
+            b_w = w * fdot(b_x, tl.trans(b_y))  # [R, C]
+            b_dx += fdot(b_w, b_y)  # [R, BE]
+            acc += tl.where(o_g[:, None, None] == jj, fdot(tl.trans(b_w), b_x)[None, :, :], 0.0)  # [C, BE] into group jj
+        tl.store(into + rows[:, None] * K + i * E + o_e[None, :], scale * b_dx, mask=(o_e < E)[None, :])
     return acc
 
 
@@ -182,15 +203,12 @@ def deltakata_algebra_grad_kernel(
     p_mt = m + p * C * C + t[None, :] * C + t[:, None]  # Mᵀ
     for i in tl.static_range(C // R):
         r = i * R + tl.arange(0, R)
-        b_gr = tl.load(gc + p * C + r)
-        inc = tl.where(r[:, None] > t[None, :], b_gr[:, None], 0.0)  # [R, C]: g_u for u > s
-        b_d = tl.where(r[:, None] >= t[None, :], tl.exp(base[None, :] + tl.cumsum(inc, axis=0)), 0.0)  # [R, C]: D rows
-        base += tl.sum(inc, axis=0)
-        b_nr = tl.sum(tl.where(r[:, None] == t[None, :], b_n[None, :], 0.0), axis=1)  # [R]: n of the rows
+        b_d, base = decay_rows(gc, p, r, t, base, C)  # [R, C]: D rows
+        b_nr = row_values(b_n, r, t)  # [R]: n of the rows
         b_br = tl.load(bc + p * C + r)
         # the solve: dL = −tril(Mᵀ dM Mᵀ, −1), L_ts = β_t κ̂_ts D_ts
-        b_x = mma(tl.load(m + p * C * C + t[None, :] * C + r[:, None]), tl.load(dm + p * C * C + t[:, None] * C + t[None, :]), True)
-        b_dl = tl.where(r[:, None] > t[None, :], -mma(b_x, tl.load(p_mt), True), 0.0)  # [R, C]
+        b_x = fdot(tl.load(m + p * C * C + t[None, :] * C + r[:, None]), tl.load(dm + p * C * C + t[:, None] * C + t[None, :]))
+        b_dl = tl.where(r[:, None] > t[None, :], -fdot(b_x, tl.load(p_mt)), 0.0)  # [R, C]
         b_kh = kernel_matrix(kc, kc, p, i * R, K, E, 1.0, C, R, BE, G, SUM) / b_nr[:, None] / b_n[None, :]  # κ̂ rows
         b_ed = b_dl * b_kh * b_d  # dL ⊙ κ̂ ⊙ D
         d_beta += scatter_rows(tl.sum(b_ed, axis=1), r, t)
@@ -208,8 +226,8 @@ def deltakata_algebra_grad_kernel(
         d_n -= (scatter_rows(tl.sum(b_kk, axis=1), r, t) + tl.sum(b_kk, axis=0)) / b_n
         b_dkh = b_dkh / b_nr[:, None] / b_n[None, :]  # dκ(K, K)
         d_gam += scatter_rows(tl.sum(b_ed, axis=1), r, t) - tl.sum(b_ed, axis=0)
-        acc = group_vjp(qc, kc, 2.0 * b_ds, p, i * R, K, E, acc, dq, scale, C, R, BE, G, SUM, True)
-        acc = group_vjp(kc, kc, 2.0 * b_dkh, p, i * R, K, E, acc, dq, 1.0, C, R, BE, G, SUM, False)
+        acc = group_vjp(qc, kc, 2.0 * b_ds, p, i * R, K, E, acc, dq, scale, C, R, BE, G, SUM)
+        acc = group_vjp(kc, kc, 2.0 * b_dkh, p, i * R, K, E, acc, dk, 1.0, C, R, BE, G, SUM)  # dk's rows: their first write
     tl.store(dbeta + p * C + t, d_beta)
     tl.store(dg + p * C + t, tl.cumsum(d_gam, axis=0, reverse=True))
     # the norms, n = √max(κ(k, k), ε²): ∂κ(k, k)/∂k_i = 4 Σ_j (k_i·k_j) k_j over the groups j paired with i
@@ -222,7 +240,8 @@ def deltakata_algebra_grad_kernel(
             acc += tl.where(o_g[:, None, None] == i, (4.0 * b_s * tl.sum(b_i * b_j, axis=1))[None, :, None] * b_j[None, :, :], 0.0)
     o_e = tl.arange(0, BE)
     cols = (p * C + t)[None, :, None] * K + (o_g * E)[:, None, None] + o_e[None, None, :]  # [G, C, BE]
-    tl.store(dk + cols, acc, mask=(o_e < E)[None, None, :])
+    tl.debug_barrier()  # the rows' parts, stored by other threads
+    tl.store(dk + cols, tl.load(dk + cols, mask=(o_e < E)[None, None, :], other=0.0) + acc, mask=(o_e < E)[None, None, :])
 
 
 def _algebra_terms(kc, qc, gc, fmap, scale: float, eps: float) -> dict:
@@ -249,9 +268,11 @@ def chunk_algebra_ref(kc, qc, bc, gc, groups: int, combine: str, scale: float, e
     return M, A, -bc * e / norm, D[..., -1, :] / norm, (scale * scale) * e, e[..., -1].contiguous()
 
 
-def kernel_solves(C: int) -> bool:
-    """Chunk sizes `deltakata_algebra_kernel` takes: powers of two from SOLVE_BLOCK on."""
-    return C >= SOLVE_BLOCK and C & (C - 1) == 0
+def runs_kernels(kc: torch.Tensor) -> bool:
+    """Whether `chunk_algebra` and its backward run the kernels on chunked `kc [NC, H, C, K]`: fp32 chunks of a power
+    of two from SOLVE_BLOCK tokens with `KernelConfig.deltakata_algebra_kernels` on (else the twins)."""
+    C = kc.shape[-2]
+    return kc.dtype == torch.float32 and C >= SOLVE_BLOCK and C & (C - 1) == 0 and get_config().deltakata_algebra_kernels
 
 
 @torch.library.custom_op("polyattn::deltakata_algebra", mutates_args=())
@@ -260,8 +281,8 @@ def chunk_algebra(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The `[C, C]` part of the chunk-local algebra (module docstring) as a custom op, from chunked
     `kc, qc [NC, H, C, K]`, β and the log-decays `[NC, H, C]`: `(M, A [NC, H, C, C], α, ω, ρ [NC, H, C], λ [NC, H])`.
-    fp32 inputs with C a power of two from 16 on (the walk's) run `deltakata_algebra_kernel`; float64 ones (the
-    finite-difference test of the backward) the twin. Its backward (`chunk_algebra_backward`, another custom op) is
+    With `KernelConfig.deltakata_algebra_kernels` (off by default), fp32 inputs with C a power of two from 16 on (the
+    walk's) run `deltakata_algebra_kernel`; all others (float64: the finite-difference test of the backward) the twin. Its backward (`chunk_algebra_backward`, another custom op) is
     written out, so that only the inputs and M are kept from the forward and no `[C, C]` intermediate of autograd's:
 
         dL = −Mᵀ dM Mᵀ (strictly lower; L = I + diag(β) tril(κ̂ ⊙ D, −1))
@@ -273,7 +294,7 @@ def chunk_algebra(
     with the rows' α = −β e^γ / n, ω = D[C, ·] / n, ρ = scale² e^γ, λ = e^Γ differentiated directly, and the keys'
     and queries' gradients from the feature map's `kernel_vjp`."""
     NC, H, C, K = kc.shape
-    if kc.dtype != torch.float32 or not kernel_solves(C):
+    if not runs_kernels(kc):
         return chunk_algebra_ref(kc, qc, bc, gc, groups, combine, scale, eps)
     kc, qc, bc, gc = (x.contiguous() for x in (kc, qc, bc, gc))
     M, A = (kc.new_empty(NC, H, C, C) for _ in range(2))
@@ -281,8 +302,8 @@ def chunk_algebra(
     lam = bc.new_empty(NC, H)
     if NC * H:
         deltakata_algebra_kernel[(NC * H,)](
-            kc, qc, bc, gc, M, A, alpha, omega, rho, lam, K, K // groups, scale, eps, C=C, BE=block(K // groups), G=groups,
-            SUM=combine == "sum", BS=SOLVE_BLOCK, num_warps=8,
+            kc, qc, bc, gc, M, A, alpha, omega, rho, lam, K, K // groups, scale, eps, C=C, R=min(C, ALGEBRA_ROWS),
+            BE=block(K // groups), G=groups, SUM=combine == "sum", BS=SOLVE_BLOCK, num_warps=8,
         )
     return M, A, alpha, omega, rho, lam
 
@@ -340,9 +361,6 @@ def chunk_algebra_backward_ref(dM, dA, dalpha, domega, drho, dlam, kc, qc, bc, g
     return dk + dk1 + dk2 + (dk3 + dk4)[..., 0, :], scale * dq, dbeta, dg
 
 
-ALGEBRA_GRAD_ROWS = 32  # rows of a block of the backward kernel
-
-
 @torch.library.custom_op("polyattn::deltakata_algebra_backward", mutates_args=())
 def chunk_algebra_backward(
     dM: torch.Tensor, dA: torch.Tensor, dalpha: torch.Tensor, domega: torch.Tensor, drho: torch.Tensor, dlam: torch.Tensor,
@@ -350,16 +368,16 @@ def chunk_algebra_backward(
     scale: float, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`chunk_algebra`'s backward (its docstring has the formulas): `(dk, dq, dβ, dg)` from every output's cotangent,
-    the inputs and M; `deltakata_algebra_grad_kernel` where the forward ran its kernel, else the twin."""
+    the inputs and M; `deltakata_algebra_grad_kernel` where the forward runs its kernel, else the twin."""
     NC, H, C, K = kc.shape
-    if kc.dtype != torch.float32 or not kernel_solves(C):
+    if not runs_kernels(kc):
         return chunk_algebra_backward_ref(dM, dA, dalpha, domega, drho, dlam, kc, qc, bc, gc, M, groups, combine, scale, eps)
     args = [x.contiguous() for x in (dM, dA, dalpha, domega, drho, dlam, kc, qc, bc, gc, M)]
     dk, dq = torch.empty_like(kc), torch.empty_like(qc)
     dbeta, dg = torch.empty_like(bc), torch.empty_like(gc)
     if NC * H:
         deltakata_algebra_grad_kernel[(NC * H,)](
-            *args, dk, dq, dbeta, dg, K, K // groups, scale, eps, C=C, R=min(C, ALGEBRA_GRAD_ROWS), BE=block(K // groups),
+            *args, dk, dq, dbeta, dg, K, K // groups, scale, eps, C=C, R=min(C, ALGEBRA_ROWS), BE=block(K // groups),
             G=groups, SUM=combine == "sum", num_warps=8,
         )
     return dk, dq, dbeta, dg

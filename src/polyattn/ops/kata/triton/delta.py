@@ -298,6 +298,26 @@ def deltakata_chunk_grads_kernel(du, b, alpha, yk, do, u, dm, da, chunks, H, V, 
     tl.store(da + out, acc_a)
 
 
+def chunk_grads(held: list, b, alpha, yk, do, u, table, chunk_size: int) -> tuple:
+    """`(dm, da) [NC, H, C, C]` fp32, the walk's gradients of M and A from its rows (flat, `deltakata_chunk_grads_kernel`'s
+    docstring): the kernel with `KernelConfig.deltakata_algebra_kernels`, else its twin (PyTorch products of chunked
+    copies). dU comes as the one entry of `held`, which is emptied, so that the twin frees it before dA is formed.
+    Every row is `[N_tok, H, V]` (α `[N_tok, H]`), contiguous."""
+    du = held.pop()
+    N_tok, H, V = u.shape
+    if get_config().deltakata_algebra_kernels:
+        dm, da = (u.new_empty(table.shape[0], H, chunk_size, chunk_size) for _ in range(2))
+        deltakata_chunk_grads_kernel[(table.shape[0], H)](du, b, alpha, yk, do, u, dm, da, table, H, V, C=chunk_size,
+                                                          BV=min(block(V), 32), num_warps=8)
+        return dm, da
+    idx, mask = chunk_layout(table, chunk_size, N_tok)
+    rhs = b + alpha[..., None] * yk  # [N_tok, H, V]
+    dm = to_chunks(du, idx, mask) @ to_chunks(rhs, idx, mask).transpose(-1, -2)  # [NC, H, C, V] @ [NC, H, V, C]
+    del rhs, du
+    da = to_chunks(do, idx, mask).float() @ to_chunks(u, idx, mask).transpose(-1, -2)  # dO chunked in its dtype, then widened
+    return dm, da
+
+
 def deltakata_walk_ref(q, k, m, a, b, alpha, omega, rho, lam, h0, seq_lens: tuple, chunk_size: int, fmap):
     """Twin of `deltakata_walk_kernel` in float64 on flattened tokens: `(o, ht, hs, u, yk, yq)` as the kernel
     stores them (hs: the state entering every chunk). Differentiable, so its autograd is the backward's twin."""
@@ -556,10 +576,9 @@ def deltakata_walk_backward(
         dst = no_output(k)
     dalpha, domega, drho = (z * yk).sum(-1), (yg * u).sum(-1), (do.float() * yq).sum(-1)  # [N_tok, H]
     del yg
-    C = plan["C"]
-    dm, da = (torch.empty(plan["NC"], H, C, C, dtype=torch.float32, device=k.device) for _ in range(2))
-    deltakata_chunk_grads_kernel[(plan["NC"], H)](du, b, alpha, yk, do, u, dm, da, plan["table"], H, V, C=C, BV=min(block(V), 32),
-                                                  num_warps=8)
+    held = [du]
+    del du
+    dm, da = chunk_grads(held, b, alpha, yk, do, u, plan["table"], plan["C"])
     return (dq, dk, dm, da, z, dalpha, domega, drho, dlam.sum(0), dst)
 
 
