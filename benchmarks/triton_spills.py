@@ -1,12 +1,14 @@
 """Registers and spills of the Triton kernels for Hopper, compiled on a machine without a GPU.
 
-python benchmarks/triton_spills.py [linear guard delta levels gdn kata]
+python benchmarks/triton_spills.py [linear guard delta levels gdn kata algebra]
 Compiles the linear_attn kernels (`chunk_outputs_kernel`, `segment_states_kernel`) and the delta rule's
 (`wy_kernel`, `wy_factors_kernel`, the two recurrences (the forward's with and without its outputs and stores), the per-chunk output and two gradient kernels) and log-linear
 log-linear Mamba-2's `level_pass_kernel` (its three passes) and log-linear
 Gated DeltaNet's (`gdn_chunk_kernel`, `gdn_levels_kernel`, `gdn_levels_chain_kernel`, `gdn_levels_grads_kernel`, the chunk gradients' three stages) and
 KATA's chunked form's (`kata_states_kernel` both ways, `kata_read_kernel`, `kata_lift_grad_kernel` with and without
-its read, at K = V = 64 with the default tiles) and DeltaKATA's walks and state recompute (`deltakata_walk_kernel`, `deltakata_walk_grad_kernel`, `deltakata_states_kernel`) for sm_90a with the installed Triton (or the families named) and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
+its read, at K = V = 64 with the default tiles) and DeltaKATA's walks and state recompute (`deltakata_walk_kernel`, `deltakata_walk_grad_kernel`, `deltakata_states_kernel`) and DeltaKATA's chunk-local kernels (`algebra`, also alone:
+`deltakata_algebra_kernel`, `deltakata_algebra_grad_kernel`, `deltakata_chunk_grads_kernel`, with their compile times)
+for sm_90a with the installed Triton (or the families named) and runs the ptxas that ships with it (`-v`) for several launch configurations: no device time needed.
 `guard` (not in the default list) counts the floating-point instructions of linear attention's plain and guarded loops
 (ops/README.md, "Guarantees of the Triton forms"); `compile` (neither) times the compile of its forward with decay on
 bf16 and on fp32 inputs (ops/linear/README.md, "Triton kernels").
@@ -29,7 +31,10 @@ from polyattn.ops.delta.triton.backward import delta_grad_factors_kernel, delta_
 from polyattn.ops.delta.triton.forward import delta_outputs_kernel, delta_states_kernel
 from polyattn.ops.delta.triton.wy import wy_factors_kernel, wy_kernel
 from polyattn.ops.kata.triton.chunk import kata_lift_grad_kernel, kata_read_kernel, kata_states_kernel
-from polyattn.ops.kata.triton.delta import deltakata_states_kernel, deltakata_walk_grad_kernel, deltakata_walk_kernel
+from polyattn.ops.kata.triton.algebra import ALGEBRA_ROWS, SOLVE_BLOCK, deltakata_algebra_grad_kernel, deltakata_algebra_kernel
+from polyattn.ops.kata.triton.delta import (
+    deltakata_chunk_grads_kernel, deltakata_states_kernel, deltakata_walk_grad_kernel, deltakata_walk_kernel,
+)
 from polyattn.ops.kata.triton.function import feature_blocks
 from polyattn.ops.linear.triton.chunk_outputs import chunk_outputs_kernel
 from polyattn.ops.linear.triton.chunk_states import segment_states_kernel
@@ -107,6 +112,8 @@ def main() -> None:
     if "kata" in families:
         kata_chunked()
         deltakata_chunked()
+    if "kata" in families or "algebra" in families:
+        deltakata_algebra()
 
 
 def outputs_constexprs(**changes) -> dict:
@@ -248,6 +255,20 @@ def deltakata_chunked() -> None:
                   f"{resources(deltakata_walk_grad_kernel, shared, config.kata_chunk_warps, 2, dict(a='*fp32'))}", flush=True)
             print(f"deltakata {op} state recompute BV{BV}: "
                   f"{resources(deltakata_states_kernel, shared, config.kata_chunk_warps, 2)}", flush=True)
+
+
+def deltakata_algebra() -> None:
+    """DeltaKATA-M1's chunk-local kernels (`KernelConfig.deltakata_algebra_kernels`) at K = V = 64 in the default chunk,
+    8 warps as launched, each with its compile time (Triton's and ptxas' both)."""
+    C = KernelConfig().deltakata_chunk_size
+    fp32 = dict(a="*fp32", b="*fp32", dk="*fp32", dq="*fp32", eps="fp32")
+    shared = dict(C=C, R=min(C, ALGEBRA_ROWS), BE=64, G=1, SUM=False)
+    for name, fn, constexprs in (("algebra", deltakata_algebra_kernel, dict(shared, BS=SOLVE_BLOCK)),
+                                 ("algebra backward", deltakata_algebra_grad_kernel, shared),
+                                 ("walk's [C, C] gradients", deltakata_chunk_grads_kernel, dict(C=C, BV=32))):
+        start = time.perf_counter()
+        report = resources(fn, constexprs, 8, 1, fp32)
+        print(f"deltakata M1 {name}: {report} ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

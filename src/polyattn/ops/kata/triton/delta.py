@@ -42,11 +42,11 @@ from polyattn.ops.kata.feature_maps import make_feature_map
 from polyattn.ops.triton.decay import reset_limit_ref
 from polyattn.ops.triton.plan import block, chunk_table, get_config, no_output, sequence_lengths
 from polyattn.ops.triton.precision import (
-    check_kernel_inputs, dot_f32, first_nonfinite_row, mma, mma_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
+    check_kernel_inputs, dot_f32, first_nonfinite_row, mma_fp32, mma_right_fp32, nan_rows_from, to_output, zero_rows_from,
 )
 
 from . import chunk_kernels_fit
-from .algebra import chunk_algebra
+from .algebra import chunk_algebra, fdot
 from .chunk import chunk_lengths, kata_lift_grad_kernel
 
 
@@ -277,7 +277,7 @@ def deltakata_walk_grad_kernel(
 def deltakata_chunk_grads_kernel(du, b, alpha, yk, do, u, dm, da, chunks, H, V, C: tl.constexpr, BV: tl.constexpr):
     """grid: (NC, H). The walk's gradients of chunk i_c's `[C, C]` coefficients from its rows (flat `[N_tok, H, V]`,
     read through the chunk table, zero past the chunk's end): `dm = dU (b + α ⊙ Yk)ᵀ`, `da = dO Uᵀ` (`[NC, H, C, C]`
-    fp32; dO in any dtype), fp32 products over value tiles of BV."""
+    fp32; dO in any dtype), products to about fp32 precision (`fdot`) over value tiles of BV."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t = tl.load(chunks + i_c * 4).to(tl.int64) + tl.arange(0, C)
     m_t = t < tl.load(chunks + i_c * 4 + 1)
@@ -290,8 +290,8 @@ def deltakata_chunk_grads_kernel(du, b, alpha, yk, do, u, dm, da, chunks, H, V, 
         rows = tok[:, None] * V + o_v[None, :]
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         b_rhs = tl.load(b + rows, mask=m_tv, other=0.0) + b_alpha[:, None] * tl.load(yk + rows, mask=m_tv, other=0.0)
-        acc_m += mma(tl.load(du + rows, mask=m_tv, other=0.0), tl.trans(b_rhs), True)
-        acc_a += mma(tl.load(do + rows, mask=m_tv, other=0.0).to(tl.float32), tl.trans(tl.load(u + rows, mask=m_tv, other=0.0)), True)
+        acc_m += fdot(tl.load(du + rows, mask=m_tv, other=0.0), tl.trans(b_rhs))
+        acc_a += fdot(tl.load(do + rows, mask=m_tv, other=0.0).to(tl.float32), tl.trans(tl.load(u + rows, mask=m_tv, other=0.0)))
     o_c = tl.arange(0, C)
     out = (i_c * H + i_h).to(tl.int64) * C * C + o_c[:, None] * C + o_c[None, :]
     tl.store(dm + out, acc_m)
