@@ -88,7 +88,8 @@ def test_every_launched_kernel_compiles_for_hopper(tmp_path):
 
     small = KernelConfig(kata_block_m=32, kata_block_n=16, kata_chunk_size=64, kata_read_block=32)
     split = replace(small, split_fill=1e9, min_segment_chunks=1, delta_fused_outputs=False, delta_split_fill=1e9,
-                    delta_split_backward=True, deltakata_chunk_size=16, deltakata_state_interval=2)  # the other paths
+                    delta_split_backward=True, deltakata_chunk_size=16, deltakata_state_interval=2,
+                    deltakata_algebra_kernels=True)  # the other paths
     with recording(execute=False) as launches:
         for config, dtypes in ((small, (torch.bfloat16, torch.float32)), (split, (torch.bfloat16,))):
             with use_config(config):

@@ -7,8 +7,8 @@ alone, the `[C, C]` UT inverse M and in-chunk scores A, and the rows α, ω, ρ 
 with γ the in-chunk cumsum of the log-decays, `D_ts = exp(γ_t − γ_s)` (s ≤ t, each a direct sum of the log-decays
 in between), n the lifted keys' norms `√max(κ(k, k), ε²)` and `κ̂ = κ(K, K) ⊘ (n nᵀ)`.
 
-`deltakata_algebra_kernel` runs one program per chunk and head: the two kernel matrices as fp32 products of the
-groups (IEEE precision: the algebra is as exact as PyTorch's fp32 products), L written into M's buffer, then
+`deltakata_algebra_kernel` runs one program per chunk and head: the two kernel matrices as products of the groups
+in row blocks (TF32x3, about fp32's precision), L written into M's buffer, then
 the unit lower-triangular inverse in place by blocks of BS = 16 rows: each diagonal block inverted by forward
 substitution in registers, and block (i, j) below it as
 
@@ -18,8 +18,11 @@ block row by block row, j ascending (block (i, j) of L is read for the last time
 between rows. A non-finite token p (in k, β or g) makes L's row p and the rows after it non-finite; the sums
 above enter M_ii's product with their non-finite entries as zeros, so that `0 · NaN` never reaches a row before
 p (which the walk reads bit for bit as without the token), while rows from p on, which the walk treats as
-non-finite anyway, come out finite but meaningless. `chunk_algebra_ref` is the PyTorch twin (a triangular
-solve); `chunk_algebra` the custom op, whose backward (`chunk_algebra_backward`) is written out in PyTorch.
+non-finite anyway, come out finite but meaningless. `deltakata_algebra_grad_kernel` is the backward, formed a row
+block at a time. `chunk_algebra_ref` and `chunk_algebra_backward_ref` are the PyTorch twins (a triangular solve, the
+backward written out); `chunk_algebra` and `chunk_algebra_backward` the custom ops, which run the twins unless
+`KernelConfig.deltakata_algebra_kernels` is on (off by default: the kernels are not yet faster, ops/kata/README.md,
+"The chunk-local algebra as kernels"). Products of the kernels are TF32x3 (`fdot`).
 """
 import torch
 import triton
@@ -66,7 +69,7 @@ def kernel_matrix(x, y, p, r0, K, E, scale, C: tl.constexpr, R: tl.constexpr, BE
 
 
 @triton.jit
-def self_kernel(x, p, K, E, C: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, SUM: tl.constexpr):
+def kernel_diagonal(x, p, K, E, C: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, SUM: tl.constexpr):
     """κ(x_t, x_t) of a chunk's rows, `[C]`, from the groups' row dots."""
     acc = tl.zeros([C], dtype=tl.float32)
     for i in tl.static_range(G):
@@ -124,7 +127,7 @@ def deltakata_algebra_kernel(
     t = tl.arange(0, C)
     b_g = tl.load(gc + p * C + t)  # [C]
     b_e = tl.exp(tl.cumsum(b_g, axis=0))  # [C]: e^γ
-    b_n = tl.sqrt(tl.maximum(self_kernel(kc, p, K, E, C, BE, G, SUM), eps * eps))  # [C]: n
+    b_n = tl.sqrt(tl.maximum(kernel_diagonal(kc, p, K, E, C, BE, G, SUM), eps * eps))  # [C]: n
     tl.store(alpha + p * C + t, -tl.load(bc + p * C + t) * b_e / b_n)
     tl.store(omega + p * C + t, tl.exp2(exact_suffix(b_g)) / b_n)  # D[C, s] = exp(Σ_{u > s} g_u)
     tl.store(rho + p * C + t, scale * scale * b_e)
@@ -189,7 +192,7 @@ def deltakata_algebra_grad_kernel(
     b_g = tl.load(gc + p * C + t)  # [C]
     b_beta = tl.load(bc + p * C + t)
     b_e = tl.exp(tl.cumsum(b_g, axis=0))  # e^γ
-    b_sq = self_kernel(kc, p, K, E, C, BE, G, SUM)  # κ(k_t, k_t)
+    b_sq = kernel_diagonal(kc, p, K, E, C, BE, G, SUM)  # κ(k_t, k_t)
     b_n = tl.sqrt(tl.maximum(b_sq, eps * eps))
     b_dal = tl.load(dalpha + p * C + t)
     b_dom = tl.load(domega + p * C + t)

@@ -3,8 +3,8 @@ lifted features): the kernel-trick UT recurrence walked by one program per (sequ
 lifted state streamed through memory row block by row block.
 
 The chunk form (ops/kata/README.md, "Chunk form (kernel-trick UT)") splits into chunk-local algebra that
-needs no state (`deltakata_coefficients`; its `[C, C]` part `chunk_algebra`, algebra.py's kernel with a backward
-written out in PyTorch) and a walk that does. With the coefficients of chunk c (C tokens, state S entering it)
+needs no state (`deltakata_coefficients`; its `[C, C]` part `chunk_algebra` in algebra.py: PyTorch with a written-out
+backward, or kernels with `KernelConfig.deltakata_algebra_kernels`) and a walk that does. With the coefficients of chunk c (C tokens, state S entering it)
 
     M = (I + diag(β) tril(κ̂(K, K) ⊙ D, −1))⁻¹       [C, C]   the UT inverse
     A = κ(scale Q, K) ⊙ D ⊘ n                         [C, C]   the in-chunk scores, causal
@@ -623,7 +623,7 @@ def deltakata_chunk_fused(
     q, k, v, beta, g=None, *, groups, combine, eps, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
 ):
     """Triton chunked form of DeltaKATA for the PSD maps (inputs validated, scale resolved), forward and backward:
-    the chunk-local coefficients (`chunk_algebra`: a kernel, its backward written out in PyTorch), the walk on the kernels. q, k
+    the chunk-local coefficients (`chunk_algebra`, algebra.py), the walk on the kernels. q, k
     `[B, T, H, K]`, v `[B, T, H, V]`, beta, g `[B, T, H]`; initial_state `S [N, H, P, V]`; cu_seqlens with B == 1. q, k,
     beta and g enter in fp32 copies (one rounding of each gradient), v as it is (b = β v formed in fp32), q and k the
     kernels' tensor cores in their own dtype. Returns `(o [B, T, H, V] in q's dtype, S [N, H, P, V] fp32 or None)`."""
