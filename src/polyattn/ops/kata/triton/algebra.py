@@ -81,6 +81,16 @@ def kernel_diagonal(x, p, K, E, C: tl.constexpr, BE: tl.constexpr, G: tl.constex
 
 
 @triton.jit
+def chunk_vectors(kc, gc, p, K, E, eps, C: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, SUM: tl.constexpr):
+    """The chunk's per-token vectors both kernels start from, `[C]` each: `(g, e^γ, κ(k_t, k_t), n, D[C, ·])`."""
+    t = tl.arange(0, C)
+    b_g = tl.load(gc + p * C + t)
+    b_sq = kernel_diagonal(kc, p, K, E, C, BE, G, SUM)
+    b_last = tl.exp2(exact_suffix(b_g))  # D[C, s] = exp(Σ_{u > s} g_u)
+    return b_g, tl.exp(tl.cumsum(b_g, axis=0)), b_sq, tl.sqrt(tl.maximum(b_sq, eps * eps)), b_last
+
+
+@triton.jit
 def scatter_rows(v, r, t):
     """A row block's `[R]` vector `v` (rows `r`) as a chunk's `[C]` vector (rows `t`), 0 elsewhere."""
     return tl.sum(tl.where(r[:, None] == t[None, :], v[:, None], 0.0), axis=0)
@@ -125,11 +135,9 @@ def deltakata_algebra_kernel(
     A formed in row blocks of R, then the inverse in place."""
     p = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, C)
-    b_g = tl.load(gc + p * C + t)  # [C]
-    b_e = tl.exp(tl.cumsum(b_g, axis=0))  # [C]: e^γ
-    b_n = tl.sqrt(tl.maximum(kernel_diagonal(kc, p, K, E, C, BE, G, SUM), eps * eps))  # [C]: n
+    b_g, b_e, _, b_n, b_last = chunk_vectors(kc, gc, p, K, E, eps, C, BE, G, SUM)  # [C]
     tl.store(alpha + p * C + t, -tl.load(bc + p * C + t) * b_e / b_n)
-    tl.store(omega + p * C + t, tl.exp2(exact_suffix(b_g)) / b_n)  # D[C, s] = exp(Σ_{u > s} g_u)
+    tl.store(omega + p * C + t, b_last / b_n)
     tl.store(rho + p * C + t, scale * scale * b_e)
     tl.store(lam + p, tl.exp(tl.sum(b_g, axis=0)))
     base = tl.zeros([C], dtype=tl.float32)
@@ -189,15 +197,10 @@ def deltakata_algebra_grad_kernel(
     summed over the blocks (the formulas: `chunk_algebra`'s docstring)."""
     p = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, C)
-    b_g = tl.load(gc + p * C + t)  # [C]
-    b_beta = tl.load(bc + p * C + t)
-    b_e = tl.exp(tl.cumsum(b_g, axis=0))  # e^γ
-    b_sq = kernel_diagonal(kc, p, K, E, C, BE, G, SUM)  # κ(k_t, k_t)
-    b_n = tl.sqrt(tl.maximum(b_sq, eps * eps))
+    _, b_e, b_sq, b_n, b_last = chunk_vectors(kc, gc, p, K, E, eps, C, BE, G, SUM)  # [C]
     b_dal = tl.load(dalpha + p * C + t)
     b_dom = tl.load(domega + p * C + t)
-    b_alpha = -b_beta * b_e / b_n
-    b_last = tl.exp2(exact_suffix(b_g))  # D[C, s]
+    b_alpha = -tl.load(bc + p * C + t) * b_e / b_n
     d_beta = -b_dal * b_e / b_n
     d_gam = b_dal * b_alpha + tl.load(drho + p * C + t) * (scale * scale) * b_e + tl.where(t == C - 1, tl.load(dlam + p) * b_e, 0.0)
     d_n = -(b_dal * b_alpha + b_dom * b_last / b_n) / b_n
